@@ -1,0 +1,225 @@
+"""The ``transitions`` machine built once from :data:`kvlife._lifecycle.TABLE`.
+
+It does three jobs and is never used per request on the hot path:
+
+* **validation** -- every state reachable from ``IDLE``, no dead end but
+  ``RELEASED``, every guard known, one row at most per (state, event, guard
+  outcome) (:func:`validate`);
+* **diagrams** -- ``GraphMachine`` renders the same table as mermaid or dot
+  (:func:`diagram_source`);
+* **reference engine** -- :class:`ReferenceLifecycle` runs the events through
+  ``transitions`` with its own, deliberately naive bookkeeping, so a
+  differential test can hold the fast :class:`~kvlife.Lifecycle` to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from transitions import Machine, MachineError
+
+from kvlife._lifecycle import (
+    AUTOMATIC,
+    GUARDS,
+    INFLIGHT_CLASSES,
+    TABLE,
+    Event,
+    FinishReason,
+    State,
+    Transition,
+    compile_table,
+)
+from kvlife.errors import (
+    DuplicateAck,
+    ForeignAck,
+    HashingError,
+    InvalidChunk,
+    InvalidEvent,
+    InvalidTransition,
+    LifecycleError,
+    UnknownChunk,
+)
+from kvlife.hashing import sglang_page_hashes
+
+__all__ = ["ReferenceLifecycle", "build_machine", "diagram_source", "validate"]
+
+
+def _machine_transitions(table: Sequence[Transition]) -> list[dict[str, Any]]:
+    return [
+        {
+            "trigger": row.event.value,
+            "source": row.source,
+            "dest": row.dest,
+            "conditions": [row.guard] if row.guard else [],
+        }
+        for row in table
+    ]
+
+
+def build_machine(table: Sequence[Transition] = TABLE, *, graph: bool = False) -> Machine:
+    """A model-less ``transitions`` machine of ``table`` (``GraphMachine`` when ``graph``)."""
+    kwargs: dict[str, Any] = dict(
+        model=None,
+        states=list(State),
+        transitions=_machine_transitions(table),
+        initial=State.IDLE,
+        auto_transitions=False,
+        ignore_invalid_triggers=False,
+    )
+    if graph:
+        from transitions.extensions import GraphMachine
+
+        return GraphMachine(graph_engine="mermaid", show_conditions=True, **kwargs)
+    return Machine(**kwargs)
+
+
+def validate(table: Sequence[Transition] = TABLE) -> None:
+    """Refuse a table with an unreachable state, a dead end, or two rows for one case."""
+    compiled = compile_table(table)  # determinism and known guards
+    reachable = {State.IDLE}
+    frontier = [State.IDLE]
+    while frontier:
+        state = frontier.pop()
+        for row in table:
+            if row.source is state and row.dest not in reachable:
+                reachable.add(row.dest)
+                frontier.append(row.dest)
+    if missing := set(State) - reachable:
+        raise ValueError(f"states unreachable from IDLE: {sorted(s.name for s in missing)}")
+    for state in State:
+        if state is not State.RELEASED and not any(k[0] is state for k in compiled):
+            raise ValueError(f"{state.name} is a dead end: no row leaves it")
+    if any(row.source is State.RELEASED for row in table):
+        raise ValueError("RELEASED must be terminal")
+    # The transitions machine must accept the same table (it checks states and triggers).
+    build_machine(table)
+
+
+_MACHINE = build_machine()
+
+
+class ReferenceLifecycle:
+    """The slow, obviously-right twin of :class:`~kvlife.Lifecycle`, driven by ``transitions``.
+
+    Same events, same refusals, same observable fields; bookkeeping kept in
+    plain lists so it shares no code with the fast path.
+    """
+
+    state: State
+
+    def __init__(self, rid: object, *, page_size: int, prior_hash: str | None = None) -> None:
+        self.rid = rid
+        self.page_size = page_size
+        self.prior_hash = prior_hash
+        self.submitted: list[tuple[str, ...]] = []  # keys per chunk, by seq
+        self.acked: list[bool] = []  # acked flag per chunk, by seq
+        self.finish_reason: FinishReason | None = None
+        self.releases = 0
+        _MACHINE.add_model(self)
+
+    def close(self) -> None:
+        """Detach from the shared machine."""
+        _MACHINE.remove_model(self)
+
+    # guards, read by transitions as model attributes
+    def _inflight_class(self) -> int:
+        return min(self.inflight, INFLIGHT_CLASSES[-1])
+
+    @property
+    def more_in_flight(self) -> bool:
+        return GUARDS["more_in_flight"](self._inflight_class())
+
+    @property
+    def last_in_flight(self) -> bool:
+        return GUARDS["last_in_flight"](self._inflight_class())
+
+    @property
+    def drained(self) -> bool:
+        return GUARDS["drained"](self._inflight_class())
+
+    @property
+    def inflight(self) -> int:
+        return self.acked.count(False)
+
+    @property
+    def tokens_submitted(self) -> int:
+        return sum(len(k) for k in self.submitted) * self.page_size
+
+    @property
+    def last_hash(self) -> str | None:
+        last = self.prior_hash
+        for keys, acked in zip(self.submitted, self.acked):
+            if not acked:
+                break
+            last = keys[-1]
+        return last
+
+    @property
+    def chain_tail(self) -> str | None:
+        return self.submitted[-1][-1] if self.submitted else self.prior_hash
+
+    def _fire(self, event: Event) -> None:
+        try:
+            moved = self.trigger(event.value)  # type: ignore[attr-defined]
+        except MachineError:
+            moved = False
+        if not moved:
+            raise self._error(InvalidTransition, event, "no transition")
+        for auto in AUTOMATIC:
+            if auto.value in _MACHINE.get_triggers(self.state):
+                try:
+                    if self.trigger(auto.value):  # type: ignore[attr-defined]
+                        self.releases += 1
+                except MachineError:
+                    pass
+
+    def _error(self, kind: type[LifecycleError], event: Event, why: str) -> LifecycleError:
+        return kind(why, event=event.value, state=self.state, rid=self.rid, ident=id(self))
+
+    def submit(self, tokens: Sequence[int]) -> int:
+        if not tokens or len(tokens) % self.page_size:
+            raise self._error(InvalidChunk, Event.SUBMIT, "not whole pages")
+        try:
+            keys = tuple(sglang_page_hashes(tokens, self.page_size, self.chain_tail))
+        except HashingError:
+            raise self._error(InvalidChunk, Event.SUBMIT, "bad tokens") from None
+        if Event.SUBMIT.value not in _MACHINE.get_triggers(self.state):
+            raise self._error(InvalidTransition, Event.SUBMIT, "no transition")
+        self._fire(Event.SUBMIT)
+        self.submitted.append(keys)
+        self.acked.append(False)
+        return len(self.submitted) - 1
+
+    def ack(self, owner: ReferenceLifecycle, seq: int) -> None:
+        if owner is not self:
+            raise self._error(ForeignAck, Event.ACK, "foreign")
+        if not 0 <= seq < len(self.submitted):
+            raise self._error(UnknownChunk, Event.ACK, "unknown")
+        if self.acked[seq]:
+            raise self._error(DuplicateAck, Event.ACK, "duplicate")
+        self._fire(Event.ACK)  # guards see the count before this ack
+        self.acked[seq] = True
+
+    def finish(self, reason: object = FinishReason.FINISHED) -> None:
+        if not isinstance(reason, FinishReason):
+            raise self._error(InvalidEvent, Event.FINISH, "bad reason")
+        before = self.finish_reason
+        self.finish_reason = reason
+        try:
+            self._fire(Event.FINISH)
+        except LifecycleError:
+            self.finish_reason = before
+            raise
+
+
+def diagram_source(table: Sequence[Transition] = TABLE) -> str:
+    """Mermaid state diagram of ``table``, rendered by ``transitions``' GraphMachine."""
+
+    class _Model:
+        pass
+
+    machine = build_machine(table, graph=True)
+    model = _Model()
+    machine.add_model(model)
+    return str(model.get_graph().source)  # type: ignore[attr-defined]

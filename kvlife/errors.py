@@ -1,0 +1,82 @@
+"""Typed refusals. Every error kvlife raises is a :class:`KVLifeError`.
+
+A refused event changes nothing: the object that raised is exactly as it was
+before the call. Lifecycle errors carry the Lifecycle's rid, identity and state
+so a log line is enough to find the request and the event.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KVLifeError(Exception):
+    """Base of every error kvlife raises."""
+
+
+class LifecycleError(KVLifeError):
+    """An event refused by one Lifecycle; the Lifecycle is unchanged."""
+
+    def __init__(self, message: str, *, event: str, state: Any, rid: object, ident: int) -> None:
+        super().__init__(message)
+        self.event = event
+        self.state = state
+        self.rid = rid
+        self.ident = ident
+
+
+class InvalidTransition(LifecycleError):
+    """The transition table has no row for this event in this state."""
+
+
+class AckError(LifecycleError):
+    """An ack that cannot be applied to this Lifecycle."""
+
+
+class DuplicateAck(AckError):
+    """The chunk was already acked: each chunk is acked exactly once."""
+
+
+class UnknownChunk(AckError):
+    """The ticket names a chunk this Lifecycle never submitted."""
+
+
+class ForeignAck(AckError):
+    """The ticket belongs to another Lifecycle (perhaps one with the same rid)."""
+
+
+class InvalidEvent(LifecycleError, ValueError):
+    """An event whose arguments are malformed; refused before anything changes."""
+
+
+class InvalidChunk(InvalidEvent):
+    """A submitted chunk is malformed (empty, not whole pages, bad token ids)."""
+
+
+class ReleaseCallbackError(KVLifeError):
+    """The runtime's release callback raised. The Lifecycle *is* released
+    (exactly once); the original exception is the ``__cause__``."""
+
+    def __init__(self, message: str, *, rid: object, ident: int) -> None:
+        super().__init__(message)
+        self.rid = rid
+        self.ident = ident
+
+
+class HashingError(KVLifeError, ValueError):
+    """Tokens that cannot be hashed as pages (not whole pages, bad ids)."""
+
+
+__all__ = [
+    "AckError",
+    "DuplicateAck",
+    "ForeignAck",
+    "HashingError",
+    "InvalidChunk",
+    "InvalidEvent",
+    "InvalidTransition",
+    "KVLifeError",
+    "LifecycleError",
+    "ReleaseCallbackError",
+    "UnknownChunk",
+]

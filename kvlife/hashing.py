@@ -1,0 +1,90 @@
+"""The page hash chain: one storage key per whole page, each chained to the one before.
+
+The default scheme is the SGLang HiCache storage key scheme, so a decode side
+using kvlife finds the keys a prefill side wrote:
+
+    key(page) = sha256( bytes.fromhex(prior) if prior else b""
+                        ++ each token id as 4 bytes little-endian unsigned ).hexdigest()
+
+Pages are hashed one at a time and chained: each page's key is the next page's
+prior. The token ids of a page are packed into bytes with one ``struct`` call
+and hashed with one ``update`` (not one call per token).
+
+A *namespace* seeds the chain: with no prior, the first page's prior becomes
+``sha256(namespace.encode()).hexdigest()``, so two models (or tenants) sharing a
+store never share keys. Without a namespace, keys are exactly SGLang's.
+
+The scheme is pluggable: anything with the :class:`PageHasher` signature works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvlife.errors import HashingError
+
+__all__ = ["PageHasher", "namespace_prior", "page_hashes", "sglang_page_hashes"]
+
+
+class PageHasher(Protocol):
+    """A hash-chain scheme: keys for whole pages of ``tokens``, chained from ``prior``."""
+
+    def __call__(self, tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]: ...
+
+
+def _check_pages(tokens: Sequence[int], page_size: int) -> None:
+    if page_size <= 0:
+        raise HashingError(f"page_size must be positive, got {page_size}")
+    if len(tokens) % page_size:
+        raise HashingError(
+            f"{len(tokens)} tokens are not whole pages of {page_size}: "
+            "partial pages have no storage key"
+        )
+
+
+def sglang_page_hashes(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+    """SGLang HiCache keys for the whole pages of ``tokens``, chained from ``prior``."""
+    _check_pages(tokens, page_size)
+    try:
+        prior_bytes = bytes.fromhex(prior) if prior else b""
+    except ValueError:
+        raise HashingError(f"prior {prior!r} is not a hex digest") from None
+    pack = struct.Struct(f"<{page_size}I").pack
+    keys: list[str] = []
+    for start in range(0, len(tokens), page_size):
+        h = hashlib.sha256(prior_bytes)
+        try:
+            h.update(pack(*tokens[start : start + page_size]))
+        except struct.error:
+            raise HashingError(
+                f"token ids of page {start // page_size} must be ints in [0, 2**32)"
+            ) from None
+        digest = h.digest()
+        keys.append(digest.hex())
+        prior_bytes = digest
+    return keys
+
+
+def namespace_prior(namespace: str) -> str:
+    """The prior that seeds a chain in ``namespace`` (used when there is no prior)."""
+    return hashlib.sha256(namespace.encode()).hexdigest()
+
+
+def page_hashes(
+    tokens: Sequence[int],
+    page_size: int,
+    prior: str | None = None,
+    *,
+    namespace: str | None = None,
+    scheme: PageHasher = sglang_page_hashes,
+) -> list[str]:
+    """One key per whole page of ``tokens``, chained from ``prior`` (or the namespace seed).
+
+    Partial pages are refused with :class:`~kvlife.errors.HashingError`.
+    """
+    if prior is None and namespace is not None:
+        prior = namespace_prior(namespace)
+    return scheme(tokens, page_size, prior)
