@@ -63,6 +63,18 @@ class ReleaseCallbackError(KVLifeError):
         self.ident = ident
 
 
+class ManagerError(KVLifeError):
+    """A call the offload manager refused; nothing changed."""
+
+
+class ForeignLifecycle(ManagerError, ValueError):
+    """The Lifecycle was not started by this manager."""
+
+
+class InvalidStep(ManagerError, ValueError):
+    """A step's tokens or device pages do not fit the request (too few pages, tokens went back)."""
+
+
 class HashingError(KVLifeError, ValueError):
     """Tokens that cannot be hashed as pages (not whole pages, bad ids)."""
 
@@ -71,12 +83,15 @@ __all__ = [
     "AckError",
     "DuplicateAck",
     "ForeignAck",
+    "ForeignLifecycle",
     "HashingError",
     "InvalidChunk",
     "InvalidEvent",
+    "InvalidStep",
     "InvalidTransition",
     "KVLifeError",
     "LifecycleError",
+    "ManagerError",
     "ReleaseCallbackError",
     "UnknownChunk",
 ]
