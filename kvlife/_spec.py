@@ -99,32 +99,20 @@ def validate(table: Sequence[Transition] = TABLE) -> None:
 _MACHINE = build_machine()
 
 
-class ReferenceLifecycle:
-    """The slow, obviously-right twin of :class:`~kvlife.Lifecycle`, driven by ``transitions``.
+class _MachineModel:
+    """What the shared machine sees of one :class:`ReferenceLifecycle`: its state and guards.
 
-    Same events, same refusals, same observable fields; bookkeeping kept in
-    plain lists so it shares no code with the fast path.
+    A separate object, so the machine binds its triggers (``submit``, ``ack``,
+    ``finish``, ``release``) here and not over the reference's own methods.
     """
 
     state: State
 
-    def __init__(self, rid: object, *, page_size: int, prior_hash: str | None = None) -> None:
-        self.rid = rid
-        self.page_size = page_size
-        self.prior_hash = prior_hash
-        self.submitted: list[tuple[str, ...]] = []  # keys per chunk, by seq
-        self.acked: list[bool] = []  # acked flag per chunk, by seq
-        self.finish_reason: FinishReason | None = None
-        self.releases = 0
-        _MACHINE.add_model(self)
+    def __init__(self, owner: ReferenceLifecycle) -> None:
+        self.owner = owner
 
-    def close(self) -> None:
-        """Detach from the shared machine."""
-        _MACHINE.remove_model(self)
-
-    # guards, read by transitions as model attributes
     def _inflight_class(self) -> int:
-        return min(self.inflight, INFLIGHT_CLASSES[-1])
+        return min(self.owner.inflight, INFLIGHT_CLASSES[-1])
 
     @property
     def more_in_flight(self) -> bool:
@@ -138,6 +126,39 @@ class ReferenceLifecycle:
     def drained(self) -> bool:
         return GUARDS["drained"](self._inflight_class())
 
+
+class ReferenceLifecycle:
+    """The slow, obviously-right twin of :class:`~kvlife.Lifecycle`, driven by ``transitions``.
+
+    Same events, same refusals, same observable fields; bookkeeping kept in
+    plain lists so it shares no code with the fast path. Every instance is a
+    model of the one shared machine; :meth:`close` detaches it.
+    """
+
+    def __init__(self, rid: object, *, page_size: int, prior_hash: str | None = None) -> None:
+        self.rid = rid
+        self.page_size = page_size
+        self.prior_hash = prior_hash
+        self.submitted: list[tuple[str, ...]] = []  # keys per chunk, by seq
+        self.acked: list[bool] = []  # acked flag per chunk, by seq
+        self.finish_reason: FinishReason | None = None
+        self.releases = 0
+        self._model = _MachineModel(self)
+        _MACHINE.add_model(self._model)
+
+    def close(self) -> None:
+        """Detach from the shared machine."""
+        _MACHINE.remove_model(self._model)
+
+    @property
+    def machine(self) -> Machine:
+        """The one shared ``transitions`` machine every reference runs on."""
+        return _MACHINE
+
+    @property
+    def state(self) -> State:
+        return self._model.state
+
     @property
     def inflight(self) -> int:
         return self.acked.count(False)
@@ -149,7 +170,7 @@ class ReferenceLifecycle:
     @property
     def last_hash(self) -> str | None:
         last = self.prior_hash
-        for keys, acked in zip(self.submitted, self.acked):
+        for keys, acked in zip(self.submitted, self.acked, strict=True):
             if not acked:
                 break
             last = keys[-1]
@@ -159,39 +180,45 @@ class ReferenceLifecycle:
     def chain_tail(self) -> str | None:
         return self.submitted[-1][-1] if self.submitted else self.prior_hash
 
+    def _allowed(self, event: Event) -> bool:
+        return event.value in _MACHINE.get_triggers(self.state)
+
     def _fire(self, event: Event) -> None:
+        """Trigger ``event`` on the machine; its guards see the bookkeeping as it is now."""
         try:
-            moved = self.trigger(event.value)  # type: ignore[attr-defined]
+            moved = self._model.trigger(event.value)  # type: ignore[attr-defined]
         except MachineError:
             moved = False
         if not moved:
             raise self._error(InvalidTransition, event, "no transition")
+
+    def _fire_automatic(self) -> None:
+        """Fire every automatic event whose guard holds, after the bookkeeping changed."""
         for auto in AUTOMATIC:
-            if auto.value in _MACHINE.get_triggers(self.state):
-                try:
-                    if self.trigger(auto.value):  # type: ignore[attr-defined]
-                        self.releases += 1
-                except MachineError:
-                    pass
+            if self._allowed(auto) and self._model.trigger(auto.value):  # type: ignore[attr-defined]
+                self.releases += 1
 
     def _error(self, kind: type[LifecycleError], event: Event, why: str) -> LifecycleError:
         return kind(why, event=event.value, state=self.state, rid=self.rid, ident=id(self))
 
     def submit(self, tokens: Sequence[int]) -> int:
+        """Record a chunk; return its seq."""
         if not tokens or len(tokens) % self.page_size:
             raise self._error(InvalidChunk, Event.SUBMIT, "not whole pages")
+        if not self._allowed(Event.SUBMIT):
+            raise self._error(InvalidTransition, Event.SUBMIT, "no transition")
         try:
             keys = tuple(sglang_page_hashes(tokens, self.page_size, self.chain_tail))
         except HashingError:
             raise self._error(InvalidChunk, Event.SUBMIT, "bad tokens") from None
-        if Event.SUBMIT.value not in _MACHINE.get_triggers(self.state):
-            raise self._error(InvalidTransition, Event.SUBMIT, "no transition")
         self._fire(Event.SUBMIT)
         self.submitted.append(keys)
         self.acked.append(False)
+        self._fire_automatic()
         return len(self.submitted) - 1
 
     def ack(self, owner: ReferenceLifecycle, seq: int) -> None:
+        """Settle chunk ``seq`` of ``owner`` (refused unless ``owner`` is this one)."""
         if owner is not self:
             raise self._error(ForeignAck, Event.ACK, "foreign")
         if not 0 <= seq < len(self.submitted):
@@ -200,17 +227,15 @@ class ReferenceLifecycle:
             raise self._error(DuplicateAck, Event.ACK, "duplicate")
         self._fire(Event.ACK)  # guards see the count before this ack
         self.acked[seq] = True
+        self._fire_automatic()  # release sees the count after it
 
     def finish(self, reason: object = FinishReason.FINISHED) -> None:
+        """End decoding with ``reason``."""
         if not isinstance(reason, FinishReason):
             raise self._error(InvalidEvent, Event.FINISH, "bad reason")
-        before = self.finish_reason
+        self._fire(Event.FINISH)
         self.finish_reason = reason
-        try:
-            self._fire(Event.FINISH)
-        except LifecycleError:
-            self.finish_reason = before
-            raise
+        self._fire_automatic()
 
 
 def diagram_source(table: Sequence[Transition] = TABLE) -> str:
