@@ -1,0 +1,40 @@
+"""The storage tier: host pages under content-hash keys, written asynchronously.
+
+:class:`Store` is the protocol the manager uses; :class:`LocalDirectoryStore`
+is the embedded default and :class:`MemoryStore` the in-process one. See
+``docs/store.md`` for atomicity, failure semantics and file naming.
+"""
+
+from kvlife.store.base import (
+    DrainTimeout,
+    InjectedStoreFailure,
+    InvalidKey,
+    InvalidNamespace,
+    InvalidPut,
+    PageMismatch,
+    Store,
+    StoreClosed,
+    StoreConfigError,
+    StoreError,
+    StoreResult,
+    StoreStats,
+)
+from kvlife.store.directory import LocalDirectoryStore
+from kvlife.store.memory import MemoryStore
+
+__all__ = [
+    "DrainTimeout",
+    "InjectedStoreFailure",
+    "InvalidKey",
+    "InvalidNamespace",
+    "InvalidPut",
+    "LocalDirectoryStore",
+    "MemoryStore",
+    "PageMismatch",
+    "Store",
+    "StoreClosed",
+    "StoreConfigError",
+    "StoreError",
+    "StoreResult",
+    "StoreStats",
+]

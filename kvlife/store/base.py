@@ -1,0 +1,450 @@
+"""The storage tier's protocol, its typed errors, and the one-writer-thread base both stores share.
+
+Theory of operation
+===================
+
+The manager hands a store the host pages of one acked chunk with their hash
+keys: ``put(token, keys, pages)``. The put is *asynchronous*: it validates,
+queues and returns; one writer thread per store does the work, and the outcome
+comes back later as a :class:`StoreResult` carrying the caller's ``token``
+(the manager passes its chunk Ticket). The caller polls results on its own
+thread (``poll()``) or waits for all of them (``drain()``), exactly like copy
+acks, so no callback ever runs on the writer thread.
+
+Rules every store keeps:
+
+1. Validation happens in ``put`` before anything changes: a refused put raises
+   a :class:`StoreError` subclass, queues nothing, consumes no injected fault
+   and changes no counter.
+2. The writer reads the host pages lazily, but it has finished reading them
+   before the put's result becomes visible to ``poll``/``drain``: the caller
+   may free or reuse the pages as soon as it holds the result, not before.
+3. A put is all-or-nothing: a put that reports an error leaves none of its
+   pages visible that were not visible before it (a page that already held the
+   same bytes stays). A put that reports success has every page visible.
+4. Keys are content hashes, so a page is written once. Re-putting a key with
+   the same bytes is a success that writes nothing (counted as deduplicated).
+   Re-putting it with *different* bytes is a corruption signal: the put fails
+   with :class:`PageMismatch`, the stored page is kept, and it is counted.
+5. Results arrive in completion order, which is put order (one writer thread).
+
+Fault injection (for tests and the simulator): ``fail_rate`` and ``seed`` at
+construction and ``fail_next(n)``. Whether a put fails, and at which internal
+step, is drawn in ``put`` on the caller's thread from a seeded generator, so a
+run is reproducible whatever the thread timing. An injected failure goes
+through the same rollback as a real I/O error.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import queue
+import random
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvlife.errors import KVLifeError
+
+__all__ = [
+    "DrainTimeout",
+    "InjectedStoreFailure",
+    "InvalidKey",
+    "InvalidNamespace",
+    "InvalidPut",
+    "PageMismatch",
+    "QueuedStore",
+    "Store",
+    "StoreClosed",
+    "StoreConfigError",
+    "StoreError",
+    "StoreResult",
+    "StoreStats",
+    "Written",
+    "check_key",
+]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class StoreError(KVLifeError):
+    """Base of every error the storage tier raises or reports."""
+
+
+class InvalidPut(StoreError, ValueError):
+    """A malformed put (lengths, shape, device, keys); refused before anything changes."""
+
+
+class InvalidKey(InvalidPut):
+    """A key that is not 2 to 128 lowercase hex digits (it would be unsafe as a file name)."""
+
+
+class InvalidNamespace(StoreError, ValueError):
+    """A namespace that could escape the store's root or collide with its layout."""
+
+
+class StoreConfigError(StoreError, ValueError):
+    """A bad store setting (fail rate outside [0, 1], negative fail count)."""
+
+
+class StoreClosed(StoreError):
+    """A put on a closed store."""
+
+
+class DrainTimeout(StoreError, TimeoutError):
+    """``drain(timeout)`` ran out of time; no result was consumed, poll again later."""
+
+
+class InjectedStoreFailure(StoreError):
+    """The error a put reports when fault injection made it fail."""
+
+
+class PageMismatch(StoreError):
+    """A key already stored with different bytes: a content-hash corruption signal.
+
+    The stored page is kept; the put that carried the other bytes fails whole.
+    """
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """The outcome of one put: the caller's token, the put's keys, and the error if it failed."""
+
+    #: Opaque object given at put (the manager passes its chunk Ticket).
+    token: object
+    #: The put's keys, in page order.
+    keys: tuple[str, ...]
+    #: Why the put failed; ``None`` when every page is stored.
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when every page of the put is stored."""
+        return self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters of one store since it was opened, for metrics."""
+
+    puts_ok: int = 0
+    puts_failed: int = 0
+    pages_written: int = 0
+    pages_deduplicated: int = 0
+    page_mismatches: int = 0
+    bytes_written: int = 0
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The storage tier: pages under content-hash keys, written asynchronously."""
+
+    def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
+        """Queue ``pages[i]`` under ``keys[i]``; the outcome arrives later as a StoreResult."""
+        ...
+
+    def poll(self) -> list[StoreResult]:
+        """Results completed since the last poll or drain, in completion order; never blocks."""
+        ...
+
+    def drain(self, timeout: float | None = None) -> list[StoreResult]:
+        """Wait until every put completed and return the results not yet reported."""
+        ...
+
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes of a page, or None when the key is not stored."""
+        ...
+
+    def contains(self, key: str) -> bool:
+        """Whether a complete page is stored under ``key``."""
+        ...
+
+    def keys(self) -> Iterator[str]:
+        """Every stored key (for verification; order unspecified)."""
+        ...
+
+    def close(self) -> None:
+        """Finish queued puts and stop the writer; results stay available to poll."""
+        ...
+
+    @property
+    def pending(self) -> int:
+        """Puts accepted whose result was not yet returned by poll or drain."""
+        ...
+
+
+# ----------------------------------------------------------------------------- validation
+
+_KEY = re.compile(r"[0-9a-f]{2,128}")
+
+
+def check_key(key: object) -> str:
+    """Return ``key`` if it is 2 to 128 lowercase hex digits, else raise InvalidKey."""
+    if not isinstance(key, str) or _KEY.fullmatch(key) is None:
+        raise InvalidKey(
+            f"store key {key!r} must be 2 to 128 lowercase hex digits "
+            "(a content hash; never a path)"
+        )
+    return key
+
+
+def _check_put(keys: Sequence[str], pages: torch.Tensor) -> tuple[str, ...]:
+    if isinstance(keys, str):
+        raise InvalidPut("keys must be a sequence of keys, not one string")
+    checked = tuple(check_key(k) for k in keys)
+    if not isinstance(pages, torch.Tensor):
+        raise InvalidPut(f"pages must be a torch.Tensor, got {type(pages).__name__}")
+    if pages.dim() != 2:
+        raise InvalidPut(f"pages must be 2-D [n_pages, page_numel], got shape {tuple(pages.shape)}")
+    if pages.device.type != "cpu" or pages.layout != torch.strided:
+        raise InvalidPut(f"pages must be a dense host tensor, got {pages.device} {pages.layout}")
+    if not checked:
+        raise InvalidPut("a put needs at least one page")
+    if pages.shape[0] != len(checked):
+        raise InvalidPut(f"{len(checked)} keys for {pages.shape[0]} pages: one key per page")
+    if pages.shape[1] == 0:
+        raise InvalidPut("pages must not be empty (page_numel is 0)")
+    if len(set(checked)) != len(checked):
+        raise InvalidPut("a key appears twice in one put (a hash chain never repeats a key)")
+    return checked
+
+
+class PageBytes:
+    """Zero-copy byte views of the rows of a host page tensor, read on the writer thread."""
+
+    __slots__ = ("_block", "_row", "_view")
+
+    def __init__(self, pages: torch.Tensor) -> None:
+        block = pages.detach().contiguous()
+        self._block = block  # keeps the memory alive while views exist
+        self._row = block.shape[1] * block.element_size()
+        array = (ctypes.c_ubyte * (self._row * block.shape[0])).from_address(block.data_ptr())
+        self._view = memoryview(array).cast("B")
+
+    def __len__(self) -> int:
+        return len(self._view) // self._row
+
+    def page(self, i: int) -> memoryview:
+        """The raw bytes of page ``i`` (valid while the caller's host pages are)."""
+        return self._view[i * self._row : (i + 1) * self._row]
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes per page."""
+        return self._row
+
+
+# ----------------------------------------------------------------------------- the shared writer
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    token: object
+    keys: tuple[str, ...]
+    pages: torch.Tensor
+    fault_at: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What one successful put did, reported by a store's ``_store_pages``."""
+
+    pages_written: int
+    pages_deduplicated: int
+    bytes_written: int
+
+
+class QueuedStore(abc.ABC):
+    """A store with one writer thread: validation, queue, results, fault injection, counters.
+
+    Subclasses say how one put's pages are stored all-or-nothing
+    (``_store_pages``) and how pages are read back.
+    """
+
+    def __init__(self, *, fail_rate: float = 0.0, seed: int = 0, name: str = "store") -> None:
+        if not isinstance(fail_rate, (int, float)) or not 0.0 <= fail_rate <= 1.0:
+            raise StoreConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
+        self._fail_rate = float(fail_rate)
+        self._rng = random.Random(seed)
+        self._fail_next = 0
+        self._lock = threading.Lock()
+        self._done_cv = threading.Condition(self._lock)
+        self._done: deque[StoreResult] = deque()
+        self._unfinished = 0  # accepted puts the writer has not completed
+        self._pending = 0  # accepted puts not yet returned by poll/drain
+        self._stats = StoreStats()
+        self._closed = False
+        self._queue: queue.SimpleQueue[_Put | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._run, name=f"kvlife-{name}-writer", daemon=True)
+        self._writer.start()
+
+    # -- what a subclass provides
+
+    @abc.abstractmethod
+    def _fault_steps(self, n_pages: int) -> int:
+        """How many internal steps one put of ``n_pages`` has (where a fault can strike)."""
+
+    @abc.abstractmethod
+    def _store_pages(
+        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+    ) -> Written:
+        """Store every page or none; raise (after rolling back) on failure.
+
+        ``fault_at`` is the step at which to raise InjectedStoreFailure, or None.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes of a page, or None when the key is not stored."""
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether a complete page is stored under ``key``."""
+
+    @abc.abstractmethod
+    def keys(self) -> Iterator[str]:
+        """Every stored key (for verification; order unspecified)."""
+
+    # -- the protocol
+
+    def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
+        """Queue ``pages[i]`` under ``keys[i]``; keep the pages until this token's result."""
+        checked = _check_put(keys, pages)
+        with self._lock:
+            if self._closed:
+                raise StoreClosed("put on a closed store")
+            fault_at: int | None = None
+            fail = self._fail_next > 0
+            if fail:
+                self._fail_next -= 1
+            elif self._fail_rate > 0.0:
+                fail = self._rng.random() < self._fail_rate
+            if fail:
+                fault_at = self._rng.randrange(self._fault_steps(len(checked)))
+            self._unfinished += 1
+            self._pending += 1
+            self._queue.put(_Put(token, checked, pages, fault_at))
+
+    def poll(self) -> list[StoreResult]:
+        """Results completed since the last poll or drain, in completion order; never blocks."""
+        with self._lock:
+            return self._take()
+
+    def drain(self, timeout: float | None = None) -> list[StoreResult]:
+        """Wait until every accepted put completed; return the results not yet reported.
+
+        Raises DrainTimeout (consuming nothing) if ``timeout`` seconds pass first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._unfinished:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DrainTimeout(
+                        f"{self._unfinished} puts still being written after {timeout} s"
+                    )
+                self._done_cv.wait(left)
+            return self._take()
+
+    def fail_next(self, n: int = 1) -> None:
+        """Make the next ``n`` accepted puts fail (fault injection)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise StoreConfigError(f"fail_next needs a count >= 0, got {n!r}")
+        with self._lock:
+            self._fail_next += n
+
+    def close(self) -> None:
+        """Finish queued puts and stop the writer; results stay available to poll. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
+        self._writer.join()
+
+    @property
+    def pending(self) -> int:
+        """Puts accepted whose result was not yet returned by poll or drain."""
+        with self._lock:
+            return self._pending
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called."""
+        return self._closed
+
+    def stats(self) -> StoreStats:
+        """A snapshot of this store's counters."""
+        with self._lock:
+            return self._stats
+
+    def __enter__(self) -> QueuedStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- internals
+
+    def _take(self) -> list[StoreResult]:
+        taken = list(self._done)
+        self._done.clear()
+        self._pending -= len(taken)
+        return taken
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            written: Written | None = None
+            error: BaseException | None = None
+            try:
+                written = self._store_pages(job.keys, PageBytes(job.pages), job.fault_at)
+            except BaseException as exc:  # reported on the result, never lost
+                error = exc
+            result = StoreResult(job.token, job.keys, error)
+            with self._lock:
+                s = self._stats
+                if written is not None:
+                    self._stats = StoreStats(
+                        s.puts_ok + 1,
+                        s.puts_failed,
+                        s.pages_written + written.pages_written,
+                        s.pages_deduplicated + written.pages_deduplicated,
+                        s.page_mismatches,
+                        s.bytes_written + written.bytes_written,
+                    )
+                else:
+                    self._stats = StoreStats(
+                        s.puts_ok,
+                        s.puts_failed + 1,
+                        s.pages_written,
+                        s.pages_deduplicated,
+                        s.page_mismatches + isinstance(error, PageMismatch),
+                        s.bytes_written,
+                    )
+                self._done.append(result)
+                self._unfinished -= 1
+                self._done_cv.notify_all()
