@@ -225,6 +225,12 @@ def _check_put(keys: Sequence[str], pages: torch.Tensor) -> tuple[str, ...]:
     return checked
 
 
+def _check_rate(rate: object) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise StoreConfigError(f"fail_rate must be in [0, 1], got {rate!r}")
+    return float(rate)
+
+
 class PageBytes:
     """Zero-copy byte views of the rows of a host page tensor, read on the writer thread."""
 
@@ -278,9 +284,7 @@ class QueuedStore(abc.ABC):
     """
 
     def __init__(self, *, fail_rate: float = 0.0, seed: int = 0, name: str = "store") -> None:
-        if not isinstance(fail_rate, (int, float)) or not 0.0 <= fail_rate <= 1.0:
-            raise StoreConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
-        self._fail_rate = float(fail_rate)
+        self._fail_rate = _check_rate(fail_rate)
         self._rng = random.Random(seed)
         self._fail_next = 0
         self._lock = threading.Lock()
@@ -361,6 +365,16 @@ class QueuedStore(abc.ABC):
                     )
                 self._done_cv.wait(left)
             return self._take()
+
+    @property
+    def fail_rate(self) -> float:
+        """Probability that an accepted put fails (fault injection)."""
+        return self._fail_rate
+
+    @fail_rate.setter
+    def fail_rate(self, rate: float) -> None:
+        with self._lock:
+            self._fail_rate = _check_rate(rate)
 
     def fail_next(self, n: int = 1) -> None:
         """Make the next ``n`` accepted puts fail (fault injection)."""

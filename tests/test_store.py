@@ -1,0 +1,671 @@
+"""The storage tier on real threads, real files and real processes.
+
+Every store is exercised through the protocol: put host pages, collect results
+with poll/drain, read the bytes back. The directory store is also checked on
+disk (file names, temporary files) and against a writer process killed with
+SIGKILL in the middle of a page.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlife.errors import KVLifeError
+from kvlife.store import (
+    DrainTimeout,
+    InjectedStoreFailure,
+    InvalidKey,
+    InvalidNamespace,
+    InvalidPut,
+    LocalDirectoryStore,
+    MemoryStore,
+    PageMismatch,
+    Store,
+    StoreClosed,
+    StoreConfigError,
+    StoreError,
+    StoreResult,
+    StoreStats,
+)
+from kvlife.store.base import PageBytes, QueuedStore, Written
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ["memory", "directory"]
+
+
+def make_store(kind: str, tmp_path: Path, **kw: object) -> QueuedStore:
+    """A fresh store of ``kind``; directory stores live under ``tmp_path/root``."""
+    if kind == "memory":
+        return MemoryStore(**kw)  # type: ignore[arg-type]
+    return LocalDirectoryStore(tmp_path / "root", "model/rank0", **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=KINDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[QueuedStore]:
+    s = make_store(request.param, tmp_path)
+    yield s
+    s.close()
+
+
+def key(i: int, salt: int = 0) -> str:
+    """A distinct 64-hex-digit key, like a SHA-256 page hash."""
+    return f"{salt:08x}{i:056x}"
+
+
+def pages_of(
+    n: int, numel: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(n, numel, generator=gen).to(dtype)
+    return torch.randint(-100, 100, (n, numel), generator=gen).to(dtype)
+
+
+def raw(page: torch.Tensor) -> bytes:
+    """The bytes a page must be stored as (computed independently of the store)."""
+    return bytes(page.contiguous().view(torch.uint8).tolist())
+
+
+def disk_files(s: QueuedStore) -> list[str]:
+    """Every file under a directory store's pages directory, relative names, sorted."""
+    assert isinstance(s, LocalDirectoryStore)
+    return sorted(str(p.relative_to(s.directory)) for p in s.directory.rglob("*") if p.is_file())
+
+
+class Gate:
+    """Holds a store's writer thread at the start of each put until opened."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+
+
+class GatedMemoryStore(MemoryStore):
+    """The real MemoryStore whose writer waits for a gate before each put."""
+
+    def __init__(self, gate: Gate, **kw: object) -> None:
+        self.gate = gate
+        super().__init__(**kw)  # type: ignore[arg-type]
+
+    def _store_pages(
+        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+    ) -> Written:
+        self.gate.entered.set()
+        self.gate.opened.wait()
+        return super()._store_pages(keys, pages, fault_at)
+
+
+class GatedDirectoryStore(LocalDirectoryStore):
+    """The real LocalDirectoryStore whose writer waits for a gate before each put."""
+
+    def __init__(self, gate: Gate, *args: object, **kw: object) -> None:
+        self.gate = gate
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+
+    def _store_pages(
+        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+    ) -> Written:
+        self.gate.entered.set()
+        self.gate.opened.wait()
+        return super()._store_pages(keys, pages, fault_at)
+
+
+@pytest.fixture(params=KINDS)
+def gated(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[QueuedStore, Gate]]:
+    gate = Gate()
+    s: QueuedStore
+    if request.param == "memory":
+        s = GatedMemoryStore(gate)
+    else:
+        s = GatedDirectoryStore(gate, tmp_path / "root", "gated")
+    yield s, gate
+    gate.opened.set()
+    s.close()
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8])
+def test_round_trip_keeps_every_byte(store: QueuedStore, dtype: torch.dtype) -> None:
+    pages = pages_of(5, 48, dtype)
+    keys = [key(i) for i in range(5)]
+    store.put("chunk", keys, pages)
+    assert store.drain() == [StoreResult("chunk", tuple(keys))]
+    for i, k in enumerate(keys):
+        stored = store.get(k)
+        assert stored == raw(pages[i])
+        back = torch.frombuffer(bytearray(stored), dtype=dtype)
+        assert torch.equal(back.view(torch.uint8), pages[i].view(torch.uint8))
+        assert store.contains(k)
+    assert sorted(store.keys()) == sorted(keys)
+    assert store.pending == 0
+    assert store.stats() == StoreStats(
+        puts_ok=1, pages_written=5, bytes_written=5 * 48 * pages.element_size()
+    )
+
+
+def test_non_contiguous_pages_store_each_row(store: QueuedStore) -> None:
+    base = pages_of(16, 6)
+    pages = base.t()[:, ::2]  # [6, 8], rows are strided
+    assert not pages.is_contiguous()
+    keys = [key(i) for i in range(6)]
+    store.put(None, keys, pages)
+    assert store.drain()[0].ok
+    assert [store.get(k) for k in keys] == [raw(pages[i]) for i in range(6)]
+
+
+def test_stores_follow_the_protocol(store: QueuedStore) -> None:
+    assert isinstance(store, Store)
+    assert store.get(key(1)) is None
+    assert not store.contains(key(1))
+    assert list(store.keys()) == []
+
+
+# ----------------------------------------------------------------------------- asynchrony
+
+
+def test_put_returns_before_the_writer_stores(gated: tuple[QueuedStore, Gate]) -> None:
+    """Scenario: the writer is busy; put returns, nothing is visible, poll is empty."""
+    s, gate = gated
+    pages = pages_of(2)
+    s.put("t", [key(1), key(2)], pages)
+    gate.entered.wait()
+    # The writer holds the put: not visible, not reported, but pending.
+    assert s.poll() == []
+    assert s.pending == 1
+    assert not s.contains(key(1))
+    assert s.get(key(2)) is None
+    # Opening the gate lets it finish; drain reports it exactly once.
+    gate.opened.set()
+    assert s.drain() == [StoreResult("t", (key(1), key(2)))]
+    assert s.pending == 0
+    assert s.poll() == []
+    assert s.get(key(2)) == raw(pages[1])
+
+
+def test_writer_reads_pages_lazily_and_never_after_the_result(
+    gated: tuple[QueuedStore, Gate],
+) -> None:
+    """Scenario: the caller changes its host pages before and after the result.
+
+    Before the result the pages still belong to the store (it reads them late);
+    after it, changing them must not change what is stored.
+    """
+    s, gate = gated
+    pages = torch.zeros(1, 32, dtype=torch.bfloat16)
+    s.put("t", [key(7)], pages)
+    gate.entered.wait()
+    pages.fill_(3.0)  # still owned by the store: it may read these bytes
+    gate.opened.set()
+    (result,) = s.drain()
+    assert result.ok
+    assert s.get(key(7)) == raw(torch.full((32,), 3.0, dtype=torch.bfloat16))
+    pages.fill_(-1.0)  # freed by the caller after the result: stored bytes stay
+    assert s.get(key(7)) == raw(torch.full((32,), 3.0, dtype=torch.bfloat16))
+
+
+def test_drain_timeout_consumes_nothing(gated: tuple[QueuedStore, Gate]) -> None:
+    s, gate = gated
+    s.put("first", [key(1)], pages_of(1))
+    gate.entered.wait()
+    with pytest.raises(DrainTimeout):
+        s.drain(timeout=0.01)
+    assert s.pending == 1
+    gate.opened.set()
+    assert [r.token for r in s.drain()] == ["first"]
+
+
+def test_results_arrive_once_in_put_order_through_poll(store: QueuedStore) -> None:
+    n = 40
+    for i in range(n):
+        store.put(i, [key(i)], pages_of(1, 16, seed=i))
+    seen: list[StoreResult] = []
+    while len(seen) < n:
+        got = store.poll()
+        seen += got
+        if not got:
+            seen += store.drain(timeout=60)
+    assert [r.token for r in seen] == list(range(n))
+    assert all(r.ok and r.keys == (key(r.token),) for r in seen)  # type: ignore[arg-type]
+    assert store.pending == 0
+    assert store.poll() == [] and store.drain() == []
+
+
+def test_close_finishes_queued_puts_and_refuses_new_ones(store: QueuedStore) -> None:
+    for i in range(5):
+        store.put(i, [key(i)], pages_of(1, seed=i))
+    store.close()
+    store.close()  # idempotent
+    assert store.closed
+    assert [r.token for r in store.poll()] == [0, 1, 2, 3, 4]
+    with pytest.raises(StoreClosed):
+        store.put(9, [key(9)], pages_of(1))
+    assert store.pending == 0
+    assert sorted(store.keys()) == [key(i) for i in range(5)]
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+BAD_PUTS: list[tuple[str, Callable[[], tuple[object, object]], type[StoreError]]] = [
+    ("fewer keys than pages", lambda: ([key(1)], pages_of(2)), InvalidPut),
+    ("more keys than pages", lambda: ([key(1), key(2)], pages_of(1)), InvalidPut),
+    ("uppercase key", lambda: (["ABCD"], pages_of(1)), InvalidKey),
+    ("key with a separator", lambda: (["ab/cd"], pages_of(1)), InvalidKey),
+    ("key that climbs", lambda: (["../ab"], pages_of(1)), InvalidKey),
+    ("key too short", lambda: (["a"], pages_of(1)), InvalidKey),
+    ("key too long", lambda: (["a" * 129], pages_of(1)), InvalidKey),
+    ("key not a str", lambda: ([1234], pages_of(1)), InvalidKey),
+    ("keys as one string", lambda: ("abcd", pages_of(4)), InvalidPut),
+    ("duplicate key", lambda: ([key(1), key(1)], pages_of(2)), InvalidPut),
+    ("no pages", lambda: ([], pages_of(0)), InvalidPut),
+    ("1-D pages", lambda: ([key(1)], torch.zeros(8)), InvalidPut),
+    ("3-D pages", lambda: ([key(1)], torch.zeros(1, 2, 4)), InvalidPut),
+    ("empty pages", lambda: ([key(1)], torch.zeros(1, 0)), InvalidPut),
+    ("not a tensor", lambda: ([key(1)], [[1.0, 2.0]]), InvalidPut),
+    ("not host memory", lambda: ([key(1)], torch.zeros(1, 4, device="meta")), InvalidPut),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("why", "make", "error"), BAD_PUTS, ids=[b[0] for b in BAD_PUTS])
+def test_refused_put_changes_nothing(
+    tmp_path: Path,
+    kind: str,
+    why: str,
+    make: Callable[[], tuple[object, object]],
+    error: type[StoreError],
+) -> None:
+    with make_store(kind, tmp_path) as s:
+        s.put("before", [key(100)], pages_of(1))
+        s.drain()
+        s.fail_next(1)
+        before = (s.stats(), sorted(s.keys()), s.pending)
+        files = disk_files(s) if kind == "directory" else []
+        keys, pages = make()
+        with pytest.raises(error) as info:
+            s.put("bad", keys, pages)  # type: ignore[arg-type]
+        assert isinstance(info.value, KVLifeError) and isinstance(info.value, ValueError)
+        assert (s.stats(), sorted(s.keys()), s.pending) == before
+        assert s.poll() == []
+        if kind == "directory":
+            assert disk_files(s) == files
+        # The injected fault was not consumed by the refused put: the next put takes it.
+        s.put("next", [key(101)], pages_of(1))
+        (result,) = s.drain()
+        assert isinstance(result.error, InjectedStoreFailure)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_refused_puts_draw_no_faults(tmp_path: Path, kind: str) -> None:
+    """Two stores with one seed agree on which puts fail, whatever refusals come between."""
+    a = make_store(kind, tmp_path / "a", fail_rate=0.5, seed=7)
+    b = make_store(kind, tmp_path / "b", fail_rate=0.5, seed=7)
+    with a, b:
+        for i in range(30):
+            a.put(i, [key(i)], pages_of(1))
+            with pytest.raises(InvalidPut):
+                b.put("bad", [key(i)], pages_of(2))
+            b.put(i, [key(i)], pages_of(1))
+        assert [r.ok for r in a.drain()] == [r.ok for r in b.drain()]
+        assert 0 < a.stats().puts_failed < 30
+
+
+def test_bad_keys_are_refused_on_reads_too(store: QueuedStore) -> None:
+    for bad in ["../etc", "AB", "", "x" * 3]:
+        with pytest.raises(InvalidKey):
+            store.get(bad)
+        with pytest.raises(InvalidKey):
+            store.contains(bad)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_fault_settings_are_refused(tmp_path: Path, kind: str) -> None:
+    for rate in (-0.1, 1.5, float("nan")):
+        with pytest.raises(StoreConfigError):
+            make_store(kind, tmp_path, fail_rate=rate)
+    with make_store(kind, tmp_path) as s:
+        for n in (-1, 1.5, True):
+            with pytest.raises(StoreConfigError):
+                s.fail_next(n)  # type: ignore[arg-type]
+        s.put(0, [key(0)], pages_of(1))
+        assert s.drain()[0].ok  # no fault was recorded by the refusals
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_fail_next_fails_exactly_that_many_puts(store: QueuedStore) -> None:
+    store.fail_next(2)
+    for i in range(4):
+        store.put(i, [key(i)], pages_of(1, seed=i))
+    results = store.drain()
+    assert [r.ok for r in results] == [False, False, True, True]
+    assert all(isinstance(r.error, InjectedStoreFailure) for r in results[:2])
+    assert sorted(store.keys()) == [key(2), key(3)]
+    assert store.stats().puts_failed == 2 and store.stats().puts_ok == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_put_leaves_none_of_its_pages(tmp_path: Path, kind: str) -> None:
+    """Scenario: every put fails, at every internal step (temporary writes and renames).
+
+    Each put has four pages, one of which was already stored with the same bytes.
+    After each failure exactly the page stored before remains, byte for byte, and
+    the directory holds no temporary file.
+    """
+    with make_store(kind, tmp_path, seed=3) as s:
+        shared = pages_of(1, seed=99)
+        s.put("shared", [key(0, salt=9)], shared)
+        assert s.drain()[0].ok
+        s.fail_rate = 1.0
+        files = disk_files(s) if kind == "directory" else []
+        messages = set()
+        for p in range(60):
+            keys = [key(3 * p + j, salt=1) for j in range(3)]
+            own = pages_of(3, seed=p)
+            pages = torch.cat([own[:2], shared, own[2:]])
+            s.put(p, [*keys[:2], key(0, salt=9), keys[2]], pages)
+            (result,) = s.drain()
+            assert isinstance(result.error, InjectedStoreFailure)
+            messages.add(str(result.error))
+            assert list(s.keys()) == [key(0, salt=9)]
+            assert s.get(key(0, salt=9)) == raw(shared[0])
+            if kind == "directory":
+                assert disk_files(s) == files
+        # The seeded draws reached every step, so every rollback path ran.
+        if kind == "directory":
+            expected = {
+                f"injected failure before {what} page {i} (4 pages)"
+                for what in ("writing", "renaming")
+                for i in range(4)
+            }
+        else:
+            expected = {f"injected failure before page {i} of 4" for i in range(4)}
+            expected.add("injected failure before committing 4 pages")
+        assert messages == expected
+        assert s.stats().puts_failed == 60 and s.stats().pages_written == 1
+
+
+def test_failed_put_keeps_pages_that_were_stored_before(tmp_path: Path) -> None:
+    """A failed put removes only the pages it created, never a page already stored."""
+    with LocalDirectoryStore(tmp_path, "ns", fail_rate=1.0, seed=1) as s:
+        s.fail_next(0)
+        old = pages_of(1, seed=5)
+        # Store the old page with fault injection off: use a second store on the same files.
+        with LocalDirectoryStore(tmp_path, "ns") as writer:
+            writer.put(0, [key(5)], old)
+            assert writer.drain()[0].ok
+        for p in range(30):
+            s.put(p, [key(50 + p), key(5)], torch.cat([pages_of(1, seed=p), old]))
+            assert not s.drain()[0].ok
+            assert list(s.keys()) == [key(5)]
+            assert s.get(key(5)) == raw(old[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixed_failures_all_or_nothing_per_put(tmp_path: Path, kind: str) -> None:
+    with make_store(kind, tmp_path, fail_rate=0.4, seed=11) as s:
+        expected: dict[str, bytes] = {}
+        outcomes = {}
+        for p in range(40):
+            keys = [key(4 * p + j) for j in range(4)]
+            pages = pages_of(4, 16, torch.bfloat16, seed=p)
+            s.put((p, keys, pages), keys, pages)
+        for r in s.drain():
+            p, keys, pages = r.token  # type: ignore[misc]
+            outcomes[p] = r.ok
+            if r.ok:
+                expected.update({k: raw(pages[j]) for j, k in enumerate(keys)})
+        assert 0 < sum(outcomes.values()) < 40
+        assert sorted(s.keys()) == sorted(expected)
+        assert all(s.get(k) == v for k, v in expected.items())
+        if kind == "directory":
+            assert not [f for f in disk_files(s) if f.endswith(".tmp")]
+
+
+def test_real_io_error_rolls_back_the_whole_put(tmp_path: Path) -> None:
+    """Scenario: the second page's directory cannot be made (a file is in its way)."""
+    with LocalDirectoryStore(tmp_path, "ns") as s:
+        (s.directory / "cd").write_bytes(b"not a directory")
+        keys = ["ab" + "0" * 62, "cd" + "0" * 62]
+        s.put("t", keys, pages_of(2))
+        (result,) = s.drain()
+        assert isinstance(result.error, OSError)
+        assert list(s.keys()) == []
+        assert disk_files(s) == ["cd"]
+        assert s.stats().puts_failed == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_key_other_bytes_is_a_mismatch_and_keeps_the_stored_page(
+    tmp_path: Path, kind: str
+) -> None:
+    with make_store(kind, tmp_path) as s:
+        first = pages_of(1, seed=1)
+        s.put("first", [key(1)], first)
+        s.put("same", [key(1)], first.clone())
+        assert [r.ok for r in s.drain()] == [True, True]
+        assert s.stats().pages_deduplicated == 1 and s.stats().pages_written == 1
+        # Other bytes under the stored key, in a chunk with a new key.
+        s.put("other", [key(2), key(1)], pages_of(2, seed=2))
+        (result,) = s.drain()
+        assert isinstance(result.error, PageMismatch) and result.error.key == key(1)
+        assert s.get(key(1)) == raw(first[0])
+        assert not s.contains(key(2))
+        assert s.stats().page_mismatches == 1
+        if kind == "directory":
+            assert disk_files(s) == [str(Path(key(1)[:2]) / f"{key(1)}.page")]
+
+
+# ----------------------------------------------------------------------------- directory layout
+
+
+def test_namespaces_isolate_keys(tmp_path: Path) -> None:
+    a = LocalDirectoryStore(tmp_path, "llama-7b/rank0")
+    b = LocalDirectoryStore(tmp_path, "llama-7b/rank1")
+    c = LocalDirectoryStore(tmp_path, "llama-7b")
+    with a, b, c:
+        pa, pb = pages_of(1, seed=1), pages_of(1, seed=2)
+        a.put("a", [key(1)], pa)
+        b.put("b", [key(1)], pb)  # same key, other bytes: no mismatch across namespaces
+        assert a.drain()[0].ok and b.drain()[0].ok
+        assert a.get(key(1)) == raw(pa[0]) and b.get(key(1)) == raw(pb[0])
+        assert not c.contains(key(1)) and list(c.keys()) == []
+        assert a.path(key(1)) == (
+            tmp_path / "llama-7b" / "rank0" / "@pages" / key(1)[:2] / f"{key(1)}.page"
+        )
+        # A fresh store on the same namespace sees the stored pages.
+        with LocalDirectoryStore(tmp_path, "llama-7b/rank0") as again:
+            assert list(again.keys()) == [key(1)]
+            assert again.get(key(1)) == raw(pa[0])
+
+
+@pytest.mark.parametrize(
+    "namespace",
+    ["", "/abs", "a/../b", "..", "a//b", "a/", ".hidden", "a\\b", "@pages", "c:x", "a b", 3],
+)
+def test_unsafe_namespaces_are_refused_before_touching_disk(
+    tmp_path: Path, namespace: object
+) -> None:
+    root = tmp_path / "root"
+    with pytest.raises(InvalidNamespace):
+        LocalDirectoryStore(root, namespace)  # type: ignore[arg-type]
+    assert not root.exists()
+
+
+def test_keys_lists_exactly_the_stored_pages(tmp_path: Path) -> None:
+    with LocalDirectoryStore(tmp_path, "ns") as s:
+        stored = set()
+        for p in range(10):
+            keys = [f"{(p * 7 + j) * 2654435761 % 2**64:016x}" for j in range(5)]
+            s.put(p, keys, pages_of(5, 8, seed=p))
+            stored.update(keys)
+        assert all(r.ok for r in s.drain())
+        # Things in the directory that are not pages: a live writer's temporary file,
+        # a stray file, a page file in the wrong shard, a directory named like a page.
+        shard = s.directory / "ab"
+        shard.mkdir(exist_ok=True)
+        live_temp = shard / f".{'ab' * 8}.{os.getpid()}.0123abcd.tmp"
+        live_temp.write_bytes(b"half")
+        (s.directory / "README").write_text("not a page")
+        (shard / f"{'cd' * 8}.page").write_bytes(b"misplaced")
+        (shard / f"{'ab' * 9}.page").mkdir()
+        assert sorted(s.keys()) == sorted(stored)
+        assert not s.contains("ab" * 8)
+        assert s.get("ab" * 8) is None
+        assert s.clean_stale_temps() == 0  # its writer (this process) is alive
+        assert live_temp.exists()
+
+
+def test_opening_a_store_removes_temporaries_of_dead_writers(tmp_path: Path) -> None:
+    with LocalDirectoryStore(tmp_path, "ns") as s:
+        directory = s.directory
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shard = directory / "ef"
+    shard.mkdir()
+    stale = shard / f".{'ef' * 32}.{dead.pid}.0badcafe.tmp"
+    stale.write_bytes(b"partial")
+    with LocalDirectoryStore(tmp_path, "ns") as fresh:
+        assert not stale.exists()
+        assert list(fresh.keys()) == []
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_fsync_writes_the_same_pages(tmp_path: Path, fsync: bool) -> None:
+    with LocalDirectoryStore(tmp_path, "ns", fsync=fsync) as s:
+        pages = pages_of(3, 32, torch.float16)
+        s.put("t", [key(i) for i in range(3)], pages)
+        assert s.drain()[0].ok
+        assert [s.get(key(i)) for i in range(3)] == [raw(pages[i]) for i in range(3)]
+        assert not [f for f in disk_files(s) if f.endswith(".tmp")]
+
+
+# ----------------------------------------------------------------------------- killed writers
+
+# A writer process whose store writes half of the second put's page, flushes it to
+# the temporary file, says so, and then waits (for the SIGKILL that will come).
+HALF_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from kvlife.store import LocalDirectoryStore
+
+    class HalfWriter(LocalDirectoryStore):
+        armed = False
+        def _write_page(self, file, page):
+            if not self.armed:
+                return super()._write_page(file, page)
+            file.write(page[: len(page) // 2])
+            file.flush()
+            print("HALF", flush=True)
+            sys.stdin.read()  # blocks until killed
+
+    root, whole_key, cut_key = sys.argv[1:4]
+    store = HalfWriter(root, "model/rank0")
+    page = torch.arange(1 << 16, dtype=torch.float32).reshape(1, -1)
+    store.put("whole", [whole_key], page)
+    assert store.drain()[0].ok
+    print("WHOLE", flush=True)
+    store.armed = True
+    store.put("cut", [cut_key], page + 1)
+    store.drain()
+    """
+)
+
+
+def test_writer_killed_mid_page_leaves_no_partial_page(tmp_path: Path) -> None:
+    """Scenario: a writer process is SIGKILLed with half a page written.
+
+    A fresh store sees the page written before the kill complete, does not see
+    the half-written page under its key, and removes the dead writer's temporary.
+    """
+    whole, cut = key(1), key(2)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HALF_WRITER, str(tmp_path), whole, cut],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "WHOLE"
+        assert proc.stdout.readline().strip() == "HALF"
+        # The half page is on disk, in a temporary file only.
+        pages_dir = tmp_path / "model" / "rank0" / "@pages"
+        temps = list(pages_dir.rglob("*.tmp"))
+        assert len(temps) == 1 and temps[0].stat().st_size == (1 << 16) * 4 // 2
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    with LocalDirectoryStore(tmp_path, "model/rank0") as fresh:
+        assert not fresh.contains(cut)
+        assert fresh.get(cut) is None
+        assert list(fresh.keys()) == [whole]
+        expected = torch.arange(1 << 16, dtype=torch.float32)
+        assert fresh.get(whole) == raw(expected)
+        assert list(pages_dir.rglob("*.tmp")) == []
+
+
+# A writer process that stores big multi-page puts as fast as it can; page j of
+# put i is filled with the float value i * 8 + j, so every page's bytes are known.
+BUSY_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from kvlife.store import LocalDirectoryStore
+
+    store = LocalDirectoryStore(sys.argv[1], "busy")
+    numel = 1 << 16  # 256 KiB pages
+    for i in range(64):
+        keys = [f"{i:08x}{j:056x}" for j in range(8)]
+        pages = (torch.arange(8, dtype=torch.float32) + i * 8).unsqueeze(1).expand(8, numel)
+        store.put(i, keys, pages.contiguous())
+        assert store.drain()[0].ok
+        if i == 0:
+            print("STORED", flush=True)
+    """
+)
+
+
+def test_writer_killed_at_any_moment_leaves_only_whole_pages(tmp_path: Path) -> None:
+    """Scenario: a busy writer process is SIGKILLed wherever it happens to be.
+
+    Every page a fresh store sees holds exactly the bytes its key was written with.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUSY_WRITER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "STORED"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    with LocalDirectoryStore(tmp_path, "busy") as fresh:
+        keys = sorted(fresh.keys())
+        assert len(keys) >= 8
+        for k in keys:
+            i, j = int(k[:8], 16), int(k[8:], 16)
+            value = torch.tensor([i * 8 + j], dtype=torch.float32)
+            assert fresh.get(k) == raw(value) * (1 << 16), k
+        assert list(fresh.directory.rglob("*.tmp")) == []
