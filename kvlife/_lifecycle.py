@@ -27,8 +27,15 @@ one can reach. Nothing here is looked up by rid; the rid is a label for logs.
 
 Guards are predicates of the number of chunks in flight, seen through three
 classes: 0, 1 and "2 or more". The table is compiled once, at import, into a
-dict keyed by ``(state, event, class)``: one lookup per event, no per-request
-machine. Compilation refuses a table in which two rows match the same key.
+dict keyed by ``(state, event, class)``; compilation refuses a table in which
+two rows match the same key. The hot path reads that dict split by event
+(state -> one destination per class): one dict lookup per event, keyed by a
+state hashed by identity, no per-request machine.
+
+Chunks from the oldest one in flight onwards are kept in a list in seq order.
+An ack of the oldest chunk pops it, and any acked early right after it, and
+moves ``last_hash``; an ack out of order only marks its entry (it becomes the
+chunk's last page key). The list holds the few chunks a request has in flight.
 
 Release is the one automatic event: it fires itself, exactly once, as soon as
 its guard holds (a finished Lifecycle with nothing in flight). Every event the
@@ -83,6 +90,10 @@ class State(Enum):
     #: Terminal: nothing in flight, device pages handed back exactly once.
     RELEASED = "released"
 
+    # Members are singletons compared by identity; hashing by identity too keeps
+    # the compiled table's lookup in C (Enum's own __hash__ is Python code).
+    __hash__ = object.__hash__
+
 
 class Event(Enum):
     """What can happen to a Lifecycle."""
@@ -95,6 +106,8 @@ class Event(Enum):
     FINISH = "finish"
     #: Hand the device pages back; automatic once a finished Lifecycle drained.
     RELEASE = "release"
+
+    __hash__ = object.__hash__  # identity, as for State
 
 
 class FinishReason(Enum):
@@ -137,7 +150,9 @@ _S, _E = State, Event
 TABLE: tuple[Transition, ...] = (
     Transition(_S.IDLE, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, inflight += 1"),
     Transition(_S.OFFLOADING, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, inflight += 1"),
-    Transition(_S.OFFLOADING, _E.ACK, _S.OFFLOADING, "more_in_flight", "settle chunk, inflight -= 1"),
+    Transition(
+        _S.OFFLOADING, _E.ACK, _S.OFFLOADING, "more_in_flight", "settle chunk, inflight -= 1"
+    ),
     Transition(_S.OFFLOADING, _E.ACK, _S.IDLE, "last_in_flight", "settle chunk, inflight -= 1"),
     Transition(_S.IDLE, _E.FINISH, _S.FINISHED, None, "record reason"),
     Transition(_S.OFFLOADING, _E.FINISH, _S.FINISHED, None, "record reason"),
@@ -173,6 +188,28 @@ _NEXT = compile_table(TABLE)
 _IDLE, _OFFLOADING, _FINISHED, _RELEASED = State
 _SUBMIT, _ACK, _FINISH, _RELEASE = Event
 
+#: A destination per in-flight class (index 0, 1, 2); ``None`` where the table refuses.
+_Row = tuple["State | None", "State | None", "State | None"]
+_REFUSED: _Row = (None, None, None)
+
+
+def _rows_of(compiled: dict[tuple[State, Event, int], State], event: Event) -> dict[State, _Row]:
+    """The compiled table's entries for one event: state -> destination per in-flight class."""
+    rows: dict[State, _Row] = {}
+    for state in State:
+        dests = tuple(compiled.get((state, event, c)) for c in INFLIGHT_CLASSES)
+        if dests != _REFUSED:
+            rows[state] = (dests[0], dests[1], dests[2])
+    return rows
+
+
+# The hot path's view of _NEXT, split by event so one dict lookup keyed by the
+# state (hashed by identity) gives the row; the in-flight class indexes it.
+_ON_SUBMIT = _rows_of(_NEXT, _SUBMIT)
+_ON_ACK = _rows_of(_NEXT, _ACK)
+_ON_FINISH = _rows_of(_NEXT, _FINISH)
+_ON_RELEASE = _rows_of(_NEXT, _RELEASE)
+
 
 class Ticket(NamedTuple):
     """One submitted chunk. The engine carries it to the ack; it names its own Lifecycle."""
@@ -190,6 +227,10 @@ class Ticket(NamedTuple):
     def n_pages(self) -> int:
         """Number of pages in the chunk."""
         return len(self.keys)
+
+
+# Ticket(...) runs a generated Python __new__; the hot path builds the tuple directly.
+_new_ticket = tuple.__new__
 
 
 class LifecycleSnapshot(NamedTuple):
@@ -219,8 +260,7 @@ class Lifecycle:
 
     __slots__ = (
         "__weakref__",
-        "_acked_early",
-        "_base_seq",
+        "_acked_seq",
         "_chunks",
         "_finish_reason",
         "_hasher",
@@ -243,7 +283,7 @@ class Lifecycle:
         prior_hash: str | None = None,
         hasher: PageHasher = sglang_page_hashes,
     ) -> None:
-        if not isinstance(page_size, int) or page_size <= 0:
+        if type(page_size) is not int or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.rid = rid
         self.page_size = page_size
@@ -254,11 +294,12 @@ class Lifecycle:
         self._pages_submitted = 0
         self._last_hash = prior_hash
         self._tail = prior_hash
-        # Chunks not yet in the acked prefix, by seq, in page order.
-        self._chunks: dict[int, Ticket] = {}
-        # Seqs acked while an earlier chunk was still in flight (created on first need).
-        self._acked_early: set[int] | None = None
-        self._base_seq = 0
+        # Every chunk from the first one not yet in the acked prefix, in seq order:
+        # _chunks[i] has seq _acked_seq + i. An entry is the chunk's Ticket while
+        # it is in flight; once acked out of order it becomes the chunk's last
+        # page key (a str) until the prefix reaches it.
+        self._chunks: list[Ticket | str] = []
+        self._acked_seq = 0
         self._finish_reason: FinishReason | None = None
 
     # ---------------------------------------------------------------- reading
@@ -296,12 +337,11 @@ class Lifecycle:
     @property
     def next_seq(self) -> int:
         """Sequence number the next submitted chunk will get."""
-        return self._base_seq + len(self._chunks)
+        return self._acked_seq + len(self._chunks)
 
     def chunks_in_flight(self) -> tuple[Ticket, ...]:
         """Tickets submitted and not yet acked, in page order."""
-        early = self._acked_early or ()
-        return tuple(t for seq, t in self._chunks.items() if seq not in early)
+        return tuple(chunk for chunk in self._chunks if type(chunk) is not str)  # type: ignore[misc]
 
     def snapshot(self) -> LifecycleSnapshot:
         """Every observable field, for comparing whole states."""
@@ -325,24 +365,31 @@ class Lifecycle:
     # ---------------------------------------------------------------- events
 
     def submit(self, tokens: Sequence[int]) -> Ticket:
-        """Record a chunk of whole pages of ``tokens`` (the next pages in order); return its ticket."""
+        """Record a chunk: the next whole pages of ``tokens``, in order; return its ticket."""
         n = len(tokens)
-        if n == 0 or n % self.page_size:
+        page_size = self.page_size
+        pages = n // page_size
+        if not pages or pages * page_size != n:
             raise self._refuse(
-                InvalidChunk, _SUBMIT, f"{n} tokens are not one or more whole pages of {self.page_size}"
+                InvalidChunk, _SUBMIT, f"{n} tokens are not one or more whole pages of {page_size}"
             )
         inflight = self._inflight
-        dest = _NEXT.get((self._state, _SUBMIT, inflight if inflight < 2 else 2))
+        dest = _ON_SUBMIT.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:
             raise self._refuse(InvalidTransition, _SUBMIT, "the table has no such transition")
         try:
-            keys = tuple(self._hasher(tokens, self.page_size, self._tail))
+            keys = tuple(self._hasher(tokens, page_size, self._tail))
         except HashingError as exc:
             raise self._refuse(InvalidChunk, _SUBMIT, str(exc)) from None
-        seq = self._base_seq + len(self._chunks)
-        ticket = Ticket(self, seq, self._pages_submitted, keys)
-        self._chunks[seq] = ticket
-        self._pages_submitted += len(keys)
+        if len(keys) != pages:
+            raise self._refuse(
+                InvalidChunk, _SUBMIT, f"the hasher gave {len(keys)} keys for {pages} pages"
+            )
+        chunks = self._chunks
+        first_page = self._pages_submitted
+        ticket = _new_ticket(Ticket, (self, self._acked_seq + len(chunks), first_page, keys))
+        chunks.append(ticket)
+        self._pages_submitted = first_page + pages
         self._tail = keys[-1]
         self._inflight = inflight + 1
         self._state = dest
@@ -355,37 +402,32 @@ class Lifecycle:
         :class:`DuplicateAck` if it was already acked, :class:`UnknownChunk` if
         this Lifecycle never issued it. May release the Lifecycle.
         """
-        if ticket.lifecycle is not self:
-            raise self._refuse(
-                ForeignAck, _ACK, f"chunk {ticket.seq} belongs to {ticket.lifecycle!r}"
-            )
-        seq = ticket.seq
-        chunk = self._chunks.get(seq)
-        if chunk is not ticket and chunk != ticket:
-            if 0 <= seq < self._base_seq:
-                raise self._refuse(DuplicateAck, _ACK, f"chunk {seq} was already acked")
-            raise self._refuse(UnknownChunk, _ACK, f"chunk {seq} was never submitted")
-        early = self._acked_early
-        if early is not None and seq in early:
-            raise self._refuse(DuplicateAck, _ACK, f"chunk {seq} was already acked")
+        chunks = self._chunks
+        try:
+            owner = ticket.lifecycle
+            index = ticket.seq - self._acked_seq
+            chunk = chunks[index] if 0 <= index < len(chunks) else None
+        except (AttributeError, TypeError):
+            raise self._refuse(UnknownChunk, _ACK, f"{ticket!r} is not a Ticket") from None
+        if owner is not self:
+            raise self._refuse(ForeignAck, _ACK, f"chunk {ticket.seq} belongs to {owner!r}")
+        if chunk is not ticket and chunk != ticket:  # None, an acked chunk's key, or a forgery
+            raise self._ack_refusal(ticket.seq, chunk)
         inflight = self._inflight
-        dest = _NEXT.get((self._state, _ACK, inflight if inflight < 2 else 2))
+        dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:  # unreachable while the table and the checks above agree
             raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
-        if seq == self._base_seq:
-            chunks = self._chunks
-            last = chunks.pop(seq)
-            seq += 1
-            while early and seq in early:
-                early.discard(seq)
-                last = chunks.pop(seq)
-                seq += 1
-            self._base_seq = seq
-            self._last_hash = last.keys[-1]
-        elif early is None:
-            self._acked_early = {seq}
-        else:
-            early.add(seq)
+        if index:  # an earlier chunk is still in flight: remember this one's last key
+            chunks[index] = ticket.keys[-1]
+        else:  # the acked prefix grows over this chunk and any acked early after it
+            last = ticket.keys[-1]
+            del chunks[0]
+            settled = ticket.seq + 1
+            while chunks and type(chunks[0]) is str:
+                last = chunks.pop(0)  # type: ignore[assignment]
+                settled += 1
+            self._acked_seq = settled
+            self._last_hash = last
         self._inflight = inflight - 1
         self._state = dest
         if dest is _FINISHED and inflight == 1:
@@ -396,7 +438,7 @@ class Lifecycle:
         if not isinstance(reason, FinishReason):
             raise self._refuse(InvalidEvent, _FINISH, f"reason {reason!r} is not a FinishReason")
         inflight = self._inflight
-        dest = _NEXT.get((self._state, _FINISH, inflight if inflight < 2 else 2))
+        dest = _ON_FINISH.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:
             raise self._refuse(InvalidTransition, _FINISH, "the table has no such transition")
         self._finish_reason = reason
@@ -405,8 +447,7 @@ class Lifecycle:
             self._release()
 
     def _release(self) -> None:
-        dest = _NEXT[(self._state, _RELEASE, 0)]
-        self._state = dest
+        self._state = _ON_RELEASE[self._state][0]  # type: ignore[assignment]
         callback, self._on_release = self._on_release, None
         if callback is not None:
             try:
@@ -418,6 +459,11 @@ class Lifecycle:
                     rid=self.rid,
                     ident=id(self),
                 ) from exc
+
+    def _ack_refusal(self, seq: int, chunk: Ticket | str | None) -> LifecycleError:
+        if type(chunk) is str or (chunk is None and 0 <= seq < self._acked_seq):
+            return self._refuse(DuplicateAck, _ACK, f"chunk {seq} was already acked")
+        return self._refuse(UnknownChunk, _ACK, f"chunk {seq} was never submitted")
 
     def _refuse(self, kind: type[LifecycleError], event: Event, why: str) -> LifecycleError:
         return kind(
