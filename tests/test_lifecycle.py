@@ -1,0 +1,435 @@
+"""Whole-state unit tests of :class:`kvlife.Lifecycle`.
+
+Every step asserts every observable field (:meth:`Lifecycle.snapshot`); every
+refused event asserts the error's type, its message (event, state, rid and the
+Lifecycle's identity), its attributes, and that the snapshot did not change.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from kvlife import (
+    DuplicateAck,
+    Event,
+    FinishReason,
+    ForeignAck,
+    InvalidChunk,
+    InvalidEvent,
+    InvalidTransition,
+    KVLifeError,
+    Lifecycle,
+    LifecycleError,
+    LifecycleSnapshot,
+    State,
+    Ticket,
+    UnknownChunk,
+)
+from kvlife.errors import HashingError
+from kvlife.hashing import sglang_page_hashes
+
+PAGE = 2
+
+
+def label_hasher(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+    """Readable keys: page ``[10, 11]`` gets key ``"k10"`` (tests use distinct first tokens)."""
+    if len(tokens) % page_size:
+        raise HashingError("not whole pages")
+    return [f"k{tokens[i]}" for i in range(0, len(tokens), page_size)]
+
+
+def page(n: int) -> list[int]:
+    """Tokens of one page whose key under :func:`label_hasher` is ``k{n}``."""
+    return [n, 0]
+
+
+def snap(
+    state: State,
+    *,
+    inflight: int = 0,
+    tokens: int = 0,
+    last: str | None = None,
+    tail: str | None = None,
+    seqs: tuple[int, ...] = (),
+    next_seq: int = 0,
+    reason: FinishReason | None = None,
+) -> LifecycleSnapshot:
+    return LifecycleSnapshot(state, inflight, tokens, last, tail, seqs, next_seq, reason)
+
+
+class Released:
+    """A release callback that records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[Lifecycle] = []
+
+    def __call__(self, lc: Lifecycle) -> None:
+        self.calls.append(lc)
+
+
+def make(rid: object = "r1", **kwargs: Any) -> tuple[Lifecycle, Released]:
+    released = Released()
+    kwargs.setdefault("hasher", label_hasher)
+    return Lifecycle(rid, page_size=PAGE, on_release=released, **kwargs), released
+
+
+def assert_refused(
+    lc: Lifecycle,
+    call: Callable[[], object],
+    kind: type[LifecycleError],
+    event: Event,
+    why: str = "",
+) -> LifecycleError:
+    """``call`` raises exactly ``kind``, names event/state/rid/identity, and changes nothing."""
+    before = lc.snapshot()
+    with pytest.raises(kind) as info:
+        call()
+    err = info.value
+    assert type(err) is kind
+    assert isinstance(err, KVLifeError)
+    message = str(err)
+    assert f"{event.value} refused" in message
+    assert f"state {before.state.name}" in message
+    assert f"rid={lc.rid!r}" in message
+    assert f"id=0x{id(lc):x}" in message
+    assert why in message
+    assert (err.event, err.state, err.rid, err.ident) == (event.value, before.state, lc.rid, id(lc))
+    assert lc.snapshot() == before
+    return err
+
+
+# ------------------------------------------------------------------ happy paths
+
+
+def test_a_new_lifecycle_is_idle_and_empty() -> None:
+    lc, released = make()
+    assert lc.snapshot() == snap(State.IDLE)
+    assert (lc.rid, lc.page_size) == ("r1", PAGE)
+    assert lc.chunks_in_flight() == ()
+    assert released.calls == []
+
+
+def test_a_prior_hash_seeds_both_last_hash_and_chain_tail() -> None:
+    lc, _ = make(prior_hash="prefill-tail")
+    assert lc.snapshot() == snap(State.IDLE, last="prefill-tail", tail="prefill-tail")
+    ticket = lc.submit(page(1))
+    assert lc.snapshot() == snap(
+        State.OFFLOADING,
+        inflight=1,
+        tokens=2,
+        last="prefill-tail",
+        tail="k1",
+        seqs=(0,),
+        next_seq=1,
+    )
+    lc.ack(ticket)
+    assert lc.last_hash == "k1"
+
+
+def test_submit_ack_finish_whole_state_after_every_step() -> None:
+    lc, released = make()
+    t0 = lc.submit(page(10))
+    assert t0 == Ticket(lc, 0, 0, ("k10",))
+    assert t0.n_pages == 1
+    assert lc.snapshot() == snap(
+        State.OFFLOADING, inflight=1, tokens=2, tail="k10", seqs=(0,), next_seq=1
+    )
+    t1 = lc.submit(page(11) + page(12))
+    assert t1 == Ticket(lc, 1, 1, ("k11", "k12"))
+    assert t1.n_pages == 2
+    assert lc.snapshot() == snap(
+        State.OFFLOADING, inflight=2, tokens=6, tail="k12", seqs=(0, 1), next_seq=2
+    )
+    assert lc.chunks_in_flight() == (t0, t1)
+    lc.ack(t0)
+    assert lc.snapshot() == snap(
+        State.OFFLOADING, inflight=1, tokens=6, last="k10", tail="k12", seqs=(1,), next_seq=2
+    )
+    lc.ack(t1)
+    assert lc.snapshot() == snap(State.IDLE, tokens=6, last="k12", tail="k12", next_seq=2)
+    t2 = lc.submit(page(13))
+    assert t2 == Ticket(lc, 2, 3, ("k13",))
+    assert lc.snapshot() == snap(
+        State.OFFLOADING, inflight=1, tokens=8, last="k12", tail="k13", seqs=(2,), next_seq=3
+    )
+    lc.finish(FinishReason.FINISHED)
+    assert lc.snapshot() == snap(
+        State.FINISHED,
+        inflight=1,
+        tokens=8,
+        last="k12",
+        tail="k13",
+        seqs=(2,),
+        next_seq=3,
+        reason=FinishReason.FINISHED,
+    )
+    assert released.calls == []
+    lc.ack(t2)
+    assert lc.snapshot() == snap(
+        State.RELEASED,
+        tokens=8,
+        last="k13",
+        tail="k13",
+        next_seq=3,
+        reason=FinishReason.FINISHED,
+    )
+    assert released.calls == [lc]
+
+
+@pytest.mark.parametrize("reason", list(FinishReason))
+def test_every_finish_reason_drains_then_releases(reason: FinishReason) -> None:
+    lc, released = make()
+    t0, t1 = lc.submit(page(1)), lc.submit(page(2))
+    lc.finish(reason)
+    expected = snap(
+        State.FINISHED, inflight=2, tokens=4, tail="k2", seqs=(0, 1), next_seq=2, reason=reason
+    )
+    assert lc.snapshot() == expected
+    lc.ack(t1)
+    assert lc.snapshot() == expected._replace(inflight=1, in_flight_seqs=(0,))
+    assert released.calls == []
+    lc.ack(t0)
+    assert lc.snapshot() == snap(
+        State.RELEASED, tokens=4, last="k2", tail="k2", next_seq=2, reason=reason
+    )
+    assert released.calls == [lc]
+
+
+def test_finish_defaults_to_finished_and_releases_an_idle_lifecycle_at_once() -> None:
+    lc, released = make()
+    lc.finish()
+    assert lc.snapshot() == snap(State.RELEASED, reason=FinishReason.FINISHED)
+    assert released.calls == [lc]
+
+
+def test_without_a_callback_release_still_happens() -> None:
+    lc = Lifecycle("quiet", page_size=PAGE, hasher=label_hasher)
+    lc.ack(lc.submit(page(1)))
+    lc.finish(FinishReason.ABORTED)
+    assert lc.state is State.RELEASED
+
+
+def test_the_default_hasher_is_the_sglang_chain() -> None:
+    lc = Lifecycle("r", page_size=PAGE)
+    t0 = lc.submit([1, 2, 3, 4])
+    t1 = lc.submit([5, 6])
+    assert t0.keys == tuple(sglang_page_hashes([1, 2, 3, 4], PAGE, None))
+    assert t1.keys == tuple(sglang_page_hashes([5, 6], PAGE, t0.keys[-1]))
+    assert t1.keys == tuple(sglang_page_hashes([1, 2, 3, 4, 5, 6], PAGE, None)[2:])
+
+
+def test_the_hasher_is_given_the_chain_tail_as_prior() -> None:
+    seen: list[tuple[tuple[int, ...], int, str | None]] = []
+
+    def recording(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+        seen.append((tuple(tokens), page_size, prior))
+        return label_hasher(tokens, page_size, prior)
+
+    lc = Lifecycle("r", page_size=PAGE, hasher=recording, prior_hash="p")
+    lc.submit(page(1) + page(2))
+    lc.submit(page(3))
+    assert seen == [((1, 0, 2, 0), PAGE, "p"), ((3, 0), PAGE, "k2")]
+
+
+def test_a_copy_of_a_ticket_acks_its_chunk_once() -> None:
+    lc, _ = make()
+    ticket = lc.submit(page(1))
+    lc.ack(Ticket(*ticket))
+    assert lc.snapshot() == snap(State.IDLE, tokens=2, last="k1", tail="k1", next_seq=1)
+    assert_refused(lc, lambda: lc.ack(ticket), DuplicateAck, Event.ACK, "chunk 0")
+
+
+def test_repr_names_rid_state_and_identity() -> None:
+    lc, _ = make("req-7")
+    lc.submit(page(1))
+    assert repr(lc) == f"<Lifecycle rid='req-7' OFFLOADING inflight=1 id=0x{id(lc):x}>"
+
+
+@pytest.mark.parametrize("page_size", [0, -16, 1.5, "16", True, None])
+def test_a_bad_page_size_is_refused(page_size: Any) -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        Lifecycle("r", page_size=page_size)
+
+
+# ---------------------------------------------------------------- every refusal
+
+
+def _in_state(state: State) -> tuple[Lifecycle, list[Ticket]]:
+    """A Lifecycle in ``state``; the tickets it issued (the last ones still in flight)."""
+    lc, _ = make()
+    tickets: list[Ticket] = []
+    if state is State.IDLE:
+        tickets.append(lc.submit(page(1)))
+        lc.ack(tickets[0])
+    elif state is State.OFFLOADING:
+        tickets += [lc.submit(page(1)), lc.submit(page(2))]
+        lc.ack(tickets[0])
+    elif state is State.FINISHED:
+        tickets += [lc.submit(page(1)), lc.submit(page(2))]
+        lc.ack(tickets[0])
+        lc.finish(FinishReason.RETRACTED)
+    else:
+        tickets.append(lc.submit(page(1)))
+        lc.finish()
+        lc.ack(tickets[0])
+    assert lc.state is state
+    return lc, tickets
+
+
+BAD_CHUNKS = {
+    "empty": [],
+    "partial page": [1],
+    "one and a half pages": [1, 2, 3],
+    "token -1": [1, -1],
+    "token 2**32": [2**32, 1],
+    "float token": [1.5, 2],
+    "str token": ["a", 2],
+}
+
+
+@pytest.mark.parametrize("state", [State.IDLE, State.OFFLOADING])
+@pytest.mark.parametrize("name", list(BAD_CHUNKS))
+def test_a_malformed_chunk_is_refused(state: State, name: str) -> None:
+    lc, _ = _in_state(state)
+    lc._hasher = sglang_page_hashes  # the real scheme checks token ids
+    assert_refused(lc, lambda: lc.submit(BAD_CHUNKS[name]), InvalidChunk, Event.SUBMIT)
+
+
+@pytest.mark.parametrize("state", [State.FINISHED, State.RELEASED])
+def test_submit_after_finish_is_refused(state: State) -> None:
+    lc, _ = _in_state(state)
+    err = assert_refused(
+        lc, lambda: lc.submit(page(9)), InvalidTransition, Event.SUBMIT, "no such transition"
+    )
+    assert err.state is state
+
+
+@pytest.mark.parametrize("state", [State.FINISHED, State.RELEASED])
+@pytest.mark.parametrize("reason", list(FinishReason))
+def test_a_second_finish_is_refused(state: State, reason: FinishReason) -> None:
+    lc, _ = _in_state(state)
+    assert_refused(lc, lambda: lc.finish(reason), InvalidTransition, Event.FINISH)
+
+
+@pytest.mark.parametrize("state", list(State))
+@pytest.mark.parametrize("reason", ["finished", None, 0, State.FINISHED])
+def test_a_bogus_finish_reason_is_refused(state: State, reason: Any) -> None:
+    lc, _ = _in_state(state)
+    assert_refused(lc, lambda: lc.finish(reason), InvalidEvent, Event.FINISH, repr(reason))
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_a_duplicate_ack_is_refused(state: State) -> None:
+    lc, tickets = _in_state(state)
+    assert_refused(lc, lambda: lc.ack(tickets[0]), DuplicateAck, Event.ACK, "already acked")
+
+
+def test_a_duplicate_of_an_out_of_order_ack_is_refused() -> None:
+    lc, _ = make()
+    t0, t1 = lc.submit(page(1)), lc.submit(page(2))
+    lc.ack(t1)
+    assert_refused(lc, lambda: lc.ack(t1), DuplicateAck, Event.ACK, "chunk 1 was already acked")
+    assert lc.chunks_in_flight() == (t0,)
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_an_ack_of_a_chunk_never_submitted_is_refused(state: State) -> None:
+    lc, tickets = _in_state(state)
+    for forged in (
+        Ticket(lc, lc.next_seq, 0, ("k1",)),
+        Ticket(lc, lc.next_seq + 5, 0, ("k1",)),
+        Ticket(lc, -1, 0, ("k1",)),
+        tickets[-1]._replace(keys=("forged",)),
+    ):
+        if state in (State.IDLE, State.RELEASED) and forged.seq == tickets[-1].seq:
+            continue  # that seq was acked: a duplicate, tested above
+        assert_refused(lc, lambda f=forged: lc.ack(f), UnknownChunk, Event.ACK, "never submitted")
+
+
+@pytest.mark.parametrize("state", list(State))
+@pytest.mark.parametrize("not_a_ticket", [None, (0, 0), "ticket", Ticket(None, "x", 0, ())])  # type: ignore[arg-type]
+def test_an_ack_of_something_that_is_not_a_ticket_is_refused(
+    state: State, not_a_ticket: Any
+) -> None:
+    lc, _ = _in_state(state)
+    assert_refused(lc, lambda: lc.ack(not_a_ticket), UnknownChunk, Event.ACK, "not a Ticket")
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_an_ack_of_another_lifecycles_chunk_is_refused(state: State) -> None:
+    lc, _ = _in_state(state)
+    other, _ = make(lc.rid)
+    foreign = other.submit(page(1))
+    err = assert_refused(lc, lambda: lc.ack(foreign), ForeignAck, Event.ACK, repr(other))
+    assert err.ident != id(other)
+    assert other.snapshot() == snap(
+        State.OFFLOADING, inflight=1, tokens=2, tail="k1", seqs=(0,), next_seq=1
+    )
+
+
+def test_a_hasher_error_is_refused_as_an_invalid_chunk() -> None:
+    def failing(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+        raise HashingError("cannot hash these")
+
+    lc, _ = make(hasher=failing)
+    assert_refused(lc, lambda: lc.submit(page(1)), InvalidChunk, Event.SUBMIT, "cannot hash")
+
+
+@pytest.mark.parametrize("keys", [[], ["a", "b"]])
+def test_a_hasher_giving_the_wrong_number_of_keys_is_refused(keys: list[str]) -> None:
+    lc, _ = make(hasher=lambda tokens, page_size, prior: list(keys))
+    assert_refused(
+        lc, lambda: lc.submit(page(1)), InvalidChunk, Event.SUBMIT, f"{len(keys)} keys for 1"
+    )
+
+
+# ------------------------------------------------------ every ack order, exhaustive
+
+N_CHUNKS = 4
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(N_CHUNKS))))
+def test_every_ack_order_and_finish_point_keeps_page_order(order: tuple[int, ...]) -> None:
+    """All 24 ack orders of 4 chunks (one of them 2 pages), finish at each of 5 points."""
+    chunk_pages = [[1], [2, 3], [4], [5]]
+    keys = [tuple(f"k{p}" for p in pages) for pages in chunk_pages]
+    for finish_at in range(N_CHUNKS + 1):
+        lc, released = make()
+        tickets = [lc.submit([t for p in pages for t in page(p)]) for pages in chunk_pages]
+        assert [t.keys for t in tickets] == keys
+        assert [t.first_page for t in tickets] == [0, 1, 3, 4]
+        acked: set[int] = set()
+        reason: FinishReason | None = None
+        for step, seq in enumerate([*order, None]):
+            if step == finish_at:
+                lc.finish(FinishReason.ABORTED)
+                reason = FinishReason.ABORTED
+            else:
+                if seq is None:
+                    continue
+                lc.ack(tickets[seq])
+                acked.add(seq)
+            prefix = 0
+            while prefix in acked:
+                prefix += 1
+            in_flight = tuple(s for s in range(N_CHUNKS) if s not in acked)
+            if reason is None:
+                state = State.OFFLOADING if in_flight else State.IDLE
+            else:
+                state = State.FINISHED if in_flight else State.RELEASED
+            assert lc.snapshot() == snap(
+                state,
+                inflight=len(in_flight),
+                tokens=10,
+                last=keys[prefix - 1][-1] if prefix else None,
+                tail="k5",
+                seqs=in_flight,
+                next_seq=N_CHUNKS,
+                reason=reason,
+            ), (order, finish_at, step)
+            assert lc.chunks_in_flight() == tuple(tickets[s] for s in in_flight)
+            assert released.calls == ([lc] if state is State.RELEASED else [])
