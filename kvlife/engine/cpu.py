@@ -1,0 +1,325 @@
+"""A torch CPU copy engine: real worker threads, so races in tests are real.
+
+The owning thread submits chunks; worker threads copy device pages (a CPU
+:class:`~kvlife.layout.KVLayout`) into host pool pages, then hand each finished
+chunk back through a queue and set its :class:`CpuCopyEvent`. ``poll`` and
+``drain`` collect finished chunks in completion order, on the owning thread,
+which alone changes the engine's counters: no lock on the hot path.
+
+A copy reads the device pages when it *runs*, not when it is submitted: a
+runtime that reuses device pages before the ack gets a wrong host copy, as on
+a GPU. Copy delays and fault injection make that and other interleavings
+reproducible: ``copy_delay`` and ``delay_jitter`` (seeded), ``fail_rate``
+(seeded), and for the next submitted chunks :meth:`CpuCopyEngine.fail_next`,
+:meth:`CpuCopyEngine.slow_next` and :meth:`CpuCopyEngine.hold_next` (the copy
+waits until the test opens its :class:`Gate`). With ``workers > 1`` chunks
+complete out of order.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlife._lifecycle import Ticket
+from kvlife.engine.base import (
+    Ack,
+    CopyFault,
+    DrainTimeout,
+    EngineClosed,
+    EngineConfigError,
+    check_chunk,
+    check_compatible,
+    check_pages,
+    host_runs,
+)
+from kvlife.layout import KVLayout
+from kvlife.pool import HostPagePool
+
+__all__ = ["CpuCopyEngine", "CpuCopyEvent", "Gate"]
+
+
+class CpuCopyEvent:
+    """One chunk's completion, queried like ``torch.cuda.Event``."""
+
+    __slots__ = ("_done", "_started")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._started = False
+
+    def query(self) -> bool:
+        """Whether the chunk's copy has completed (successfully or not)."""
+        return self._done.is_set()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until the copy completed; :class:`DrainTimeout` after ``timeout`` seconds."""
+        if not self._done.wait(timeout):
+            raise DrainTimeout(f"chunk copy not complete after {timeout} s")
+
+    @property
+    def started(self) -> bool:
+        """Whether a worker has begun reading the device pages (its delay is over)."""
+        return self._started
+
+
+class Gate:
+    """Holds one chunk's copy until :meth:`open` (a copy delay the test ends)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def open(self) -> None:
+        """Let the held copy run."""
+        self._event.set()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the gate was opened."""
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        """Block until the gate is opened (called by the worker)."""
+        self._event.wait()
+
+
+@dataclass(slots=True)
+class _Job:
+    ticket: Ticket
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+    index: torch.Tensor
+    runs: list[tuple[int, int, int]]
+    delay: float
+    gate: Gate | None
+    fault: BaseException | None
+    submitted_at: float
+    event: CpuCopyEvent = field(default_factory=CpuCopyEvent)
+    error: BaseException | None = None
+    completed_at: float = 0.0
+
+
+class CpuCopyEngine:
+    """Copies chunks from a CPU KV layout into a host page pool on worker threads."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        host: HostPagePool,
+        *,
+        copy_delay: float = 0.0,
+        delay_jitter: float = 0.0,
+        fail_rate: float = 0.0,
+        seed: int = 0,
+        workers: int = 1,
+    ) -> None:
+        check_compatible(layout, host)
+        if layout.device.type != "cpu":
+            raise EngineConfigError(f"CpuCopyEngine copies from a CPU layout, not {layout.device}")
+        if not (copy_delay >= 0 and delay_jitter >= 0):
+            raise EngineConfigError("copy_delay and delay_jitter must be >= 0 seconds")
+        if not 0.0 <= fail_rate <= 1.0:
+            raise EngineConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise EngineConfigError(f"workers must be a positive int, got {workers!r}")
+        self.layout = layout
+        self.host = host
+        self.copy_delay = float(copy_delay)
+        self.delay_jitter = float(delay_jitter)
+        self.fail_rate = float(fail_rate)
+        self._rng = random.Random(seed)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        # Owner-thread state: collected but not yet returned acks, counters, busy host pages.
+        self._ready: list[Ack] = []
+        self._inflight = 0
+        self._busy: set[int] = set()
+        self._fail_next: deque[BaseException | None] = deque()
+        self._slow_next: deque[float] = deque()
+        self._hold_next: deque[Gate] = deque()
+        self._held: list[Gate] = []
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"kvlife-cpu-copy-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ---------------------------------------------------------------- fault injection
+
+    def fail_next(self, n: int = 1, error: BaseException | None = None) -> None:
+        """Make the next ``n`` submitted chunks fail with ``error`` (default :class:`CopyFault`)."""
+        if not isinstance(n, int) or n < 1:
+            raise EngineConfigError(f"n must be a positive int, got {n!r}")
+        self._fail_next.extend([error] * n)
+
+    def slow_next(self, seconds: float) -> None:
+        """Delay the next submitted chunk's copy by ``seconds`` more."""
+        if not seconds >= 0:
+            raise EngineConfigError(f"seconds must be >= 0, got {seconds!r}")
+        self._slow_next.append(float(seconds))
+
+    def hold_next(self) -> Gate:
+        """Hold the next submitted chunk's copy until the returned gate is opened."""
+        gate = Gate()
+        self._hold_next.append(gate)
+        return gate
+
+    # ---------------------------------------------------------------- the engine
+
+    @property
+    def inflight(self) -> int:
+        """Chunks submitted whose acks were not yet returned by poll or drain."""
+        return self._inflight
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
+        check_pages(device_pages, host_pages, self.layout, self.host, self._busy)
+
+    def submit(
+        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> None:
+        """Validate the chunk, then queue its copy; refusals raise and change nothing."""
+        self.submit_chunk(ticket, device_pages, host_pages)
+
+    def submit_chunk(
+        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> CpuCopyEvent:
+        """:meth:`submit`, returning the chunk's completion event."""
+        if self._closed:
+            raise EngineClosed("the engine is closed; it takes no more chunks")
+        dev, hst = check_chunk(ticket, device_pages, host_pages, self.layout, self.host, self._busy)
+        fault: BaseException | None = None
+        if self._fail_next:
+            fault = self._fail_next.popleft() or CopyFault(
+                f"injected copy fault in chunk {ticket.seq} of {ticket.lifecycle!r}"
+            )
+        elif self.fail_rate and self._rng.random() < self.fail_rate:
+            fault = CopyFault(f"random copy fault in chunk {ticket.seq} of {ticket.lifecycle!r}")
+        delay = self.copy_delay
+        if self.delay_jitter:
+            delay += self._rng.uniform(0.0, self.delay_jitter)
+        if self._slow_next:
+            delay += self._slow_next.popleft()
+        gate = self._hold_next.popleft() if self._hold_next else None
+        if gate is not None:
+            self._held.append(gate)
+        job = _Job(
+            ticket,
+            dev,
+            hst,
+            torch.tensor(dev, dtype=torch.int64),
+            host_runs(hst),
+            delay,
+            gate,
+            fault,
+            time.perf_counter(),
+        )
+        self._busy.update(hst)
+        self._inflight += 1
+        self._jobs.put(job)
+        return job.event
+
+    def poll(self) -> list[Ack]:
+        """Acks completed since the last poll or drain, in completion order; never blocks."""
+        acks, self._ready = self._ready, []
+        done = self._done
+        while True:
+            try:
+                job = done.get_nowait()
+            except queue.Empty:
+                break
+            acks.append(self._settle(job))
+        self._inflight -= len(acks)
+        return acks
+
+    def drain(self, timeout: float | None = None) -> list[Ack]:
+        """Block until every submitted chunk is acked; return the acks not yet returned.
+
+        On :class:`DrainTimeout` the acks collected so far stay for the next poll or drain.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ready = self._ready
+        while len(ready) < self._inflight:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                job = self._done.get(timeout=remaining)
+            except queue.Empty:
+                raise DrainTimeout(
+                    f"{self._inflight - len(ready)} chunks still in flight after {timeout} s"
+                ) from None
+            ready.append(self._settle(job))
+        self._ready = []
+        self._inflight -= len(ready)
+        return ready
+
+    def close(self) -> None:
+        """Take no more chunks, open held gates, and let the workers finish queued copies."""
+        if self._closed:
+            return
+        self._closed = True
+        for gate in self._held:
+            gate.open()
+        self._held.clear()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> CpuCopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _settle(self, job: _Job) -> Ack:
+        self._busy.difference_update(job.host_pages)
+        if job.gate is not None and job.gate in self._held:
+            self._held.remove(job.gate)
+        return Ack(
+            job.ticket,
+            job.device_pages,
+            job.host_pages,
+            job.error,
+            job.submitted_at,
+            job.completed_at,
+        )
+
+    def _work(self) -> None:
+        layout, host_tensor = self.layout, self.host.tensor
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if job.gate is not None:
+                    job.gate.wait()
+                if job.delay > 0:
+                    time.sleep(job.delay)
+                job.event._started = True
+                if job.fault is not None:
+                    job.error = job.fault
+                else:
+                    layout.gather_runs(job.index, host_tensor, job.runs)
+            except Exception as exc:  # a copy error is reported in the ack, never lost
+                job.error = exc
+            job.completed_at = time.perf_counter()
+            self._done.put(job)  # before the event: a poll after synchronize() must see it
+            job.event._done.set()

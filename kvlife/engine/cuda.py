@@ -1,0 +1,183 @@
+"""A torch CUDA copy engine: a side stream, pinned host pages, one event per chunk.
+
+At submit, the side stream waits on the current (compute) stream, so the copy
+sees every write the runtime enqueued before it; compute enqueued afterwards
+overlaps the copy. The chunk's pages are gathered on the device into a
+staging buffer (fast: device memory bandwidth), then copied with
+``non_blocking`` into runs of pinned host pages; one ``torch.cuda.Event`` is
+recorded after the chunk and ``poll`` asks it ``query()``. The device index
+tensor is made on the current stream and used on the side stream, so it is
+``record_stream``-ed there; the caching allocator then keeps it until the copy
+is done.
+
+As on every engine, the device pages must stay untouched until the ack: this
+engine makes the copy wait for earlier work, never later work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlife._lifecycle import Ticket
+from kvlife.engine.base import (
+    Ack,
+    DrainTimeout,
+    EngineClosed,
+    EngineConfigError,
+    check_chunk,
+    check_compatible,
+    check_pages,
+    host_runs,
+)
+from kvlife.layout import KVLayout
+from kvlife.pool import HostPagePool
+
+__all__ = ["CudaCopyEngine"]
+
+
+@dataclass(slots=True)
+class _Chunk:
+    ticket: Ticket
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+    event: torch.cuda.Event
+    index: torch.Tensor
+    submitted_at: float
+
+
+class CudaCopyEngine:
+    """Copies chunks from a CUDA KV layout into pinned host pages on a side stream."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        host: HostPagePool,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        max_staging_bytes: int = 256 << 20,
+        poll_interval: float = 1e-4,
+    ) -> None:
+        check_compatible(layout, host)
+        if not torch.cuda.is_available() or layout.device.type != "cuda":
+            raise EngineConfigError(f"CudaCopyEngine needs a CUDA layout, not {layout.device}")
+        if not host.pinned:
+            raise EngineConfigError("the host pool must be pinned for asynchronous copies")
+        if max_staging_bytes < layout.page_nbytes:
+            raise EngineConfigError("max_staging_bytes must hold at least one page")
+        self.layout = layout
+        self.host = host
+        self.device = layout.device
+        self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        self.max_staging_bytes = int(max_staging_bytes)
+        self.poll_interval = float(poll_interval)
+        self._pending: deque[_Chunk] = deque()
+        # Acks settled by a drain that then timed out; returned by the next poll or drain.
+        self._ready: list[Ack] = []
+        self._busy: set[int] = set()
+        self._closed = False
+
+    @property
+    def inflight(self) -> int:
+        """Chunks submitted whose acks were not yet returned by poll or drain."""
+        return len(self._pending) + len(self._ready)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
+        check_pages(device_pages, host_pages, self.layout, self.host, self._busy)
+
+    def submit(
+        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> None:
+        """Validate the chunk, then enqueue its copy on the side stream."""
+        self.submit_chunk(ticket, device_pages, host_pages)
+
+    def submit_chunk(
+        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> torch.cuda.Event:
+        """:meth:`submit`, returning the chunk's ``torch.cuda.Event``."""
+        if self._closed:
+            raise EngineClosed("the engine is closed; it takes no more chunks")
+        dev, hst = check_chunk(ticket, device_pages, host_pages, self.layout, self.host, self._busy)
+        submitted_at = time.perf_counter()
+        current = torch.cuda.current_stream(self.device)
+        index = torch.tensor(dev, dtype=torch.int64, pin_memory=True).to(
+            self.device, non_blocking=True
+        )
+        side = self.stream
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self.layout.gather_runs(
+                index, self.host.tensor, host_runs(hst), max_staging_bytes=self.max_staging_bytes
+            )
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(side)
+        index.record_stream(side)
+        self._pending.append(_Chunk(ticket, dev, hst, event, index, submitted_at))
+        self._busy.update(hst)
+        return event
+
+    def poll(self) -> list[Ack]:
+        """Acks of chunks whose events completed, in completion (= submission) order."""
+        acks, self._ready = self._ready, []
+        pending = self._pending
+        while pending:
+            error: BaseException | None = None
+            try:
+                if not pending[0].event.query():  # type: ignore[no-untyped-call]
+                    break
+            except RuntimeError as exc:  # an asynchronous CUDA error surfaces here
+                error = exc
+            acks.append(self._settle(pending.popleft(), error))
+        return acks
+
+    def drain(self, timeout: float | None = None) -> list[Ack]:
+        """Block until every submitted chunk is acked; return the acks not yet returned.
+
+        On :class:`DrainTimeout` the acks collected so far stay for the next poll or drain.
+        """
+        ready = self._ready
+        pending = self._pending
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            event = pending[0].event
+            error: BaseException | None = None
+            try:
+                if deadline is None:
+                    event.synchronize()
+                else:
+                    while not event.query():  # type: ignore[no-untyped-call]
+                        if time.monotonic() >= deadline:
+                            raise DrainTimeout(
+                                f"{len(pending)} chunks still in flight after {timeout} s"
+                            )
+                        time.sleep(self.poll_interval)
+            except RuntimeError as exc:  # an asynchronous CUDA error surfaces here
+                error = exc
+            ready.append(self._settle(pending.popleft(), error))
+        self._ready = []
+        return ready
+
+    def close(self) -> None:
+        """Take no more chunks; chunks already submitted still complete and are acked."""
+        self._closed = True
+
+    def _settle(self, chunk: _Chunk, error: BaseException | None) -> Ack:
+        self._busy.difference_update(chunk.host_pages)
+        return Ack(
+            chunk.ticket,
+            chunk.device_pages,
+            chunk.host_pages,
+            error,
+            chunk.submitted_at,
+            time.perf_counter(),
+        )

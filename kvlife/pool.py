@@ -1,0 +1,187 @@
+"""The host page pool: a torch tensor of host pages and an allocator that knows every owner.
+
+One host page is one row of :attr:`HostPagePool.tensor` (``[num_pages,
+page_numel]``), pinned when CUDA is available so device-to-host copies can be
+asynchronous. Each allocated page records its owner (typically the
+:class:`~kvlife.Ticket` of the chunk copied into it), compared by identity.
+
+Rules the allocator enforces, each with a typed error and no change on refusal:
+
+- an allocation is all ``n`` pages or nothing: running out returns ``None``
+  (the caller retries later), never a partial allocation;
+- a page is freed only by its owner (:class:`ForeignFree`) and only once
+  (:class:`DoubleFree`); a ``free`` call checks every page before it frees any.
+
+Free pages are a stack: a freed chunk's pages come back in their order, so
+the next allocation of the same size gets the same consecutive run, and copy
+engines can write runs of host pages with one copy each. ``alloc`` and
+``free`` cost O(pages touched), never a scan of the pool. The pool is used by
+one thread (the scheduler's); copy engines write page contents, never the
+allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvlife.errors import KVLifeError
+
+__all__ = [
+    "DoubleFree",
+    "ForeignFree",
+    "HostPageOutOfRange",
+    "HostPagePool",
+    "InvalidAlloc",
+    "PoolError",
+]
+
+
+class PoolError(KVLifeError):
+    """A host pool call refused; the pool is unchanged."""
+
+
+class HostPageOutOfRange(PoolError, IndexError):
+    """A host page index outside ``[0, capacity)`` or not an int."""
+
+
+class DoubleFree(PoolError):
+    """The page is already free (or named twice in one ``free``)."""
+
+
+class ForeignFree(PoolError):
+    """The page is owned by another owner than the one freeing it."""
+
+
+class InvalidAlloc(PoolError, ValueError):
+    """An allocation request that is malformed (``n`` not a positive int, owner ``None``)."""
+
+
+class HostPagePool:
+    """Host pages in one torch tensor, with an allocator that records each page's owner."""
+
+    __slots__ = ("_free", "_owned", "_owner", "tensor")
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_numel: int,
+        dtype: torch.dtype,
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        for name, value in (("num_pages", num_pages), ("page_numel", page_numel)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidAlloc(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidAlloc(f"dtype must be a torch.dtype, got {dtype!r}")
+        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        #: The host pages, one per row.
+        self.tensor = torch.zeros((num_pages, page_numel), dtype=dtype, pin_memory=pin)
+        # Free pages as a stack: pop() hands out 0, 1, 2, ... on a fresh pool.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._owner: list[object | None] = [None] * num_pages
+        # id(owner) -> its pages; the owner stays alive (in _owner) while the entry exists.
+        self._owned: dict[int, set[int]] = {}
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def capacity(self) -> int:
+        """Number of host pages."""
+        return len(self._owner)
+
+    @property
+    def num_free(self) -> int:
+        """Pages free now."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Pages allocated now."""
+        return len(self._owner) - len(self._free)
+
+    @property
+    def page_numel(self) -> int:
+        """Elements of one host page."""
+        return int(self.tensor.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type of the host pages."""
+        return self.tensor.dtype
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the pages are in pinned (page-locked) memory."""
+        return self.tensor.is_pinned()
+
+    def owner_of(self, page: int) -> object | None:
+        """The owner of ``page``, or ``None`` if it is free."""
+        return self._owner[self._check(page)]
+
+    def owned_by(self, owner: object) -> list[int]:
+        """Pages ``owner`` holds now, ascending."""
+        return sorted(self._owned.get(id(owner), ()))
+
+    def page(self, i: int) -> torch.Tensor:
+        """A view of host page ``i`` (no copy)."""
+        return self.tensor[self._check(i)]
+
+    def __repr__(self) -> str:
+        return (
+            f"<HostPagePool {self.num_used}/{self.capacity} used, page_numel={self.page_numel} "
+            f"{self.dtype} pinned={self.pinned}>"
+        )
+
+    # ---------------------------------------------------------------- changes
+
+    def alloc(self, n: int, owner: object) -> list[int] | None:
+        """``n`` free pages, now owned by ``owner``; ``None`` (nothing taken) if fewer are free."""
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise InvalidAlloc(f"n must be a positive int, got {n!r}")
+        if owner is None:
+            raise InvalidAlloc("owner must not be None (None marks a free page)")
+        free = self._free
+        if n > len(free):
+            return None
+        pages = free[-n:]
+        pages.reverse()
+        del free[-n:]
+        owners = self._owner
+        for p in pages:
+            owners[p] = owner
+        held = self._owned.get(id(owner))
+        if held is None:
+            self._owned[id(owner)] = set(pages)
+        else:
+            held.update(pages)
+        return pages
+
+    def free(self, pages: Sequence[int], owner: object) -> None:
+        """Return ``pages`` (all owned by ``owner``) to the pool; every page is checked first."""
+        owners = self._owner
+        seen: set[int] = set()
+        for p in pages:
+            current = owners[self._check(p)]
+            if current is None or p in seen:
+                raise DoubleFree(f"host page {p} is already free")
+            if current is not owner:
+                raise ForeignFree(f"host page {p} is owned by {current!r}, not {owner!r}")
+            seen.add(p)
+        if not seen:
+            return
+        free = self._free
+        for p in reversed(pages):
+            owners[p] = None
+            free.append(p)
+        held = self._owned[id(owner)]
+        held.difference_update(seen)
+        if not held:
+            del self._owned[id(owner)]
+
+    def _check(self, page: object) -> int:
+        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < len(self._owner):
+            raise HostPageOutOfRange(f"host page {page!r} out of range [0, {len(self._owner)})")
+        return page

@@ -1,0 +1,197 @@
+"""KV layouts: where a page lives, bit-exact gather and scatter, refusals that copy nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlife.layout import KVLayout, LayerFirstLayout, LayoutError, MLALayout, PageFirstLayout
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def make(kind: str, dtype: torch.dtype, num_pages: int = 6) -> KVLayout:
+    """A small layout of each kind (3 layers, page size 4)."""
+    if kind == "layer_first":
+        return LayerFirstLayout(3, num_pages, 4, 2, 8, dtype=dtype)
+    if kind == "page_first":
+        return PageFirstLayout(3, num_pages, 4, 2, 8, dtype=dtype)
+    return MLALayout(3, num_pages, 4, 24, dtype=dtype)
+
+
+KINDS = ["layer_first", "page_first", "mla"]
+
+
+def fill_random_bits(layout: KVLayout, seed: int) -> None:
+    """Every bit pattern, NaNs and infinities included: a copy must move bits, not values."""
+    g = torch.Generator().manual_seed(seed)
+    for buf in layout.buffers():
+        bits = buf.view(BITS[layout.dtype])
+        info = torch.iinfo(bits.dtype)
+        bits.copy_(torch.randint(info.min, info.max, bits.shape, generator=g, dtype=bits.dtype))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(BITS[t.dtype])
+
+
+def snapshot(layout: KVLayout) -> list[torch.Tensor]:
+    return [b.clone() for b in layout.buffers()]
+
+
+def unchanged(layout: KVLayout, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(bits(a), bits(b)) for a, b in zip(layout.buffers(), before, strict=True))
+
+
+def test_layer_first_shapes_follow_the_mha_pool() -> None:
+    layout = LayerFirstLayout(3, 6, 4, 2, 8, dtype=torch.float16)
+    assert len(layout.k_buffers) == len(layout.v_buffers) == 3
+    assert all(b.shape == (24, 2, 8) for b in layout.k_buffers + layout.v_buffers)
+    assert layout.page_numel == 3 * 2 * 4 * 2 * 8
+    assert layout.page_nbytes == layout.page_numel * 2
+    # separate allocations, as a runtime makes them
+    assert len({b.data_ptr() for b in layout.buffers()}) == 6
+
+
+def test_page_first_and_mla_shapes() -> None:
+    pf = PageFirstLayout(3, 6, 4, 2, 8)
+    assert pf.tensor.shape == (6, 3, 2, 4, 2, 8)
+    assert pf.page_numel == 3 * 2 * 4 * 2 * 8
+    mla = MLALayout(3, 6, 4, 24)
+    assert [b.shape for b in mla.kv_buffers] == [(24, 1, 24)] * 3
+    assert mla.page_numel == 3 * 4 * 24
+
+
+def test_a_page_is_page_size_consecutive_slots() -> None:
+    """Page p of a layer-first pool is slots [p*page_size, (p+1)*page_size) of every buffer."""
+    layout = LayerFirstLayout(2, 5, 4, 2, 3, dtype=torch.float32)
+    layout.k_buffers[1][8:12] = 1.0  # page 2 of layer 1's K
+    layout.v_buffers[0][12] = 2.0  # first slot of page 3 of layer 0's V
+    page2 = layout.read_page(2).view(2, 2, 4, 2, 3)  # [layer, k/v, slot, head, dim]
+    assert bool((page2[1, 0] == 1).all()) and page2.sum() == 4 * 2 * 3
+    page3 = layout.read_page(3).view(2, 2, 4, 2, 3)
+    assert bool((page3[0, 1, 0] == 2).all()) and page3.sum() == 2 * 2 * 3
+    for p in (0, 1, 4):
+        assert layout.read_page(p).abs().sum() == 0
+
+
+def test_page_first_page_is_one_row() -> None:
+    layout = PageFirstLayout(2, 5, 4, 2, 3, dtype=torch.float32)
+    layout.tensor[3, 1, 0] = 5.0
+    assert torch.equal(layout.read_page(3), layout.tensor[3].flatten())
+    assert layout.read_page(2).abs().sum() == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_page_then_read_page(kind: str) -> None:
+    layout = make(kind, torch.float32)
+    values = torch.arange(layout.page_numel, dtype=torch.float32)
+    layout.write_page(4, values)
+    assert torch.equal(layout.read_page(4), values)
+    assert all(layout.read_page(p).abs().sum() == 0 for p in (0, 1, 2, 3, 5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_is_bit_exact(kind: str, dtype: torch.dtype) -> None:
+    """Gather pages to page-major host rows, scatter them into a fresh layout: same bits."""
+    src = make(kind, dtype, num_pages=9)
+    fill_random_bits(src, seed=1)
+    pages = torch.tensor([7, 0, 3, 8, 5])
+    host = torch.empty((5, src.page_numel), dtype=dtype)
+    src.gather(pages, host)
+    for i, p in enumerate(pages.tolist()):
+        assert torch.equal(bits(host[i]), bits(src.read_page(p)))
+    dst = make(kind, dtype, num_pages=9)
+    dst.scatter(pages, host)
+    for p in range(9):
+        if p in pages.tolist():
+            assert torch.equal(bits(dst.read_page(p)), bits(src.read_page(p)))
+        else:
+            assert dst.read_page(p).abs().sum() == 0  # pages not named stay untouched
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather_runs_writes_only_the_named_host_rows(kind: str) -> None:
+    layout = make(kind, torch.float32)
+    fill_random_bits(layout, seed=2)
+    host = torch.zeros((10, layout.page_numel))
+    pages = torch.tensor([5, 1, 2, 0])
+    layout.gather_runs(pages, host, [(0, 7, 2), (2, 3, 1), (3, 0, 1)])
+    for row, p in ((7, 5), (8, 1), (3, 2), (0, 0)):
+        assert torch.equal(bits(host[row]), bits(layout.read_page(p)))
+    for row in (1, 2, 4, 5, 6, 9):
+        assert host[row].abs().sum() == 0
+
+
+def test_from_buffers_wraps_a_runtimes_buffers_without_copying() -> None:
+    k = [torch.zeros(4 * 3 + 1, 2, 5) for _ in range(2)]  # one padding slot past the last page
+    v = [torch.zeros(4 * 3 + 1, 2, 5) for _ in range(2)]
+    layout = LayerFirstLayout.from_buffers(k, v, page_size=4)
+    assert (layout.num_pages, layout.num_layers, layout.page_numel) == (3, 2, 2 * 2 * 4 * 2 * 5)
+    v[1][4:8] = 3.0
+    assert layout.read_page(1).view(2, 2, -1)[1, 1].eq(3).all()
+    mla = MLALayout.from_buffers([torch.zeros(8, 1, 6)], page_size=4)
+    assert (mla.num_pages, mla.latent_dim) == (2, 6)
+    with pytest.raises(LayoutError):
+        LayerFirstLayout.from_buffers(k, v[:1], page_size=4)
+    with pytest.raises(LayoutError):
+        LayerFirstLayout.from_buffers(k, [v[0], torch.zeros(13, 2, 4)], page_size=4)
+    with pytest.raises(LayoutError):
+        MLALayout.from_buffers([torch.zeros(8, 2, 6)], page_size=4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_gather_and_scatter_are_refused_and_copy_nothing(kind: str) -> None:
+    layout = make(kind, torch.float32)
+    fill_random_bits(layout, seed=3)
+    before = snapshot(layout)
+    n = layout.page_numel
+    out = torch.zeros((2, n))
+    cases = [
+        (torch.tensor([0, 6]), out),  # page out of range
+        (torch.tensor([-1, 0]), out),
+        (torch.tensor([0, 1], dtype=torch.int32), out),  # not int64
+        (torch.tensor([[0, 1]]), out),  # not 1-D
+        (torch.tensor([0, 1]), torch.zeros((2, n), dtype=torch.float16)),  # wrong dtype
+        (torch.tensor([0, 1]), torch.zeros((2, n + 1))),  # wrong width
+        (torch.tensor([0, 1, 2]), out),  # wrong count
+        (torch.tensor([0, 1]), torch.zeros((n, 2)).t()),  # rows not contiguous
+    ]
+    for pages, rows in cases:
+        with pytest.raises(LayoutError):
+            layout.gather(pages, rows)
+        assert rows.abs().sum() == 0
+        with pytest.raises(LayoutError):
+            layout.scatter(pages, rows)
+        assert unchanged(layout, before)
+    for bad in (6, -1, True):
+        with pytest.raises(LayoutError):
+            layout.read_page(bad)
+        with pytest.raises(LayoutError):
+            layout.write_page(bad, torch.zeros(n))
+    with pytest.raises(LayoutError):
+        layout.write_page(0, torch.zeros(n + 1))
+    with pytest.raises(LayoutError):
+        layout.gather_runs(torch.tensor([0]), torch.zeros((2, n + 1)), [(0, 0, 1)])
+    assert unchanged(layout, before)
+
+
+def test_page_index_checks_pages() -> None:
+    layout = make("page_first", torch.float32)
+    assert layout.page_index([3, 1]).tolist() == [3, 1]
+    for bad in ([6], [-1], ["x"], [1.5]):
+        with pytest.raises(LayoutError):
+            layout.page_index(bad)  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(0, 6, 4, 2, 8), (3, 0, 4, 2, 8), (3, 6, 0, 2, 8), (3, 6, 4, -2, 8), (3, 6, 4, 2, 1.5)],
+)
+def test_bad_layout_arguments_are_refused(args: tuple[int, ...]) -> None:
+    with pytest.raises(LayoutError):
+        LayerFirstLayout(*args)
+    with pytest.raises(LayoutError):
+        PageFirstLayout(*args)

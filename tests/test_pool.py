@@ -1,0 +1,218 @@
+"""The host page pool: all-or-nothing allocation, owner-checked frees, refusals change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlife.errors import KVLifeError
+from kvlife.pool import (
+    DoubleFree,
+    ForeignFree,
+    HostPageOutOfRange,
+    HostPagePool,
+    InvalidAlloc,
+    PoolError,
+)
+
+
+class Owner:
+    """A stand-in for a chunk's ticket: compared by identity only."""
+
+    def __eq__(self, other: object) -> bool:  # equal to every Owner: identity must still win
+        return isinstance(other, Owner)
+
+    __hash__ = object.__hash__
+
+
+def state(pool: HostPagePool) -> tuple[object, ...]:
+    """Everything observable about the allocator, for whole-state comparisons."""
+    owners = tuple(
+        id(pool.owner_of(p)) if pool.owner_of(p) is not None else None for p in range(pool.capacity)
+    )
+    return (pool.num_free, pool.num_used, owners)
+
+
+def test_fresh_pool_hands_out_consecutive_pages() -> None:
+    pool = HostPagePool(8, 4, torch.float32, pin_memory=False)
+    a = Owner()
+    assert (pool.capacity, pool.num_free, pool.num_used) == (8, 8, 0)
+    assert pool.alloc(3, a) == [0, 1, 2]
+    assert pool.alloc(2, a) == [3, 4]
+    assert (pool.num_free, pool.num_used) == (3, 5)
+    assert pool.owned_by(a) == [0, 1, 2, 3, 4]
+    assert [pool.owner_of(p) is a for p in range(8)] == [True] * 5 + [False] * 3
+    assert pool.tensor.shape == (8, 4) and pool.tensor.dtype == torch.float32
+    assert not pool.pinned
+
+
+def test_freed_run_comes_back_in_order() -> None:
+    """Scenario: a chunk's pages are freed; the next chunk of that size gets the same run."""
+    pool = HostPagePool(8, 4, torch.float32, pin_memory=False)
+    a, b = Owner(), Owner()
+    pool.alloc(2, a)
+    run = pool.alloc(3, b)
+    assert run == [2, 3, 4]
+    pool.free(run, b)
+    assert pool.owned_by(b) == []
+    assert pool.alloc(3, a) == [2, 3, 4]
+
+
+def test_page_is_a_view_of_the_tensor() -> None:
+    pool = HostPagePool(4, 3, torch.float16, pin_memory=False)
+    pool.page(2).fill_(7)
+    assert torch.equal(pool.tensor[2], torch.full((3,), 7, dtype=torch.float16))
+    assert pool.tensor[1].abs().sum() == 0
+
+
+def test_exhaustion_returns_none_and_changes_nothing() -> None:
+    pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
+    a, b = Owner(), Owner()
+    pool.alloc(3, a)
+    before = state(pool)
+    assert pool.alloc(2, b) is None
+    assert state(pool) == before
+    assert pool.owned_by(b) == []
+    assert pool.alloc(1, b) == [3]
+
+
+def test_double_free_is_refused_and_changes_nothing() -> None:
+    pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
+    a = Owner()
+    pages = pool.alloc(2, a)
+    assert pages is not None
+    pool.free(pages, a)
+    before = state(pool)
+    with pytest.raises(DoubleFree):
+        pool.free(pages, a)
+    assert state(pool) == before
+
+
+def test_page_twice_in_one_free_is_a_double_free() -> None:
+    pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
+    a = Owner()
+    pool.alloc(2, a)
+    before = state(pool)
+    with pytest.raises(DoubleFree):
+        pool.free([0, 1, 0], a)
+    assert state(pool) == before
+
+
+def test_foreign_free_is_refused_even_for_an_equal_owner() -> None:
+    pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
+    a, b = Owner(), Owner()
+    assert a == b  # equal, but not the same owner
+    pool.alloc(2, a)
+    before = state(pool)
+    with pytest.raises(ForeignFree):
+        pool.free([0], b)
+    assert state(pool) == before
+    assert pool.owned_by(a) == [0, 1]
+
+
+def test_free_checks_every_page_before_freeing_any() -> None:
+    """Scenario: the last page of a free is bad; the earlier, good pages stay allocated."""
+    pool = HostPagePool(6, 2, torch.float32, pin_memory=False)
+    a, b = Owner(), Owner()
+    pool.alloc(2, a)
+    pool.alloc(2, b)
+    before = state(pool)
+    for pages, error in (
+        ([0, 1, 2], ForeignFree),
+        ([0, 1, 5], DoubleFree),
+        ([0, 1, 6], HostPageOutOfRange),
+        ([0, 1, -1], HostPageOutOfRange),
+        ([0, True], HostPageOutOfRange),
+    ):
+        with pytest.raises(error):
+            pool.free(pages, a)
+        assert state(pool) == before
+    assert pool.owned_by(a) == [0, 1]
+
+
+def test_errors_are_kvlife_errors() -> None:
+    for error in (DoubleFree, ForeignFree, HostPageOutOfRange, InvalidAlloc):
+        assert issubclass(error, PoolError) and issubclass(error, KVLifeError)
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.0, True, "2"])
+def test_bad_alloc_size_is_refused(n: object) -> None:
+    pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
+    before = state(pool)
+    with pytest.raises(InvalidAlloc):
+        pool.alloc(n, Owner())  # type: ignore[arg-type]
+    assert state(pool) == before
+
+
+def test_none_owner_is_refused() -> None:
+    pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
+    with pytest.raises(InvalidAlloc):
+        pool.alloc(1, None)
+    assert pool.num_free == 4
+
+
+@pytest.mark.parametrize(
+    ("num_pages", "page_numel", "dtype"),
+    [(0, 4, torch.float32), (4, 0, torch.float32), (4, 4, "float32"), (True, 4, torch.float32)],
+)
+def test_bad_pool_shape_is_refused(num_pages: object, page_numel: object, dtype: object) -> None:
+    with pytest.raises(InvalidAlloc):
+        HostPagePool(num_pages, page_numel, dtype)  # type: ignore[arg-type]
+
+
+def test_reading_an_out_of_range_page_is_refused() -> None:
+    pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
+    for bad in (4, -1, 1.5):
+        with pytest.raises(HostPageOutOfRange):
+            pool.owner_of(bad)  # type: ignore[arg-type]
+        with pytest.raises(HostPageOutOfRange):
+            pool.page(bad)  # type: ignore[arg-type]
+
+
+def test_pinned_by_default_only_with_cuda() -> None:
+    pool = HostPagePool(2, 2, torch.float32)
+    assert pool.pinned == torch.cuda.is_available()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "free", "foreign"]), st.integers(1, 5), st.integers(0, 3)
+        ),
+        max_size=40,
+    )
+)
+def test_pool_agrees_with_a_model(ops: list[tuple[str, int, int]]) -> None:
+    """Random alloc/free sequences against a plain model: same answers, same owners, no leak."""
+    pool = HostPagePool(10, 1, torch.float32, pin_memory=False)
+    owners = [Owner() for _ in range(4)]
+    model: dict[int, int] = {}  # page -> owner index
+    held: list[tuple[int, list[int]]] = []  # allocations not yet freed
+    for op, n, who in ops:
+        before = state(pool)
+        if op == "alloc":
+            pages = pool.alloc(n, owners[who])
+            if 10 - len(model) < n:
+                assert pages is None and state(pool) == before
+            else:
+                assert pages is not None and len(set(pages)) == n
+                assert not set(pages) & set(model)
+                model.update(dict.fromkeys(pages, who))
+                held.append((who, pages))
+        elif held:
+            owner_index, pages = held[n % len(held)]
+            if op == "foreign":
+                with pytest.raises(ForeignFree):
+                    pool.free(pages, owners[(owner_index + 1) % 4])
+                assert state(pool) == before
+            else:
+                pool.free(pages, owners[owner_index])
+                held.remove((owner_index, pages))
+                for p in pages:
+                    del model[p]
+        assert pool.num_used == len(model)
+        for i, owner in enumerate(owners):
+            assert pool.owned_by(owner) == sorted(p for p, o in model.items() if o == i)
