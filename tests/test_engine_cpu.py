@@ -1,0 +1,451 @@
+"""The CPU copy engine: real worker threads, real tensors, acks that carry their Lifecycle."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvlife import Lifecycle, State, Ticket
+from kvlife.engine import (
+    Ack,
+    CopyEngine,
+    CopyFault,
+    CpuCopyEngine,
+    DrainTimeout,
+    DuplicatePage,
+    EngineClosed,
+    EngineConfigError,
+    EngineError,
+    HostPageBusy,
+    InvalidTicket,
+    LayoutMismatch,
+    LengthMismatch,
+    PageOutOfRange,
+    UnallocatedHostPage,
+    host_runs,
+)
+from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
+from kvlife.pool import HostPagePool
+
+PAGE = 4
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+KINDS = ["layer_first", "page_first", "mla"]
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def make_layout(kind: str, dtype: torch.dtype = torch.float32, num_pages: int = 8) -> KVLayout:
+    if kind == "layer_first":
+        return LayerFirstLayout(2, num_pages, PAGE, 2, 4, dtype=dtype)
+    if kind == "page_first":
+        return PageFirstLayout(2, num_pages, PAGE, 2, 4, dtype=dtype)
+    return MLALayout(2, num_pages, PAGE, 12, dtype=dtype)
+
+
+def fill_random_bits(layout: KVLayout, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for buf in layout.buffers():
+        view = buf.view(BITS[layout.dtype])
+        info = torch.iinfo(view.dtype)
+        view.copy_(torch.randint(info.min, info.max, view.shape, generator=g, dtype=view.dtype))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(BITS[t.dtype])
+
+
+def chunk(lc: Lifecycle, n_pages: int) -> Ticket:
+    """Submit the next ``n_pages`` whole pages of ``lc`` and return the ticket."""
+    start = lc.tokens_submitted
+    return lc.submit(list(range(start, start + n_pages * PAGE)))
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., CpuCopyEngine]]:
+    """Make engines that are closed (threads joined) after the test."""
+    made: list[CpuCopyEngine] = []
+
+    def make(layout: KVLayout, host: HostPagePool, **kwargs: object) -> CpuCopyEngine:
+        engine = CpuCopyEngine(layout, host, **kwargs)  # type: ignore[arg-type]
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def setup(
+    engines: Callable[..., CpuCopyEngine], kind: str = "layer_first", **kwargs: object
+) -> tuple[KVLayout, HostPagePool, CpuCopyEngine]:
+    layout = make_layout(kind)
+    fill_random_bits(layout, seed=7)
+    host = HostPagePool(8, layout.page_numel, layout.dtype, pin_memory=False)
+    return layout, host, engines(layout, host, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_through_the_engine_is_bit_exact(
+    engines: Callable[..., CpuCopyEngine], kind: str, dtype: torch.dtype
+) -> None:
+    """Device pages -> host pool by the engine -> a fresh device layout: the same bits."""
+    src = make_layout(kind, dtype)
+    fill_random_bits(src, seed=11)
+    host = HostPagePool(8, src.page_numel, dtype, pin_memory=False)
+    engine = engines(src, host)
+    lc = Lifecycle("r", page_size=PAGE)
+    device_pages = [6, 1, 3, 0, 7]
+    ticket = chunk(lc, 5)
+    host.alloc(1, object())  # host pages start at 1: the engine writes the rows it is given
+    host_pages = host.alloc(5, ticket)
+    assert host_pages == [1, 2, 3, 4, 5]
+    engine.submit(ticket, device_pages, host_pages)
+    (ack,) = engine.drain()
+    assert ack.ok and ack.ticket is ticket and ack.host_pages == tuple(host_pages)
+    for d, h in zip(device_pages, host_pages, strict=True):
+        assert torch.equal(bits(host.page(h)), bits(src.read_page(d)))
+    assert host.tensor[0].abs().sum() == 0 and host.tensor[6:].abs().sum() == 0
+    dst = make_layout(kind, dtype)
+    dst.scatter(torch.tensor(device_pages), host.tensor[1:6])
+    for d in device_pages:
+        assert torch.equal(bits(dst.read_page(d)), bits(src.read_page(d)))
+
+
+def test_scattered_host_pages_are_written_run_by_run(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    layout, host, engine = setup(engines)
+    owner = object()
+    host.alloc(8, owner)
+    host.free([5, 2, 3, 7], owner)
+    lc = Lifecycle("r", page_size=PAGE)
+    ticket = chunk(lc, 4)
+    host_pages = host.alloc(4, ticket)
+    assert host_pages == [5, 2, 3, 7]
+    assert host_runs(host_pages) == [(0, 5, 1), (1, 2, 2), (3, 7, 1)]
+    engine.submit(ticket, [0, 1, 2, 3], host_pages)
+    (ack,) = engine.drain()
+    assert ack.ok
+    for d, h in zip([0, 1, 2, 3], host_pages, strict=True):
+        assert torch.equal(bits(host.page(h)), bits(layout.read_page(d)))
+
+
+def test_overwriting_device_pages_before_the_ack_gives_a_wrong_host_copy(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """Scenario: the hazard the lifecycle exists for.
+
+    A runtime submits a chunk, then reuses its device pages (say, for another
+    request) before the ack. The copy runs later, so the host -- and then the
+    store, under this request's keys -- holds the other request's KV.
+    """
+    layout, host, engine = setup(engines, copy_delay=0.01)
+    lc = Lifecycle("r", page_size=PAGE)
+    original = [layout.read_page(p).clone() for p in (2, 3)]
+    ticket = chunk(lc, 2)
+    host_pages = host.alloc(2, ticket)
+    assert host_pages is not None
+    gate = engine.hold_next()  # the copy is delayed until the gate opens
+    done = engine.submit_chunk(ticket, [2, 3], host_pages)
+    assert not done.query() and not done.started
+    reused = torch.full((layout.page_numel,), 9.0)
+    layout.write_page(2, reused)  # the runtime reuses device page 2 too early
+    gate.open()
+    (ack,) = engine.drain()
+    assert ack.ok  # the engine cannot know: the ack says success
+    assert torch.equal(host.page(host_pages[0]), reused)
+    assert not torch.equal(host.page(host_pages[0]), original[0])  # wrong copy
+    assert torch.equal(host.page(host_pages[1]), original[1])
+
+
+def test_waiting_for_the_ack_before_reuse_gives_the_right_copy(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    layout, host, engine = setup(engines, copy_delay=0.01)
+    lc = Lifecycle("r", page_size=PAGE)
+    original = layout.read_page(2).clone()
+    ticket = chunk(lc, 1)
+    host_pages = host.alloc(1, ticket)
+    assert host_pages is not None
+    engine.submit(ticket, [2], host_pages)
+    (ack,) = engine.drain()
+    lc.ack(ack.ticket)
+    layout.write_page(2, torch.full((layout.page_numel,), 9.0))
+    assert torch.equal(host.page(host_pages[0]), original)
+
+
+def test_injected_fault_arrives_as_a_failed_ack_and_pages_stay_accounted(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    _, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    engine.fail_next()
+    t0 = chunk(lc, 2)
+    h0 = host.alloc(2, t0)
+    t1 = chunk(lc, 1)
+    h1 = host.alloc(1, t1)
+    assert h0 is not None and h1 is not None
+    engine.submit(t0, [0, 1], h0)
+    engine.submit(t1, [2], h1)
+    acks = engine.drain()
+    assert [a.seq for a in acks] == [0, 1]
+    failed, good = acks
+    assert not failed.ok and isinstance(failed.error, CopyFault)
+    assert failed.host_pages == tuple(h0) and good.ok
+    assert host.num_used == 3 and host.owned_by(t0) == h0  # still accounted, still owned
+    for ack in acks:
+        ack.lifecycle.ack(ack.ticket)
+        host.free(ack.host_pages, ack.ticket)
+    assert host.num_used == 0 and lc.state is State.IDLE and lc.inflight == 0
+
+
+def test_injected_error_is_the_given_one(engines: Callable[..., CpuCopyEngine]) -> None:
+    _, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    boom = OSError("disk on fire")
+    engine.fail_next(2, boom)
+    for _ in range(3):
+        t = chunk(lc, 1)
+        pages = host.alloc(1, t)
+        assert pages is not None
+        engine.submit(t, [t.seq], pages)
+    errors = [a.error for a in engine.drain()]
+    assert errors[0] is boom and errors[1] is boom and errors[2] is None
+
+
+def test_fail_rate_is_seeded(engines: Callable[..., CpuCopyEngine]) -> None:
+    def pattern(seed: int) -> list[bool]:
+        _, host, engine = setup(engines, fail_rate=0.5, seed=seed)
+        lc = Lifecycle("r", page_size=PAGE)
+        oks = []
+        for _ in range(16):
+            t = chunk(lc, 1)
+            pages = host.alloc(1, t)
+            assert pages is not None
+            engine.submit(t, [0], pages)
+            (ack,) = engine.drain()
+            oks.append(ack.ok)
+            host.free(ack.host_pages, t)
+        return oks
+
+    first = pattern(3)
+    assert first == pattern(3)
+    assert True in first and False in first
+
+
+def test_acks_move_only_their_own_lifecycle_even_out_of_order(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """Scenario: two workers; chunk 0 is held, chunk 1 completes first.
+
+    The ack of chunk 1 reaches its Lifecycle through the ticket; the hash-chain
+    tail waits for chunk 0 (page order), then jumps over both.
+    """
+    _, host, engine = setup(engines, workers=2)
+    old = Lifecycle("same-rid", page_size=PAGE)
+    new = Lifecycle("same-rid", page_size=PAGE)
+    gate = engine.hold_next()
+    t0, t1 = chunk(new, 1), chunk(new, 1)
+    other = chunk(old, 1)
+    for t, dev in ((t0, 0), (t1, 1), (other, 2)):
+        pages = host.alloc(1, t)
+        assert pages is not None
+        engine.submit_chunk(t, [dev], pages)
+    while engine.inflight > 1:  # chunk 1 and the old life's chunk complete; chunk 0 is held
+        for ack in engine.poll():
+            assert ack.ticket in (t1, other)
+            ack.lifecycle.ack(ack.ticket)
+    assert new.inflight == 1 and new.last_hash is None and old.inflight == 0
+    gate.open()
+    (ack,) = engine.drain()
+    assert ack.ticket is t0 and ack.lifecycle is new
+    new.ack(ack.ticket)
+    assert new.last_hash == t1.keys[-1] and new.state is State.IDLE
+
+
+def test_poll_never_blocks_and_returns_each_ack_once(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    _, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    gate = engine.hold_next()
+    tickets = [chunk(lc, 1) for _ in range(3)]
+    events = []
+    for i, t in enumerate(tickets):
+        pages = host.alloc(1, t)
+        assert pages is not None
+        events.append(engine.submit_chunk(t, [i], pages))
+    assert engine.poll() == [] and engine.inflight == 3  # FIFO worker: all wait on the gate
+    gate.open()
+    events[-1].synchronize()
+    seen: list[Ack] = []
+    seen += engine.poll()
+    seen += engine.drain()
+    assert [a.ticket for a in seen] == tickets  # one worker: completion order is submit order
+    assert engine.inflight == 0 and engine.poll() == [] and engine.drain() == []
+    for a in seen:
+        assert a.submitted_at <= a.completed_at
+        assert a.device_pages == (a.seq,) and a.lifecycle is lc
+
+
+def test_drain_timeout_keeps_everything_for_later(engines: Callable[..., CpuCopyEngine]) -> None:
+    _, host, engine = setup(engines, workers=2)
+    lc = Lifecycle("r", page_size=PAGE)
+    gate = engine.hold_next()
+    t0, t1 = chunk(lc, 1), chunk(lc, 1)
+    for t in (t0, t1):
+        pages = host.alloc(1, t)
+        assert pages is not None
+        done = engine.submit_chunk(t, [t.seq], pages)
+    done.synchronize()  # chunk 1 is complete, chunk 0 is held
+    with pytest.raises(DrainTimeout):
+        engine.drain(timeout=0.01)
+    assert engine.inflight == 2
+    gate.open()
+    assert [a.ticket for a in engine.drain()] == [t1, t0]
+    assert engine.inflight == 0
+
+
+def test_ack_is_frozen_and_says_what_it_is(engines: Callable[..., CpuCopyEngine]) -> None:
+    _, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    t = chunk(lc, 1)
+    pages = host.alloc(1, t)
+    assert pages is not None
+    engine.submit(t, [4], pages)
+    (ack,) = engine.drain()
+    assert (ack.lifecycle, ack.seq, ack.ok, ack.device_pages) == (lc, 0, True, (4,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ack.error = None  # type: ignore[misc]
+
+
+def test_engine_follows_the_protocol(engines: Callable[..., CpuCopyEngine]) -> None:
+    _, _, engine = setup(engines)
+    assert isinstance(engine, CopyEngine)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def engine_state(engine: CpuCopyEngine, host: HostPagePool) -> tuple[object, ...]:
+    owners = tuple(id(host.owner_of(p)) for p in range(host.capacity))
+    return (engine.inflight, host.num_used, owners, host.tensor.clone())
+
+
+def same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    return a[:3] == b[:3] and torch.equal(a[3], b[3])  # type: ignore[arg-type]
+
+
+def test_every_refusal_leaves_engine_and_pool_unchanged(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    _, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    busy_ticket = chunk(lc, 2)
+    busy = host.alloc(2, busy_ticket)  # pages 0, 1
+    assert busy == [0, 1]
+    gate = engine.hold_next()
+    engine.submit(busy_ticket, [0, 1], busy)  # in flight, held
+    ticket = chunk(lc, 2)
+    mine = host.alloc(2, ticket)  # pages 2, 3
+    assert mine == [2, 3]
+    engine.fail_next()  # must still apply to the next *accepted* chunk
+    cases: list[tuple[object, list[object], list[object], type[EngineError]]] = [
+        (ticket, [2], mine, LengthMismatch),
+        (ticket, [2, 3], [2], LengthMismatch),
+        (ticket, [2, 3, 4], [2, 3, 4], LengthMismatch),
+        (ticket, [2, 8], mine, PageOutOfRange),
+        (ticket, [-1, 2], mine, PageOutOfRange),
+        (ticket, [2, 2.0], mine, PageOutOfRange),
+        (ticket, [2, True], mine, PageOutOfRange),
+        (ticket, [2, 3], [2, 8], PageOutOfRange),
+        (ticket, [3, 3], mine, DuplicatePage),
+        (ticket, [2, 3], [3, 3], DuplicatePage),
+        (ticket, [2, 3], [2, 4], UnallocatedHostPage),
+        (ticket, [2, 3], [1, 2], HostPageBusy),
+        ("not a ticket", [2, 3], mine, InvalidTicket),
+    ]
+    for t, dev, hst, error in cases:
+        before = engine_state(engine, host)
+        with pytest.raises(error):
+            engine.submit(t, dev, hst)  # type: ignore[arg-type]
+        if t is ticket and error is not LengthMismatch:
+            with pytest.raises(error):
+                engine.check(dev, hst)  # type: ignore[arg-type]
+        assert same(engine_state(engine, host), before)
+        assert engine.poll() == []
+    engine.check([2, 3], mine)
+    engine.submit(ticket, [2, 3], mine)
+    gate.open()
+    acks = engine.drain()
+    assert [a.ok for a in acks] == [True, False]  # the injected fault hit the accepted chunk
+    assert lc.inflight == 2  # the engine never touches the Lifecycle
+
+
+def test_refusal_of_a_closed_engine(engines: Callable[..., CpuCopyEngine]) -> None:
+    _, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    held = chunk(lc, 1)
+    pages = host.alloc(1, held)
+    assert pages is not None
+    engine.hold_next()
+    engine.submit(held, [0], pages)
+    engine.close()  # opens the gate; the submitted chunk still completes
+    engine.close()
+    t = chunk(lc, 1)
+    more = host.alloc(1, t)
+    assert more is not None
+    before = engine_state(engine, host)
+    with pytest.raises(EngineClosed):
+        engine.submit(t, [1], more)
+    assert same(engine_state(engine, host), before)
+    (ack,) = engine.drain()
+    assert ack.ticket is held and ack.ok and engine.inflight == 0
+
+
+def test_layout_and_pool_must_agree() -> None:
+    layout = make_layout("layer_first")
+    with pytest.raises(LayoutMismatch):
+        CpuCopyEngine(layout, HostPagePool(4, layout.page_numel, torch.float16, pin_memory=False))
+    with pytest.raises(LayoutMismatch):
+        CpuCopyEngine(layout, HostPagePool(4, layout.page_numel + 1, torch.float32))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"copy_delay": -1.0}, {"delay_jitter": -0.1}, {"fail_rate": 1.5}, {"workers": 0}],
+)
+def test_bad_engine_settings_are_refused(kwargs: dict[str, float]) -> None:
+    layout = make_layout("page_first")
+    host = HostPagePool(4, layout.page_numel, layout.dtype, pin_memory=False)
+    with pytest.raises(EngineConfigError):
+        CpuCopyEngine(layout, host, **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_fault_injection_is_refused(engines: Callable[..., CpuCopyEngine]) -> None:
+    _, _, engine = setup(engines)
+    with pytest.raises(EngineConfigError):
+        engine.fail_next(0)
+    with pytest.raises(EngineConfigError):
+        engine.slow_next(-1.0)
+
+
+def test_slow_and_jittered_copies_still_copy_right(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    layout, host, engine = setup(engines, delay_jitter=0.005, workers=2, seed=5)
+    lc = Lifecycle("r", page_size=PAGE)
+    engine.slow_next(0.01)
+    for p in range(4):
+        t = chunk(lc, 1)
+        pages = host.alloc(1, t)
+        assert pages is not None
+        engine.submit(t, [p], pages)
+    acks = engine.drain()
+    assert sorted(a.seq for a in acks) == [0, 1, 2, 3]
+    for a in acks:
+        assert a.ok
+        assert torch.equal(host.page(a.host_pages[0]), layout.read_page(a.device_pages[0]))
