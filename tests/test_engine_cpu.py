@@ -353,7 +353,7 @@ def test_every_refusal_leaves_engine_and_pool_unchanged(
     mine = host.alloc(2, ticket)  # pages 2, 3
     assert mine == [2, 3]
     engine.fail_next()  # must still apply to the next *accepted* chunk
-    cases: list[tuple[object, list[object], list[object], type[EngineError]]] = [
+    cases: list[tuple[object, object, object, type[EngineError]]] = [
         (ticket, [2], mine, LengthMismatch),
         (ticket, [2, 3], [2], LengthMismatch),
         (ticket, [2, 3, 4], [2, 3, 4], LengthMismatch),

@@ -1,0 +1,188 @@
+"""The CUDA copy engine: side stream, pinned host pages, one event per chunk. Skips without CUDA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvlife import Lifecycle, Ticket
+from kvlife.engine import (
+    CopyEngine,
+    CudaCopyEngine,
+    DuplicatePage,
+    EngineClosed,
+    EngineConfigError,
+    HostPageBusy,
+    LengthMismatch,
+    PageOutOfRange,
+    UnallocatedHostPage,
+)
+from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
+from kvlife.pool import HostPagePool
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PAGE = 4
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+KINDS = ["layer_first", "page_first", "mla"]
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def make_layout(kind: str, dtype: torch.dtype = torch.float32, num_pages: int = 8) -> KVLayout:
+    if kind == "layer_first":
+        return LayerFirstLayout(2, num_pages, PAGE, 2, 4, dtype=dtype, device="cuda")
+    if kind == "page_first":
+        return PageFirstLayout(2, num_pages, PAGE, 2, 4, dtype=dtype, device="cuda")
+    return MLALayout(2, num_pages, PAGE, 12, dtype=dtype, device="cuda")
+
+
+def fill_random_bits(layout: KVLayout, seed: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for buf in layout.buffers():
+        view = buf.view(BITS[layout.dtype])
+        info = torch.iinfo(view.dtype)
+        view.copy_(
+            torch.randint(
+                info.min, info.max, view.shape, generator=g, dtype=view.dtype, device="cuda"
+            )
+        )
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view(BITS[t.dtype])
+
+
+def chunk(lc: Lifecycle, n_pages: int) -> Ticket:
+    start = lc.tokens_submitted
+    return lc.submit(list(range(start, start + n_pages * PAGE)))
+
+
+def setup(
+    kind: str = "layer_first", dtype: torch.dtype = torch.float32, **kwargs: Any
+) -> tuple[KVLayout, HostPagePool, CudaCopyEngine]:
+    layout = make_layout(kind, dtype)
+    fill_random_bits(layout, seed=5)
+    host = HostPagePool(8, layout.page_numel, dtype, pin_memory=True)
+    return layout, host, CudaCopyEngine(layout, host, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_is_bit_exact(kind: str, dtype: torch.dtype) -> None:
+    src, host, engine = setup(kind, dtype)
+    lc = Lifecycle("r", page_size=PAGE)
+    device_pages = [6, 1, 3, 0, 7]
+    ticket = chunk(lc, 5)
+    host.alloc(1, object())
+    host_pages = host.alloc(5, ticket)
+    assert host_pages == [1, 2, 3, 4, 5]
+    engine.submit(ticket, device_pages, host_pages)
+    (ack,) = engine.drain()
+    assert ack.ok and ack.ticket is ticket and engine.inflight == 0
+    for d, h in zip(device_pages, host_pages, strict=True):
+        assert torch.equal(bits(host.page(h)), bits(src.read_page(d)))
+    dst = make_layout(kind, dtype)
+    dst.scatter(torch.tensor(device_pages), host.tensor[1:6])
+    for d in device_pages:
+        assert torch.equal(bits(dst.read_page(d)), bits(src.read_page(d)))
+
+
+def test_small_staging_windows_and_scattered_host_pages() -> None:
+    layout, host, engine = setup(max_staging_bytes=2 * make_layout("layer_first").page_nbytes)
+    owner = object()
+    host.alloc(8, owner)
+    host.free([6, 2, 3, 4, 0], owner)
+    lc = Lifecycle("r", page_size=PAGE)
+    ticket = chunk(lc, 5)
+    host_pages = host.alloc(5, ticket)
+    assert host_pages == [6, 2, 3, 4, 0]
+    engine.submit(ticket, [7, 5, 3, 1, 0], host_pages)
+    assert [a.ok for a in engine.drain()] == [True]
+    for d, h in zip([7, 5, 3, 1, 0], host_pages, strict=True):
+        assert torch.equal(bits(host.page(h)), bits(layout.read_page(d)))
+
+
+def test_copy_waits_for_work_enqueued_before_submit() -> None:
+    """Scenario: the runtime writes a page on the compute stream, then submits at once.
+
+    The compute stream is kept busy first, so without ``wait_stream`` the side
+    stream would copy the old contents.
+    """
+    layout, host, engine = setup()
+    lc = Lifecycle("r", page_size=PAGE)
+    ticket = chunk(lc, 1)
+    pages = host.alloc(1, ticket)
+    assert pages is not None
+    new = torch.full((layout.page_numel,), 3.0, device="cuda")
+    # keep the current stream busy (~0.1 s)
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+    layout.write_page(2, new)  # enqueued on the current stream, behind the sleep
+    engine.submit(ticket, [2], pages)
+    (ack,) = engine.drain()
+    assert ack.ok
+    assert torch.equal(host.page(pages[0]), new.cpu())
+
+
+def test_acks_in_order_and_poll_returns_each_once() -> None:
+    _, host, engine = setup()
+    lc = Lifecycle("r", page_size=PAGE)
+    tickets = [chunk(lc, 1) for _ in range(4)]
+    for i, t in enumerate(tickets):
+        pages = host.alloc(1, t)
+        assert pages is not None
+        engine.submit(t, [i], pages)
+    torch.cuda.synchronize()
+    acks = engine.poll() + engine.drain()
+    assert [a.ticket for a in acks] == tickets
+    assert engine.poll() == [] and engine.inflight == 0
+    for a in acks:
+        a.lifecycle.ack(a.ticket)
+    assert lc.last_hash == tickets[-1].keys[-1]
+
+
+def test_refusals_change_nothing() -> None:
+    _, host, engine = setup()
+    lc = Lifecycle("r", page_size=PAGE)
+    first = chunk(lc, 2)
+    busy = host.alloc(2, first)
+    assert busy == [0, 1]
+    torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
+    engine.submit(first, [0, 1], busy)
+    ticket = chunk(lc, 2)
+    mine = host.alloc(2, ticket)
+    assert mine == [2, 3]
+    for dev, hst, error in (
+        ([2], mine, LengthMismatch),
+        ([2, 8], mine, PageOutOfRange),
+        ([3, 3], mine, DuplicatePage),
+        ([2, 3], [2, 4], UnallocatedHostPage),
+        ([2, 3], [1, 2], HostPageBusy),
+    ):
+        inflight, used = engine.inflight, host.num_used
+        with pytest.raises(error):
+            engine.submit(ticket, dev, hst)
+        assert (engine.inflight, host.num_used) == (inflight, used)
+    engine.drain()
+    engine.close()
+    with pytest.raises(EngineClosed):
+        engine.submit(ticket, [2, 3], mine)
+    assert engine.inflight == 0
+
+
+def test_unpinned_host_and_cpu_layouts_are_refused() -> None:
+    layout = make_layout("page_first")
+    with pytest.raises(EngineConfigError):
+        CudaCopyEngine(layout, HostPagePool(4, layout.page_numel, layout.dtype, pin_memory=False))
+    cpu_layout = PageFirstLayout(2, 8, PAGE, 2, 4, dtype=torch.float32)
+    with pytest.raises(EngineConfigError):
+        CudaCopyEngine(cpu_layout, HostPagePool(4, cpu_layout.page_numel, torch.float32))
+
+
+def test_engine_follows_the_protocol() -> None:
+    _, _, engine = setup()
+    assert isinstance(engine, CopyEngine)
