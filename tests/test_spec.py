@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import transitions
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
 from kvlife import (
@@ -222,6 +222,12 @@ def _outcome(call: Any) -> type[BaseException] | None:
     return None
 
 
+def _label(outcome: str) -> None:
+    """Count ``outcome`` in hypothesis statistics (``--hypothesis-show-statistics``)."""
+    if currently_in_test_context():
+        event(outcome)
+
+
 def run_differential(ops: list[tuple[str, Any]], prior: str | None) -> None:
     """Apply ``ops`` to a fast Lifecycle and a ReferenceLifecycle; they must agree each step."""
     rid = "same"
@@ -262,13 +268,13 @@ def run_differential(ops: list[tuple[str, Any]], prior: str | None) -> None:
             else:
                 fast_err = _outcome(lambda: fast.finish(arg))  # noqa: B023
                 ref_err = _outcome(lambda: ref.finish(arg))  # noqa: B023
-            event(f"{kind} -> {fast_err.__name__ if fast_err else 'ok'}")
+            _label(f"{kind} -> {fast_err.__name__ if fast_err else 'ok'}")
             where = f"step {step}: {kind} {arg!r}"
             assert fast_err is ref_err, where
             assert _fast_fields(fast) == _ref_fields(ref), where
             assert len(released) == ref.releases, where
             assert released in ([], [fast]), where
-        event(f"ends {fast.state.name}")
+        _label(f"ends {fast.state.name}")
         # The other life was never touched by anything `fast` did.
         assert other.state is State.OFFLOADING
         assert other.inflight == 1
