@@ -1,0 +1,256 @@
+"""One prepared check of the CUDA copy engine on a lent GPU: correctness, D2H GB/s, overlap.
+
+Three parts, under five minutes in all (a deadline skips what is left):
+
+1. correctness: every layout x dtype, scattered host pages, small staging
+   windows, and a copy submitted right behind a write on a busy compute
+   stream; bit-exact against the device pages;
+2. D2H throughput: random pages of a realistic model shape through the engine
+   (submit + drain) against a pinned contiguous ``copy_`` of the same bytes,
+   interleaved, median of 9 rounds;
+3. overlap: a chunk copy alongside matmuls on the compute stream;
+   ``overlap = (t_copy + t_compute - t_both) / min(t_copy, t_compute)``
+   (1.0: fully hidden, 0.0: serialised).
+
+Run: ``python bench/gpu_check.py``. Without CUDA it says so and exits 0.
+The last line printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvlife import Lifecycle, Ticket
+from kvlife.engine import CudaCopyEngine
+from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
+from kvlife.pool import HostPagePool
+
+DEADLINE_S = 270.0
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_START = time.perf_counter()
+
+
+def left() -> float:
+    """Seconds left before the deadline."""
+    return DEADLINE_S - (time.perf_counter() - _START)
+
+
+def fill_random_bits(layout: KVLayout, seed: int) -> None:
+    """Every bit pattern, so the check proves bits move, not values."""
+    g = torch.Generator(device=layout.device).manual_seed(seed)
+    for buf in layout.buffers():
+        view = buf.view(BITS[layout.dtype])
+        info = torch.iinfo(view.dtype)
+        view.copy_(
+            torch.randint(
+                info.min, info.max, view.shape, generator=g, dtype=view.dtype, device=view.device
+            )
+        )
+
+
+def ticket_for(n_pages: int, page_size: int) -> Ticket:
+    """A fresh Lifecycle's ticket for one chunk of ``n_pages``."""
+    return Lifecycle("gpu-check", page_size=page_size).submit([0] * (n_pages * page_size))
+
+
+def check_correctness() -> tuple[bool, list[str]]:
+    """Bit-exact engine copies for every layout x dtype; returns (all ok, failures)."""
+    failures: list[str] = []
+    page = 8
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        makers: dict[str, Callable[[torch.dtype], KVLayout]] = {
+            "layer_first": lambda d: LayerFirstLayout(4, 64, page, 4, 64, d, "cuda"),
+            "page_first": lambda d: PageFirstLayout(4, 64, page, 4, 64, d, "cuda"),
+            "mla": lambda d: MLALayout(4, 64, page, 576, d, "cuda"),
+        }
+        for kind, make in makers.items():
+            layout = make(dtype)
+            fill_random_bits(layout, seed=1)
+            host = HostPagePool(32, layout.page_numel, dtype, pin_memory=True)
+            engine = CudaCopyEngine(layout, host, max_staging_bytes=3 * layout.page_nbytes)
+            owner = object()
+            host.alloc(32, owner)
+            host.free([9, 3, 4, 5, 20, 21, 0, 31], owner)  # runs: 9 | 3 4 5 | 20 21 | 0 | 31
+            device_pages = [63, 2, 17, 5, 40, 41, 0, 33]
+            ticket = ticket_for(8, page)
+            host_pages = host.alloc(8, ticket)
+            assert host_pages is not None
+            engine.submit(ticket, device_pages, host_pages)
+            (ack,) = engine.drain()
+            ok = ack.ok and all(
+                torch.equal(
+                    host.page(h).view(BITS[dtype]), layout.read_page(d).cpu().view(BITS[dtype])
+                )
+                for d, h in zip(device_pages, host_pages, strict=True)
+            )
+            # A write enqueued on a busy compute stream right before submit must be copied.
+            ticket = ticket_for(1, page)
+            extra = host.alloc(1, ticket)
+            assert extra is not None
+            new = torch.full((layout.page_numel,), 2.0, dtype=dtype, device="cuda")
+            torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
+            layout.write_page(7, new)
+            engine.submit(ticket, [7], extra)
+            (ack,) = engine.drain()
+            ok = ok and ack.ok and torch.equal(host.page(extra[0]), new.cpu())
+            if not ok:
+                failures.append(f"{kind}/{dtype}")
+    return not failures, failures
+
+
+def median_ms(ts: list[float]) -> str:
+    return f"{statistics.median(ts) * 1e3:9.2f} {min(ts) * 1e3:9.2f} {max(ts) * 1e3:9.2f}"
+
+
+def main() -> int:
+    """Run the three checks; print a table and the JSON figures."""
+    if not torch.cuda.is_available():
+        print("CUDA is not available here: nothing to check (run this on a GPU machine).")
+        print(json.dumps({"bench": "gpu_check", "cuda": False}))
+        return 0
+    torch.set_num_threads(1)
+    figures: dict[str, object] = {
+        "bench": "gpu_check",
+        "cuda": True,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
+
+    # 1. correctness
+    correct, failures = check_correctness()
+    figures["correct"] = correct
+    print(f"correctness: {'ok' if correct else 'FAILED ' + ', '.join(failures)}")
+
+    # 2. D2H throughput at a realistic shape
+    layers, heads, head_dim, page, device_pages, n = 32, 8, 128, 16, 2048, 256
+    shape = (layers, device_pages, page, heads, head_dim)
+    layouts: dict[str, KVLayout] = {
+        "layer_first": LayerFirstLayout(*shape, torch.bfloat16, "cuda"),
+        "page_first": PageFirstLayout(*shape, torch.bfloat16, "cuda"),
+    }
+    for layout in layouts.values():
+        for buf in layout.buffers():
+            buf.fill_(1.0)
+    numel = layouts["layer_first"].page_numel
+    nbytes = n * numel * 2
+    src = torch.ones(n * numel, dtype=torch.bfloat16, device="cuda")
+    dst = torch.zeros(n * numel, dtype=torch.bfloat16, pin_memory=True)
+    host = HostPagePool(n, numel, torch.bfloat16, pin_memory=True)
+    engines = {name: CudaCopyEngine(layout, host) for name, layout in layouts.items()}
+    pages = torch.randperm(device_pages)[:n].tolist()
+
+    def contiguous() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def offload(name: str) -> float:
+        engine = engines[name]
+        ticket = ticket_for(n, page)
+        host_pages = host.alloc(n, ticket)
+        assert host_pages is not None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.submit(ticket, pages, host_pages)
+        (ack,) = engine.drain()
+        elapsed = time.perf_counter() - start
+        assert ack.ok
+        host.free(host_pages, ticket)
+        return elapsed
+
+    variants: dict[str, Callable[[], float]] = {
+        "contiguous": contiguous,
+        "layer_first": lambda: offload("layer_first"),
+        "page_first": lambda: offload("page_first"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(10):  # round 0 warms up
+        if left() < 120:
+            break
+        for name, run in variants.items():
+            elapsed = run()
+            if round_:
+                times[name].append(elapsed)
+    if all(times.values()):
+        base = statistics.median(times["contiguous"])
+        print(f"D2H of {n} random pages ({nbytes / 2**20:.0f} MiB), median/min/max ms, GB/s, ratio")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {name:<12}{median_ms(ts)} {nbytes / med / 1e9:8.2f} {base / med:6.2f}")
+            figures[f"{name}_d2h_gbps"] = round(nbytes / med / 1e9, 2)
+            if name != "contiguous":
+                figures[f"{name}_ratio"] = round(base / med, 3)
+
+    # 3. overlap with a busy compute stream
+    if left() > 60:
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+        def compute(k: int) -> None:
+            for _ in range(k):
+                torch.matmul(a, b)
+
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        compute(10)
+        torch.cuda.synchronize()
+        per_matmul = (time.perf_counter() - start) / 10
+        copy_time = statistics.median(times["layer_first"]) if times["layer_first"] else 0.01
+        k = max(1, round(copy_time / max(per_matmul, 1e-6)))
+
+        def timed(run: Callable[[], None]) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        def copy_only() -> None:
+            offload("layer_first")
+
+        def both() -> None:
+            engine = engines["layer_first"]
+            ticket = ticket_for(n, page)
+            host_pages = host.alloc(n, ticket)
+            assert host_pages is not None
+            engine.submit(ticket, pages, host_pages)
+            compute(k)  # enqueued after submit: the copy does not wait for it
+            (ack,) = engine.drain()
+            assert ack.ok
+            host.free(host_pages, ticket)
+
+        t_copy, t_compute, t_both = [], [], []
+        for _ in range(7):
+            if left() < 20:
+                break
+            t_copy.append(timed(copy_only))
+            t_compute.append(timed(lambda: compute(k)))
+            t_both.append(timed(both))
+        if t_both:
+            tc, tm, tb = (statistics.median(t) for t in (t_copy, t_compute, t_both))
+            overlap = (tc + tm - tb) / min(tc, tm)
+            print(
+                f"overlap: copy {tc * 1e3:.2f} ms, compute ({k} matmuls) {tm * 1e3:.2f} ms, "
+                f"both {tb * 1e3:.2f} ms -> overlap {overlap:.2f}"
+            )
+            figures.update(
+                overlap=round(overlap, 3),
+                overlap_copy_ms=round(tc * 1e3, 2),
+                overlap_compute_ms=round(tm * 1e3, 2),
+                overlap_both_ms=round(tb * 1e3, 2),
+            )
+    figures["seconds"] = round(time.perf_counter() - _START, 1)
+    print(json.dumps(figures))
+    return 0 if correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
