@@ -11,7 +11,7 @@ row. A page is the concatenation of its rows in the order of
 :meth:`KVLayout.page_rows`. Copying is then one ``index_select`` per buffer,
 written straight into a strided column block of the page-major output: no
 temporary, no per-page Python loop (a naive ``index_select`` + ``index_copy_``
-runs at about a seventh of a contiguous copy; this runs at about four fifths,
+runs at about a quarter of a contiguous copy here; this runs at about four fifths,
 see ``bench/engine.py``).
 """
 
