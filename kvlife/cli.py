@@ -80,11 +80,19 @@ def _diagram(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_simulate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kvlife simulate``: the main job (see :mod:`kvlife.sim`)."""
+    from kvlife.sim.command import register
+
+    register(subparsers)
+
+
 #: Every subcommand: (name, register function). Add one entry per new subcommand.
 COMMANDS: list[
     tuple[str, Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]
 ] = [
     ("diagram", _register_diagram),
+    ("simulate", _register_simulate),
 ]
 
 

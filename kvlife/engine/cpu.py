@@ -311,8 +311,11 @@ class CpuCopyEngine:
             try:
                 if job.gate is not None:
                     job.gate.wait()
-                if job.delay > 0:
-                    time.sleep(job.delay)
+                # The delay is latency from submit (as a stream's copies queue behind
+                # earlier work), not time added per copy: copies do not serialise on it.
+                wait = job.submitted_at + job.delay - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
                 job.event._started = True
                 if job.fault is not None:
                     job.error = job.fault

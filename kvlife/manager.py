@@ -1,0 +1,396 @@
+"""Decode-side offload orchestration: what a decode runtime calls each step.
+
+The runtime's scheduler thread owns the manager (no locks on the hot path).
+Its primitives, one line each:
+
+* :meth:`OffloadManager.start` -- a request life begins: a new Lifecycle whose
+  hash chain continues from the prefill side's pages;
+* :meth:`OffloadManager.offload` -- after a decode step: submit the chunk that
+  is due under the stride policy, if any;
+* :meth:`OffloadManager.poll` -- each step: apply completed copies (ack the
+  Lifecycle, hand host pages to the store), free host pages the store holds;
+* :meth:`OffloadManager.finish` -- decoding ended (finished, aborted,
+  retracted); the release callback gets the device pages once nothing is in flight;
+* :meth:`OffloadManager.close` -- drain every copy and every store write;
+* :meth:`OffloadManager.metrics` -- a snapshot of counters.
+
+Page accounting, end to end: a chunk's host pages are allocated before its
+Lifecycle is told of the chunk (so a full host pool changes nothing), are owned
+in the host pool by that Lifecycle (a free by anyone else is refused), belong to
+that chunk alone, and are freed exactly once: when the store reports the pages
+written, or at once when the copy or the store failed. A chunk's device
+pages go back to the runtime only through the release callback, which the
+Lifecycle calls only when nothing is in flight.
+
+Stride policy (the SGLang decode-offload rules): the first ``prefill_len`` =
+prompt length rounded down to whole pages were stored by the prefill side;
+tokens with KV are all tokens but the newest; the next chunk starts at
+``prefill_len + submitted`` and covers the largest multiple of the stride that
+has KV; a tail shorter than the stride is never offloaded (its device pages go
+back with the rest at release).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvlife._lifecycle import FinishReason, Lifecycle, State, Ticket
+from kvlife.errors import (
+    ForeignLifecycle,
+    InvalidStep,
+    KVLifeError,
+    LifecycleError,
+    ReleaseCallbackError,
+)
+from kvlife.hashing import PageHasher, namespace_prior, sglang_page_hashes
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvlife.engine.base import Ack, CopyEngine
+    from kvlife.pool import HostPagePool
+    from kvlife.store.base import Store, StoreResult
+
+__all__ = ["Agreement", "ManagedLifecycle", "ManagerMetrics", "OffloadManager", "ReleaseHandler"]
+
+#: The runtime's release callback: ``(lifecycle, device_pages)``, called exactly once.
+ReleaseHandler = Callable[["ManagedLifecycle", Sequence[int]], object]
+
+
+class Agreement(Protocol):
+    """How the ranks of one tensor-parallel group agree on which acks to apply.
+
+    Without one (the single-process default) every completed ack is applied
+    at once. With one, the manager tells it of every submission, in order,
+    and applies only the acks it returns: those every rank has completed, in
+    submission order.
+    """
+
+    def submitted(self, ticket: Ticket) -> None:
+        """Record one submission (every rank must submit the same sequence)."""
+
+    def agree(self, acks: list[Ack]) -> list[Ack]:
+        """Take this rank's newly completed acks; return those every rank completed."""
+
+    @property
+    def pending(self) -> int:
+        """Submissions not yet returned by :meth:`agree`."""
+
+
+class ManagedLifecycle(Lifecycle):
+    """A Lifecycle started by an :class:`OffloadManager`, with the request data the manager needs.
+
+    The runtime keeps it on its own request object; the manager never needs the rid.
+    """
+
+    __slots__ = ("_manager", "device_pages", "prefill_len", "release_handler")
+
+    _manager: OffloadManager
+    #: The request's device page table as last given (page i holds tokens [i*P, (i+1)*P)).
+    device_pages: Sequence[int]
+    #: Tokens the prefill side already stored (prompt rounded down to whole pages).
+    prefill_len: int
+    release_handler: ReleaseHandler | None
+
+
+@dataclass
+class ManagerMetrics:
+    """A snapshot of the manager's counters (see :meth:`OffloadManager.metrics`)."""
+
+    lifecycles_started: int = 0
+    lifecycles_by_state: dict[str, int] = field(default_factory=dict)
+    chunks_submitted: int = 0
+    chunks_in_flight: int = 0
+    chunks_acked: int = 0
+    pages_offloaded: int = 0
+    bytes_offloaded: int = 0
+    pages_stored: int = 0
+    store_writes_pending: int = 0
+    host_pages_used: int = 0
+    host_pool_exhausted: int = 0
+    copy_failures: int = 0
+    store_failures: int = 0
+    release_callback_errors: int = 0
+    refused_events: dict[str, int] = field(default_factory=dict)
+    ack_latency_count: int = 0
+    ack_latency_sum_s: float = 0.0
+    ack_latency_max_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict, for JSON."""
+        return dict(self.__dict__)
+
+
+class OffloadManager:
+    """Decode-side KV offload: stride policy, acks, backup to a store, release exactly once.
+
+    Call everything from one thread (the scheduler's). ``stride`` is in tokens,
+    rounded down to whole pages (at least one page); ``None`` means one page.
+    """
+
+    def __init__(
+        self,
+        engine: CopyEngine,
+        host: HostPagePool,
+        store: Store,
+        *,
+        page_size: int,
+        stride: int | None = None,
+        namespace: str | None = None,
+        hasher: PageHasher = sglang_page_hashes,
+        agreement: Agreement | None = None,
+    ) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        stride = page_size if stride is None else stride
+        if stride < page_size:
+            raise ValueError(f"stride {stride} is shorter than one page of {page_size}")
+        self.engine = engine
+        self.host = host
+        self.store = store
+        self.page_size = page_size
+        self.stride = stride // page_size * page_size
+        self.namespace = namespace
+        self.hasher = hasher
+        self.agreement = agreement
+        self._seed = namespace_prior(namespace) if namespace is not None else None
+        self._page_bytes = host.tensor[0].numel() * host.tensor.element_size()
+        self._refused: Counter[str] = Counter()
+        self._started = 0
+        self._finished = 0
+        self._released = 0
+        self._offloading = 0  # Lifecycles in OFFLOADING
+        self._chunks_submitted = 0
+        self._chunks_acked = 0
+        self._pages_offloaded = 0
+        self._pages_stored = 0
+        self._exhausted = 0
+        self._copy_failures = 0
+        self._store_failures = 0
+        self._callback_errors = 0
+        self._latency_count = 0
+        self._latency_sum = 0.0
+        self._latency_max = 0.0
+        #: Errors raised by release callbacks, newest last (bounded), for the runtime to log.
+        self.callback_errors: list[ReleaseCallbackError] = []
+
+    # ------------------------------------------------------------ lifecycles
+
+    def start(
+        self,
+        rid: object,
+        prompt: Sequence[int],
+        on_release: ReleaseHandler | None = None,
+        *,
+        prior_hash: str | None = None,
+    ) -> ManagedLifecycle:
+        """Begin one request life; the chain continues from the prompt's whole pages.
+
+        ``prior_hash`` is the key of the prompt's last whole page if the
+        runtime has it from the prefill side; otherwise it is computed here.
+        """
+        prefill_len = len(prompt) // self.page_size * self.page_size
+        if prior_hash is None:
+            prior_hash = self._seed
+            if prefill_len:
+                prior_hash = self.hasher(prompt[:prefill_len], self.page_size, prior_hash)[-1]
+        lc = ManagedLifecycle(
+            rid,
+            page_size=self.page_size,
+            on_release=self._on_release,
+            prior_hash=prior_hash,
+            hasher=self.hasher,
+        )
+        lc._manager = self
+        lc.device_pages = ()
+        lc.prefill_len = prefill_len
+        lc.release_handler = on_release
+        self._started += 1
+        return lc
+
+    def offload(
+        self, lc: ManagedLifecycle, tokens: Sequence[int], device_pages: Sequence[int]
+    ) -> Ticket | None:
+        """After a decode step: submit the chunk that is due, if any; return its ticket.
+
+        ``tokens`` are the request's tokens so far (prompt and outputs; the
+        newest has no KV yet); ``device_pages`` its device page table. Returns
+        ``None`` when nothing is due, or when the host pool is full (nothing
+        changed; the same chunk is due again next step).
+        """
+        self._check_owned(lc)
+        lc.device_pages = device_pages
+        if lc.state is not State.IDLE and lc.state is not State.OFFLOADING:
+            return None  # finished: the tail is never offloaded
+        start = lc.prefill_len + lc.tokens_submitted
+        kv_len = len(tokens) - 1
+        if kv_len < start:
+            if kv_len + 1 < start:
+                raise InvalidStep(
+                    f"Lifecycle rid={lc.rid!r} id=0x{id(lc):x}: {len(tokens)} tokens, but "
+                    f"{start} are already offloaded or prefilled"
+                )
+            return None
+        n = (kv_len - start) // self.stride * self.stride
+        if n == 0:
+            return None
+        first, end = start // self.page_size, (start + n) // self.page_size
+        if len(device_pages) < end:
+            raise InvalidStep(
+                f"Lifecycle rid={lc.rid!r} id=0x{id(lc):x}: {len(device_pages)} device pages "
+                f"cannot hold {start + n} tokens"
+            )
+        chunk_pages = device_pages[first:end]
+        host_pages = self.host.alloc(end - first, owner=lc)
+        if host_pages is None:
+            self._exhausted += 1
+            return None
+        was_idle = lc.state is State.IDLE
+        try:
+            # Everything that can refuse runs before the Lifecycle hears of the chunk.
+            self.engine.check(chunk_pages, host_pages)
+            ticket = lc.submit(tokens[start : start + n])
+        except KVLifeError:
+            self.host.free(host_pages, owner=lc)
+            raise
+        self.engine.submit(ticket, chunk_pages, host_pages)
+        if self.agreement is not None:
+            self.agreement.submitted(ticket)
+        if was_idle:
+            self._offloading += 1
+        self._chunks_submitted += 1
+        return ticket
+
+    def finish(self, lc: ManagedLifecycle, reason: FinishReason = FinishReason.FINISHED) -> None:
+        """End decoding; release runs now if nothing is in flight, else at the last ack."""
+        self._check_owned(lc)
+        was_offloading = lc.state is State.OFFLOADING
+        try:
+            lc.finish(reason)
+        except ReleaseCallbackError as exc:
+            self._record_callback_error(exc)
+        except LifecycleError as exc:
+            self._refused[type(exc).__name__] += 1
+            raise
+        self._finished += 1
+        if was_offloading:
+            self._offloading -= 1
+
+    # ------------------------------------------------------------ progress
+
+    def poll(self) -> None:
+        """Apply completed copies and completed store writes. Never blocks (but an
+        :class:`Agreement` across ranks runs its collective here, every call)."""
+        acks = self.engine.poll()
+        if self.agreement is not None:
+            acks = self.agreement.agree(acks)
+        for ack in acks:
+            self._apply_ack(ack)
+        for result in self.store.poll():
+            self._apply_store_result(result)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain every copy and every store write; afterwards nothing is in flight or allocated."""
+        acks = self.engine.drain(timeout)
+        if self.agreement is not None:
+            acks = self.agreement.agree(acks)
+            while self.agreement.pending:
+                acks += self.agreement.agree([])
+        for ack in acks:
+            self._apply_ack(ack)
+        for result in self.store.drain(timeout):
+            self._apply_store_result(result)
+
+    def _apply_ack(self, ack: Ack) -> None:
+        ticket = ack.ticket
+        lc = ticket.lifecycle
+        was_finished = lc.state is State.FINISHED
+        try:
+            lc.ack(ticket)
+        except ReleaseCallbackError as exc:
+            self._record_callback_error(exc)
+        except LifecycleError as exc:
+            # A duplicate or foreign ack from the engine: its pages are not ours to touch.
+            self._refused[type(exc).__name__] += 1
+            return
+        self._chunks_acked += 1
+        if not was_finished and lc.state is State.IDLE:
+            self._offloading -= 1
+        latency = ack.completed_at - ack.submitted_at
+        self._latency_count += 1
+        self._latency_sum += latency
+        self._latency_max = max(self._latency_max, latency)
+        if not ack.ok:
+            self._copy_failures += 1
+            self.host.free(ack.host_pages, owner=lc)
+            return
+        self._pages_offloaded += len(ack.host_pages)
+        self.store.put((lc, ack.host_pages), ticket.keys, self._host_rows(ack.host_pages))
+
+    def _apply_store_result(self, result: StoreResult) -> None:
+        owner: ManagedLifecycle
+        host_pages: tuple[int, ...]
+        owner, host_pages = result.token  # type: ignore[misc]
+        self.host.free(host_pages, owner=owner)
+        if result.ok:
+            self._pages_stored += len(result.keys)
+        else:
+            self._store_failures += 1
+
+    def _host_rows(self, pages: Sequence[int]) -> torch.Tensor:
+        """The host pages as one [n, page_numel] tensor: a view when they are consecutive."""
+        first = pages[0]
+        if all(p == first + i for i, p in enumerate(pages)):
+            return self.host.tensor[first : first + len(pages)]
+        return self.host.tensor[list(pages)]
+
+    def _on_release(self, lc: Lifecycle) -> None:
+        assert isinstance(lc, ManagedLifecycle)
+        self._released += 1
+        handler = lc.release_handler
+        if handler is not None:
+            handler(lc, lc.device_pages)
+
+    def _record_callback_error(self, exc: ReleaseCallbackError) -> None:
+        self._callback_errors += 1
+        self.callback_errors.append(exc)
+        del self.callback_errors[:-100]
+
+    def _check_owned(self, lc: Lifecycle) -> None:
+        if not isinstance(lc, ManagedLifecycle) or lc._manager is not self:
+            self._refused[ForeignLifecycle.__name__] += 1
+            raise ForeignLifecycle(f"{lc!r} was not started by this manager")
+
+    # ------------------------------------------------------------ metrics
+
+    def metrics(self) -> ManagerMetrics:
+        """Counters now: Lifecycles per state, chunks, pages, bytes, failures, refusals, latency."""
+        live = self._started - self._finished
+        return ManagerMetrics(
+            lifecycles_started=self._started,
+            lifecycles_by_state={
+                State.IDLE.name: live - self._offloading,
+                State.OFFLOADING.name: self._offloading,
+                State.FINISHED.name: self._finished - self._released,
+                State.RELEASED.name: self._released,
+            },
+            chunks_submitted=self._chunks_submitted,
+            chunks_in_flight=self._chunks_submitted - self._chunks_acked,
+            chunks_acked=self._chunks_acked,
+            pages_offloaded=self._pages_offloaded,
+            bytes_offloaded=self._pages_offloaded * self._page_bytes,
+            pages_stored=self._pages_stored,
+            store_writes_pending=self.store.pending,
+            host_pages_used=self.host.num_used,
+            host_pool_exhausted=self._exhausted,
+            copy_failures=self._copy_failures,
+            store_failures=self._store_failures,
+            release_callback_errors=self._callback_errors,
+            refused_events=dict(self._refused),
+            ack_latency_count=self._latency_count,
+            ack_latency_sum_s=self._latency_sum,
+            ack_latency_max_s=self._latency_max,
+        )

@@ -1,0 +1,444 @@
+"""A decode runtime simulated with real parts, that proves no KV page is lost or misfiled.
+
+Real parts: a torch KV pool in a real layout, the threaded CPU copy engine with
+random copy delays, the offload manager, the local-directory store. Requests
+arrive, prefill, decode token by token, finish, abort, or are retracted and
+resume later with a new Lifecycle. Rids come from a small pool, so reuse is
+constant; freed device pages are poisoned and reused at once, as real
+allocators reuse them.
+
+Content addressing makes the run verifiable: a page's KV values are a
+deterministic function of the page's hash-chain key (its token prefix). Token
+ids are a deterministic function of the prompt and the position (a greedy
+"model"), and prompts come from a fixed pool, so the set of keys - and the
+store - stays bounded however many requests run. At the end every stored page
+is re-derived from its key and compared bit for bit, and every device and host
+page is accounted for.
+
+The manager under test is pluggable (:class:`SimManager`): kvlife's
+:class:`~kvlife.manager.OffloadManager` by default; a rid-keyed variant in the
+tests shows that the check fails where the bookkeeping is wrong.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvlife._lifecycle import FinishReason
+from kvlife.engine.cpu import CpuCopyEngine
+from kvlife.hashing import sglang_page_hashes
+from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
+from kvlife.manager import OffloadManager
+from kvlife.pool import HostPagePool
+from kvlife.store.directory import LocalDirectoryStore
+
+__all__ = ["SimConfig", "SimManager", "SimReport", "run_simulation"]
+
+VOCAB = 32_000
+POISON = -7.0
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LAYOUTS = ("layer-first", "page-first", "mla")
+
+
+@dataclass
+class SimConfig:
+    """Everything a run depends on; the same config and seed give the same run."""
+
+    requests: int = 2000
+    concurrency: int = 32
+    rid_pool: int = 8
+    prompt_pool: int = 64
+    page_size: int = 16
+    stride: int | None = None
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 32
+    layout: str = "layer-first"
+    dtype: str = "bfloat16"
+    seed: int = 0
+    store_dir: str | None = None
+    copy_delay: float = 0.002
+    copy_fail_rate: float = 0.0
+    store_fail_rate: float = 0.0
+    abort_rate: float = 0.05
+    retract_rate: float = 0.05
+    prompt_len: tuple[int, int] = (4, 48)
+    output_len: tuple[int, int] = (8, 96)
+    host_pages: int = 1024
+
+
+@dataclass
+class SimReport:
+    """What a run found. ``ok`` is false on any corruption, leak or violation."""
+
+    requests: int = 0
+    lifecycles_started: int = 0
+    lifecycles_released: int = 0
+    finished: int = 0
+    aborted: int = 0
+    retracted: int = 0
+    chunks_offloaded: int = 0
+    pages_stored: int = 0
+    pages_verified: int = 0
+    corrupted_pages: int = 0
+    misfiled_pages: int = 0
+    leaked_host_pages: int = 0
+    leaked_device_pages: int = 0
+    refused_events: int = 0
+    invariant_violations: int = 0
+    copy_failures: int = 0
+    store_failures: int = 0
+    host_pool_exhausted: int = 0
+    offload_gbps: float = 0.0
+    elapsed_s: float = 0.0
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No corruption, no misfiled page, no leak, no violated invariant."""
+        return not (
+            self.corrupted_pages
+            or self.misfiled_pages
+            or self.leaked_host_pages
+            or self.leaked_device_pages
+            or self.invariant_violations
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, with ``ok``; the first few violations only."""
+        out = asdict(self)
+        out["violations"] = self.violations[:20]
+        out["ok"] = self.ok
+        return out
+
+
+ReleaseFn = Callable[[Any, Sequence[int]], object]
+
+
+class SimManager(Protocol):
+    """What the simulator needs of an offload manager (kvlife's fits as it is)."""
+
+    def start(self, rid: object, prompt: Sequence[int], on_release: ReleaseFn) -> Any: ...
+    def offload(self, lc: Any, tokens: Sequence[int], device_pages: Sequence[int]) -> object: ...
+    def finish(self, lc: Any, reason: FinishReason = ...) -> None: ...
+    def poll(self) -> None: ...
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+ManagerFactory = Callable[..., SimManager]
+
+
+def page_values(key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The KV values of the page whose key is ``key``: a pure function of the key."""
+    gen = torch.Generator().manual_seed(int(key[:15], 16))
+    return torch.randn(numel, generator=gen).to(dtype)
+
+
+def next_token(prompt_id: int, position: int) -> int:
+    """The greedy "model": the token at ``position`` of any request with this prompt."""
+    return (prompt_id * 1_000_003 + position * 7_919 + 17) % VOCAB
+
+
+class _Request:
+    """One request as the runtime sees it, across lives (a retraction starts a new life)."""
+
+    __slots__ = (
+        "handle",
+        "keys",
+        "life",
+        "pages",
+        "prompt_id",
+        "rid",
+        "target",
+        "tokens",
+        "written",
+    )
+
+    def __init__(self, rid: str, prompt_id: int, tokens: list[int], target: int) -> None:
+        self.rid = rid
+        self.prompt_id = prompt_id
+        self.tokens = tokens
+        self.target = target
+        self.pages: list[int] = []
+        self.keys: list[str] = []  # the chain over every whole page of tokens with KV
+        self.written = 0  # pages whose values are on the device
+        self.handle: Any = None
+        self.life = 0
+
+
+class _DevicePages:
+    """The runtime's device page allocator: LIFO, so a freed page is reused at once."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.free: list[int] = list(range(layout.num_pages - 1, -1, -1))
+        self.total = layout.num_pages
+        self._poison = torch.full((layout.page_numel,), POISON).to(layout.dtype)
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def give_back(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self.layout.write_page(page, self._poison)  # a late reader sees poison
+            self.free.append(page)
+
+
+def make_layout(cfg: SimConfig, num_pages: int) -> KVLayout:
+    """The device KV pool of ``cfg``'s layout and model shape."""
+    dtype = DTYPES[cfg.dtype]
+    if cfg.layout == "layer-first":
+        return LayerFirstLayout(
+            cfg.layers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim, dtype=dtype
+        )
+    if cfg.layout == "page-first":
+        return PageFirstLayout(
+            cfg.layers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim, dtype=dtype
+        )
+    if cfg.layout == "mla":
+        return MLALayout(cfg.layers, num_pages, cfg.page_size, cfg.heads * cfg.head_dim, dtype)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
+
+
+def kvlife_manager(
+    engine: Any, host: Any, store: Any, *, page_size: int, stride: int | None
+) -> SimManager:
+    """kvlife's own manager, as the simulator builds it."""
+    return OffloadManager(engine, host, store, page_size=page_size, stride=stride)
+
+
+class Simulation:
+    """One run: build the parts, decode every request, verify, report."""
+
+    def __init__(
+        self,
+        cfg: SimConfig,
+        make_manager: ManagerFactory = kvlife_manager,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        if cfg.requests < 0 or cfg.concurrency <= 0 or cfg.rid_pool <= 0 or cfg.prompt_pool <= 0:
+            raise ValueError("requests >= 0 and concurrency, rid_pool, prompt_pool > 0")
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        max_tokens = cfg.prompt_len[1] + cfg.output_len[1] + 1
+        self.pages_per_request = -(-max_tokens // cfg.page_size)
+        # Room for every active request at full length, and as much again for
+        # finished ones whose copies still drain.
+        self.layout = make_layout(cfg, 2 * cfg.concurrency * self.pages_per_request)
+        self.device = _DevicePages(self.layout)
+        self.host = HostPagePool(cfg.host_pages, self.layout.page_numel, self.layout.dtype)
+        self.engine = CpuCopyEngine(
+            self.layout,
+            self.host,
+            copy_delay=cfg.copy_delay,
+            delay_jitter=cfg.copy_delay,
+            seed=cfg.seed,
+            fail_rate=cfg.copy_fail_rate,
+        )
+        self._own_dir = cfg.store_dir is None
+        self.store_dir = cfg.store_dir or tempfile.mkdtemp(prefix="kvlife-sim-")
+        self.store = LocalDirectoryStore(
+            self.store_dir, "sim", fail_rate=cfg.store_fail_rate, seed=cfg.seed
+        )
+        self.manager = make_manager(
+            self.engine, self.host, self.store, page_size=cfg.page_size, stride=cfg.stride
+        )
+        self.progress = progress
+        self.report = SimReport(requests=cfg.requests)
+        self.expected_keys: set[str] = set()
+        self.prompts = [self._prompt(i) for i in range(cfg.prompt_pool)]
+        self.waiting: deque[_Request] = deque()  # retracted, to resume
+        self.active: list[_Request] = []
+        self.unreleased: set[int] = set()  # lives started and not yet released
+        self.lives = 0
+        self.admitted = 0
+        self.done = 0
+
+    def _prompt(self, prompt_id: int) -> list[int]:
+        length = self.rng.randint(*self.cfg.prompt_len)
+        return [next_token(prompt_id, -1 - i) for i in range(length)]
+
+    # ------------------------------------------------------------- the run
+
+    def run(self) -> SimReport:
+        """Decode every request to its end, close, verify; the report."""
+        t0 = time.perf_counter()
+        try:
+            while self.done < self.cfg.requests:
+                self._admit()
+                self._step()
+                self.manager.poll()
+            self.manager.close(timeout=60)
+            self.report.elapsed_s = time.perf_counter() - t0
+            self._account()
+            self._verify()
+        finally:
+            self.engine.close()
+            self.store.close()
+            if self._own_dir:
+                shutil.rmtree(self.store_dir, ignore_errors=True)
+        return self.report
+
+    def _admit(self) -> None:
+        cfg = self.cfg
+        while len(self.active) < cfg.concurrency:
+            if self.waiting:
+                req = self.waiting.popleft()
+            elif self.admitted < cfg.requests:
+                prompt_id = self.rng.randrange(cfg.prompt_pool)
+                rid = f"rid-{self.rng.randrange(cfg.rid_pool)}"
+                target = len(self.prompts[prompt_id]) + self.rng.randint(*cfg.output_len)
+                req = _Request(rid, prompt_id, list(self.prompts[prompt_id]), target)
+                self.admitted += 1
+            else:
+                return
+            if not self._start_life(req):
+                self.waiting.appendleft(req)
+                return
+            self.active.append(req)
+
+    def _start_life(self, req: _Request) -> bool:
+        """Prefill ``req`` (again, after a retraction) into fresh device pages."""
+        needed = -(-(len(req.tokens) + 1) // self.cfg.page_size)
+        if len(self.device.free) < needed:
+            return False
+        req.pages = [self.device.take() for _ in range(needed)]  # type: ignore[misc]
+        req.written = 0
+        self.lives += 1
+        req.life = self.lives
+        life = self.lives
+        self.unreleased.add(life)
+
+        def on_release(handle: Any, device_pages: Sequence[int]) -> None:
+            self._released(req, life, handle, device_pages)
+
+        req.handle = self.manager.start(req.rid, req.tokens, on_release)
+        self.report.lifecycles_started += 1
+        self._write_pages(req, len(req.tokens))  # prefill computed the prompt's KV
+        return True
+
+    def _write_pages(self, req: _Request, kv_len: int) -> None:
+        """Put the values of every page that is whole within ``kv_len`` tokens on the device."""
+        page_size = self.cfg.page_size
+        while (req.written + 1) * page_size <= kv_len:
+            p = req.written
+            if p == len(req.keys):
+                prior = req.keys[-1] if req.keys else None
+                tokens = req.tokens[p * page_size : (p + 1) * page_size]
+                req.keys.append(sglang_page_hashes(tokens, page_size, prior)[0])
+            key = req.keys[p]
+            self.layout.write_page(
+                req.pages[p], page_values(key, self.layout.page_numel, self.layout.dtype)
+            )
+            self.expected_keys.add(key)
+            req.written += 1
+
+    def _step(self) -> None:
+        cfg = self.cfg
+        still: list[_Request] = []
+        for req in self.active:
+            req.tokens.append(next_token(req.prompt_id, len(req.tokens)))
+            if len(req.tokens) > len(req.pages) * cfg.page_size:
+                page = self.device.take()
+                if page is None:  # device full: retract, as a real scheduler would
+                    self._end(req, FinishReason.RETRACTED)
+                    continue
+                req.pages.append(page)
+            self._write_pages(req, len(req.tokens) - 1)  # the newest token has no KV yet
+            self.manager.offload(req.handle, req.tokens, req.pages)
+            roll = self.rng.random()
+            per_step = 1.0 / max(1, cfg.output_len[1])
+            if len(req.tokens) >= req.target:
+                self._end(req, FinishReason.FINISHED)
+            elif roll < cfg.abort_rate * per_step:
+                self._end(req, FinishReason.ABORTED)
+            elif roll < (cfg.abort_rate + cfg.retract_rate) * per_step:
+                self._end(req, FinishReason.RETRACTED)
+            else:
+                still.append(req)
+        self.active = still
+
+    def _end(self, req: _Request, reason: FinishReason) -> None:
+        counter = {"finished": "finished", "aborted": "aborted", "retracted": "retracted"}
+        setattr(self.report, counter[reason.value], getattr(self.report, counter[reason.value]) + 1)
+        self.manager.finish(req.handle, reason)
+        if reason is FinishReason.RETRACTED:
+            self.waiting.append(req)  # resumes later with a new life
+        else:
+            self.done += 1
+            if self.progress is not None:
+                self.progress(1)
+
+    def _released(self, req: _Request, life: int, handle: Any, device_pages: Sequence[int]) -> None:
+        """The release callback: check, then hand the pages back (poisoned, reused at once)."""
+        rep = self.report
+        if life not in self.unreleased:
+            self._violation(f"rid {req.rid} life {life}: released twice")
+            return
+        inflight = getattr(handle, "inflight", 0)
+        if inflight:
+            self._violation(f"rid {req.rid} life {life}: released with {inflight} in flight")
+        self.unreleased.discard(life)
+        rep.lifecycles_released += 1
+        self.device.give_back(device_pages)
+
+    def _violation(self, what: str) -> None:
+        self.report.invariant_violations += 1
+        self.report.violations.append(what)
+
+    # ------------------------------------------------------------- the proof
+
+    def _account(self) -> None:
+        rep = self.report
+        rep.leaked_host_pages = self.host.num_used
+        held = sum(len(r.pages) for r in self.active)
+        rep.leaked_device_pages = self.device.total - len(self.device.free) - held
+        if self.unreleased:
+            self._violation(f"{len(self.unreleased)} lives never released")
+        metrics = getattr(self.manager, "metrics", None)
+        if metrics is not None:
+            m = metrics()
+            rep.chunks_offloaded = m.chunks_acked
+            rep.refused_events = sum(m.refused_events.values())
+            rep.copy_failures = m.copy_failures
+            rep.store_failures = m.store_failures
+            rep.host_pool_exhausted = m.host_pool_exhausted
+            if rep.elapsed_s > 0:
+                rep.offload_gbps = m.bytes_offloaded / rep.elapsed_s / 1e9
+
+    def _verify(self) -> None:
+        rep = self.report
+        numel, dtype = self.layout.page_numel, self.layout.dtype
+        for key in self.store.keys():  # noqa: SIM118 (a store, not a dict)
+            rep.pages_stored += 1
+            data = self.store.get(key)
+            if key not in self.expected_keys:
+                rep.misfiled_pages += 1
+                continue
+            expected = page_values(key, numel, dtype).view(torch.uint8)
+            if data is None or not torch.equal(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), expected
+            ):
+                rep.corrupted_pages += 1
+            else:
+                rep.pages_verified += 1
+
+
+def run_simulation(
+    cfg: SimConfig,
+    make_manager: ManagerFactory = kvlife_manager,
+    progress: Callable[[int], None] | None = None,
+) -> SimReport:
+    """Run one simulation of ``cfg``; see :class:`SimReport`."""
+    return Simulation(cfg, make_manager, progress).run()

@@ -1,0 +1,315 @@
+"""The offload manager on real parts: a torch KV pool, the threaded CPU engine, a store.
+
+Each "Scenario:" test reproduces one bug class of DESIGN.md with a copy delay,
+and checks the stored bytes, not only counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from kvlife import FinishReason, State
+from kvlife.engine.cpu import CpuCopyEngine
+from kvlife.errors import DuplicateAck, ForeignLifecycle, InvalidStep, InvalidTransition
+from kvlife.hashing import page_hashes
+from kvlife.layout import LayerFirstLayout
+from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.pool import HostPagePool
+from kvlife.store.memory import MemoryStore
+
+PAGE = 4
+
+
+@dataclass
+class Rig:
+    """A small decode runtime's offload parts, all real."""
+
+    layout: LayerFirstLayout
+    host: HostPagePool
+    engine: CpuCopyEngine
+    store: MemoryStore
+    manager: OffloadManager
+    released: list[tuple[ManagedLifecycle, tuple[int, ...]]] = field(default_factory=list)
+
+    def on_release(self, lc: ManagedLifecycle, pages: object) -> None:
+        self.released.append((lc, tuple(pages)))  # type: ignore[call-overload]
+
+    def fill(self, pages: list[int], tag: int) -> None:
+        """Give each device page values no other (tag, page) has."""
+        for i, page in enumerate(pages):
+            n = self.layout.page_numel
+            self.layout.write_page(page, torch.arange(n, dtype=torch.float32) + tag * 1e4 + i * 1e2)
+
+    def stored(self, key: str) -> torch.Tensor:
+        data = self.store.get(key)
+        assert data is not None, f"key {key[:12]} not stored"
+        return torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+    def wait_acks(self, n: int, timeout: float = 5.0) -> None:
+        """Poll until ``n`` more chunks were acked (the engine is a real thread)."""
+        target = self.manager.metrics().chunks_acked + n
+        deadline = time.monotonic() + timeout
+        while self.manager.metrics().chunks_acked < target:
+            assert time.monotonic() < deadline, "acks did not arrive"
+            time.sleep(0.002)
+            self.manager.poll()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    layout = LayerFirstLayout(
+        num_layers=2, num_pages=64, page_size=PAGE, num_heads=2, head_dim=4, dtype=torch.float32
+    )
+    host = HostPagePool(32, layout.page_numel, torch.float32)
+    engine = CpuCopyEngine(layout, host, copy_delay=0.05)
+    store = MemoryStore()
+    manager = OffloadManager(engine, host, store, page_size=PAGE)
+    yield Rig(layout, host, engine, store, manager)
+    manager.close(timeout=10)
+    engine.close()
+    store.close()
+
+
+def tokens_for(n: int, salt: int) -> list[int]:
+    return [(salt * 7919 + i) % 50_000 for i in range(n)]
+
+
+def test_stride_policy_offloads_whole_pages_after_prefill(rig: Rig) -> None:
+    """Prompt of 6 tokens: one page (4) came from prefill; the newest token has no KV."""
+    m = rig.manager
+    prompt = tokens_for(6, 1)
+    lc = m.start("r", prompt, rig.on_release)
+    assert lc.prefill_len == 4
+    pages = [10, 11, 12, 13]
+    rig.fill(pages, tag=1)
+    assert m.offload(lc, [*prompt, 1], pages) is None  # 6 tokens with KV after prefill: 2 < page
+    toks = [*prompt, 1, 2, 3]  # 9 tokens, 8 with KV: page 1 (tokens 4..8) is due
+    ticket = m.offload(lc, toks, pages)
+    assert ticket is not None and ticket.first_page == 0 and ticket.n_pages == 1
+    assert lc.state is State.OFFLOADING and lc.inflight == 1
+    assert m.offload(lc, toks, pages) is None  # nothing new is due while it flies
+    # The chain continues from the prefill side's keys for the prompt's whole page.
+    expected = page_hashes(toks[:8], PAGE)
+    assert ticket.keys == (expected[1],)
+    rig.wait_acks(1)
+    m.close()
+    assert torch.equal(rig.stored(expected[1]), rig.layout.read_page(11))
+    assert rig.host.num_used == 0
+
+
+def test_stride_larger_than_page_rounds_and_leaves_tail(rig: Rig) -> None:
+    m = OffloadManager(rig.engine, rig.host, rig.store, page_size=PAGE, stride=2 * PAGE + 3)
+    assert m.stride == 2 * PAGE
+    lc = m.start("r", [], rig.on_release)
+    pages = list(range(8))
+    toks = tokens_for(4 * PAGE + 1, 2)  # 16 tokens with KV: two strides
+    ticket = m.offload(lc, toks, pages)
+    assert ticket is not None and ticket.n_pages == 4
+    toks = toks + tokens_for(PAGE * 3, 3)  # 12 more with KV: one stride of 8, tail of 4 stays
+    t2 = m.offload(lc, toks, pages)
+    assert t2 is not None and t2.n_pages == 2 and t2.first_page == 4
+    m.finish(lc)
+    m.close()
+    assert lc.tokens_submitted == 6 * PAGE  # the short tail was never offloaded
+    assert [r[0] for r in rig.released] == [lc]
+
+
+@pytest.mark.parametrize("reason", list(FinishReason))
+def test_scenario_device_pages_not_released_while_copy_reads_them(
+    rig: Rig, reason: FinishReason
+) -> None:
+    """Scenario: a request finishes (or is aborted, or retracted) with a copy in flight.
+
+    The runtime must not get the device pages back before the copy has read
+    them: here it overwrites them the moment it gets them, as a real allocator
+    reuses pages at once. The stored page must hold the values at submit time.
+    """
+    m = rig.manager
+    lc = m.start("r", [], rig.on_release)
+    pages = [5, 6]
+    rig.fill(pages, tag=3)
+    before = rig.layout.read_page(5).clone()
+    ticket = m.offload(lc, tokens_for(PAGE + 1, 4), pages)
+    assert ticket is not None
+    m.finish(lc, reason)
+    assert rig.released == []  # the copy is still reading page 5
+    assert lc.state is State.FINISHED
+
+    def reuse_at_once(released: ManagedLifecycle, device_pages: object) -> None:
+        rig.on_release(released, device_pages)
+        rig.fill(list(device_pages), tag=99)  # type: ignore[call-overload]
+
+    lc.release_handler = reuse_at_once
+    rig.wait_acks(1)
+    assert rig.released == [(lc, (5, 6))]
+    m.close()
+    assert torch.equal(rig.stored(ticket.keys[0]), before)
+    assert lc.state is State.RELEASED and lc.finish_reason is reason
+
+
+def test_scenario_reused_rid_late_ack_moves_only_its_own_request(rig: Rig) -> None:
+    """Scenario: request A (rid "reused") finishes with a copy in flight; B reuses "reused".
+
+    A's late ack must release A (once) and leave B in flight with its own
+    progress; each page must be stored under its own request's key.
+    """
+    m = rig.manager
+    a = m.start("reused", [], rig.on_release)
+    rig.fill([1, 2], tag=1)
+    ta = m.offload(a, tokens_for(PAGE + 1, 1), [1, 2])
+    m.finish(a, FinishReason.ABORTED)
+    b = m.start("reused", [], rig.on_release)
+    rig.fill([3, 4, 5], tag=2)
+    rig.engine.slow_next(0.5)  # B's copy is slow, so A's ack lands while B's is in flight
+    tb = m.offload(b, tokens_for(2 * PAGE + 1, 2), [3, 4, 5])
+    assert ta is not None and tb is not None
+    a_page, b_pages = rig.layout.read_page(1).clone(), [rig.layout.read_page(p) for p in (3, 4)]
+    rig.wait_acks(1)
+    assert [r[0] for r in rig.released] == [a] and a.state is State.RELEASED
+    assert b.state is State.OFFLOADING and b.inflight == 1
+    assert b.tokens_submitted == 2 * PAGE and b.last_hash is None
+    m.close()
+    assert b.state is State.IDLE and [r[0] for r in rig.released] == [a]
+    assert b.last_hash == tb.keys[-1] and a.last_hash == ta.keys[-1]
+    assert torch.equal(rig.stored(ta.keys[0]), a_page)
+    for key, page in zip(tb.keys, b_pages, strict=True):
+        assert torch.equal(rig.stored(key), page)
+
+
+def test_scenario_full_host_pool_leaves_no_state_behind(rig: Rig) -> None:
+    """Scenario: the host pool is full when a chunk is due.
+
+    Nothing may change (no chunk recorded, no pages held); the chunk is
+    retried the next step once pages are free, and the refusal is counted.
+    """
+    small = HostPagePool(1, rig.layout.page_numel, torch.float32)
+    engine = CpuCopyEngine(rig.layout, small, copy_delay=0.02)
+    m = OffloadManager(engine, small, rig.store, page_size=PAGE)
+    try:
+        lc = m.start("r", [], rig.on_release)
+        before = lc.snapshot()
+        assert m.offload(lc, tokens_for(2 * PAGE + 1, 5), [1, 2]) is None  # needs 2 pages
+        assert lc.snapshot() == before and small.num_used == 0
+        assert m.metrics().host_pool_exhausted == 1
+        one = m.offload(lc, tokens_for(PAGE + 1, 5), [1, 2])
+        assert one is not None and small.num_used == 1
+        m.close()
+        assert small.num_used == 0 and rig.store.contains(one.keys[0])
+    finally:
+        engine.close()
+
+
+def test_scenario_progress_never_polled_close_drains_everything(rig: Rig) -> None:
+    """Scenario: a runtime submits and finishes but never polls; close() must drain it all."""
+    m = rig.manager
+    lcs = []
+    for i in range(4):
+        lc = m.start(f"r{i % 2}", [], rig.on_release)
+        pages = [8 * i + j for j in range(3)]
+        rig.fill(pages, tag=10 + i)
+        assert m.offload(lc, tokens_for(3 * PAGE + 1, i), pages) is not None
+        m.finish(lc)
+        lcs.append(lc)
+    m.close(timeout=10)
+    metrics = m.metrics()
+    assert metrics.chunks_in_flight == 0 and metrics.store_writes_pending == 0
+    assert rig.host.num_used == 0
+    assert {id(r[0]) for r in rig.released} == {id(lc) for lc in lcs}
+    assert metrics.pages_stored == 12 and metrics.lifecycles_by_state["RELEASED"] == 4
+
+
+def test_scenario_copy_failure_frees_host_pages_once_and_still_releases(rig: Rig) -> None:
+    """Scenario: a copy fails. Its pages are not stored, its host pages are freed
+    exactly once, and a duplicate of the failed ack is refused without a second free."""
+    m = rig.manager
+    lc = m.start("r", [], rig.on_release)
+    rig.engine.fail_next(1)
+    ticket = m.offload(lc, tokens_for(PAGE + 1, 6), [1])
+    assert ticket is not None
+    m.finish(lc)
+    acks = rig.engine.drain(5)
+    assert len(acks) == 1 and not acks[0].ok
+    m._apply_ack(acks[0])
+    assert rig.host.num_used == 0 and lc.state is State.RELEASED
+    m._apply_ack(acks[0])  # forced replay: an engine that reports twice
+    assert rig.host.num_used == 0
+    metrics = m.metrics()
+    assert metrics.copy_failures == 1 and metrics.refused_events == {DuplicateAck.__name__: 1}
+    assert not rig.store.contains(ticket.keys[0])
+    assert len(rig.released) == 1
+
+
+def test_scenario_store_failure_frees_host_pages_and_stores_nothing(rig: Rig) -> None:
+    """Scenario: the store fails a write: host pages freed, counted, no page visible."""
+    m = rig.manager
+    rig.store.fail_next(1)
+    lc = m.start("r", [], rig.on_release)
+    ticket = m.offload(lc, tokens_for(2 * PAGE + 1, 7), [1, 2])
+    assert ticket is not None
+    m.finish(lc)
+    m.close()
+    assert rig.host.num_used == 0 and m.metrics().store_failures == 1
+    assert not any(rig.store.contains(k) for k in ticket.keys)
+    assert lc.state is State.RELEASED
+
+
+def test_release_callback_error_is_reported_and_never_released_twice(rig: Rig) -> None:
+    m = rig.manager
+    calls = []
+
+    def broken(lc: ManagedLifecycle, pages: object) -> None:
+        calls.append(lc)
+        raise RuntimeError("runtime bug")
+
+    lc = m.start("r", [], broken)
+    m.offload(lc, tokens_for(PAGE + 1, 8), [1])
+    m.finish(lc)
+    m.close()
+    assert calls == [lc] and lc.state is State.RELEASED
+    assert m.metrics().release_callback_errors == 1
+    assert isinstance(m.callback_errors[0].__cause__, RuntimeError)
+    with pytest.raises(InvalidTransition):
+        m.finish(lc)
+    assert calls == [lc]
+
+
+def test_refusals_change_nothing(rig: Rig) -> None:
+    m = rig.manager
+    other = OffloadManager(rig.engine, rig.host, rig.store, page_size=PAGE)
+    lc = other.start("x", [], rig.on_release)
+    with pytest.raises(ForeignLifecycle):
+        m.offload(lc, tokens_for(PAGE + 1, 9), [1])
+    mine = m.start("y", [], rig.on_release)
+    before, used = mine.snapshot(), rig.host.num_used
+    with pytest.raises(InvalidStep):
+        m.offload(mine, tokens_for(2 * PAGE + 1, 9), [1])  # one page cannot hold 8 tokens
+    with pytest.raises(Exception) as info:
+        m.offload(mine, tokens_for(PAGE + 1, 9), [10_000])  # out of the device pool
+    assert info.type.__name__ != "AssertionError"
+    assert mine.snapshot() == before and rig.host.num_used == used
+    assert rig.engine.inflight == 0
+
+
+def test_metrics_never_negative_and_consistent(rig: Rig) -> None:
+    m = rig.manager
+    lcs = [m.start(f"r{i % 3}", [], rig.on_release) for i in range(6)]
+    for step in range(1, 4):
+        for i, lc in enumerate(lcs):
+            if lc.state in (State.IDLE, State.OFFLOADING):
+                m.offload(lc, tokens_for(step * PAGE + 1, i), list(range(8 * i, 8 * i + 4)))
+        m.poll()
+        snap = m.metrics()
+        assert all(v >= 0 for v in snap.lifecycles_by_state.values())
+        assert snap.chunks_in_flight == rig.engine.inflight
+        m.finish(lcs[step])
+    m.close()
+    snap = m.metrics()
+    assert snap.chunks_in_flight == 0
+    assert sum(snap.lifecycles_by_state.values()) == 6
+    assert all(v >= 0 for v in snap.lifecycles_by_state.values())
+    assert snap.lifecycles_by_state["RELEASED"] == 3
