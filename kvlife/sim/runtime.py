@@ -74,6 +74,9 @@ class SimConfig:
     prompt_len: tuple[int, int] = (4, 48)
     output_len: tuple[int, int] = (8, 96)
     host_pages: int = 1024
+    #: This process's rank in a tensor-parallel group: its KV shard's values and
+    #: its store namespace differ per rank (keys do not: all ranks share the chain).
+    rank: int = 0
 
 
 @dataclass
@@ -137,9 +140,9 @@ class SimManager(Protocol):
 ManagerFactory = Callable[..., SimManager]
 
 
-def page_values(key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The KV values of the page whose key is ``key``: a pure function of the key."""
-    gen = torch.Generator().manual_seed(int(key[:15], 16))
+def page_values(key: str, numel: int, dtype: torch.dtype, rank: int = 0) -> torch.Tensor:
+    """The KV values of the page whose key is ``key`` on ``rank``'s shard: a pure function."""
+    gen = torch.Generator().manual_seed(int(key[:15], 16) ^ (rank * 0x9E3779B97F4A7C15 % 2**60))
     return torch.randn(numel, generator=gen).to(dtype)
 
 
@@ -249,7 +252,7 @@ class Simulation:
         self._own_dir = cfg.store_dir is None
         self.store_dir = cfg.store_dir or tempfile.mkdtemp(prefix="kvlife-sim-")
         self.store = LocalDirectoryStore(
-            self.store_dir, "sim", fail_rate=cfg.store_fail_rate, seed=cfg.seed
+            self.store_dir, f"sim/rank{cfg.rank}", fail_rate=cfg.store_fail_rate, seed=cfg.seed
         )
         self.manager = make_manager(
             self.engine, self.host, self.store, page_size=cfg.page_size, stride=cfg.stride
@@ -339,7 +342,8 @@ class Simulation:
                 req.keys.append(sglang_page_hashes(tokens, page_size, prior)[0])
             key = req.keys[p]
             self.layout.write_page(
-                req.pages[p], page_values(key, self.layout.page_numel, self.layout.dtype)
+                req.pages[p],
+                page_values(key, self.layout.page_numel, self.layout.dtype, self.cfg.rank),
             )
             self.expected_keys.add(key)
             req.written += 1
@@ -426,7 +430,7 @@ class Simulation:
             if key not in self.expected_keys:
                 rep.misfiled_pages += 1
                 continue
-            expected = page_values(key, numel, dtype).view(torch.uint8)
+            expected = page_values(key, numel, dtype, self.cfg.rank).view(torch.uint8)
             if data is None or not torch.equal(
                 torch.frombuffer(bytearray(data), dtype=torch.uint8), expected
             ):
