@@ -39,6 +39,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model is built here
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 
@@ -64,20 +65,23 @@ TOLERANCE = 1e-5  # float32: restored KV must give the logits of a full recomput
 
 def build_model(args: argparse.Namespace) -> Any:
     """A small Llama-style causal LM with random weights under ``args.seed`` (no download)."""
-    transformers.logging.set_verbosity_error()
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.heads * args.head_dim,
-        intermediate_size=2 * args.heads * args.head_dim,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
+    sizes: dict[str, Any] = {
+        "vocab_size": args.vocab,
+        "hidden_size": args.heads * args.head_dim,
+        "intermediate_size": 2 * args.heads * args.head_dim,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "max_position_embeddings": 4096,
+        "attn_implementation": "sdpa",
+    }
+    config = LlamaConfig(**sizes)
     torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
+    model: Any = LlamaForCausalLM(config)
+    model = model.float().eval()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    return model
 
 
 def layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,8 +277,8 @@ class Runtime:
         self.args = args
         self.decoder = Decoder(model)
         cfg = model.config
-        self.layers = cfg.num_hidden_layers
-        self.page_size = args.page_size
+        self.layers: int = cfg.num_hidden_layers
+        self.page_size: int = args.page_size
         layout = LayerFirstLayout(
             cfg.num_hidden_layers,
             args.device_pages,
