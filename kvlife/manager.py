@@ -75,6 +75,9 @@ class Agreement(Protocol):
     def agree(self, acks: list[Ack]) -> list[Ack]:
         """Take this rank's newly completed acks; return those every rank completed."""
 
+    def admit(self, n_pages: int) -> bool:
+        """Whether to take ``n_pages`` host pages for a chunk now: the same answer on every rank."""
+
     @property
     def pending(self) -> int:
         """Submissions not yet returned by :meth:`agree`."""
@@ -244,6 +247,9 @@ class OffloadManager:
                 f"cannot hold {start + n} tokens"
             )
         chunk_pages = device_pages[first:end]
+        if self.agreement is not None and not self.agreement.admit(end - first):
+            self._exhausted += 1  # host pool full on some rank: no rank submits
+            return None
         host_pages = self.host.alloc(end - first, owner=lc)
         if host_pages is None:
             self._exhausted += 1
