@@ -23,6 +23,23 @@ def _pair(text: str) -> tuple[int, int]:
     return pair
 
 
+def _world_size(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a world size is at least 1, got {value}")
+    return value
+
+
+def _delays(text: str) -> list[float]:
+    try:
+        delays = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected D0,D1,... seconds, got {text!r}") from None
+    if not all(d >= 0 for d in delays):
+        raise argparse.ArgumentTypeError(f"copy delays are >= 0 seconds, got {text!r}")
+    return delays
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -68,6 +85,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--retract-rate", type=_rate, default=d.retract_rate, help="per request")
     p.add_argument("--prompt-len", type=_pair, default=d.prompt_len, metavar="LOW,HIGH")
     p.add_argument("--output-len", type=_pair, default=d.output_len, metavar="LOW,HIGH")
+    p.add_argument(
+        "--world-size",
+        type=_world_size,
+        default=1,
+        help="ranks of one tensor-parallel group: N processes in a gloo group that agree on acks",
+    )
+    p.add_argument(
+        "--agreement-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a rank waits for its peers in a collective before it fails (world size > 1)",
+    )
+    p.add_argument(
+        "--rank-copy-delays",
+        type=_delays,
+        default=None,
+        metavar="D0,D1,...",
+        help="a copy delay per rank in seconds (e.g. one slow rank); default: --copy-delay",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.set_defaults(handler=_simulate)
 
@@ -79,6 +115,8 @@ def _config(args: argparse.Namespace) -> SimConfig:
 
 def _simulate(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    if args.world_size > 1 or args.rank_copy_delays is not None:
+        return _simulate_ranks(cfg, args)
     quiet = args.json or not sys.stdout.isatty()
     report = run_simulation(cfg) if quiet else _with_progress(cfg)
     if args.json:
@@ -86,6 +124,67 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         _print_summary(cfg, report)
     return 0 if report.ok else 1
+
+
+def _simulate_ranks(cfg: SimConfig, args: argparse.Namespace) -> int:
+    """``--world-size N``: N processes; ``ranks_agreed`` and per-rank figures."""
+    from kvlife.sim.distributed import run_distributed
+
+    delays = args.rank_copy_delays
+    if delays is not None and len(delays) != args.world_size:
+        print(
+            f"kvlife simulate: --rank-copy-delays gives {len(delays)} delays for "
+            f"{args.world_size} ranks",
+            file=sys.stderr,
+        )
+        return 2
+    result = run_distributed(
+        cfg, args.world_size, timeout=args.agreement_timeout, copy_delays=delays
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_ranks(cfg, result)
+    return 0 if result["ok"] and result["ranks_agreed"] else 1
+
+
+def _print_ranks(cfg: SimConfig, result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    per_rank = result["per_rank"]
+    table = Table(title=f"kvlife simulate, {result['world_size']} ranks (seed {cfg.seed})")
+    table.add_column("figure")
+    for r in per_rank:
+        table.add_column(f"rank {r['rank']}", justify="right")
+    shown = (
+        "ok",
+        "requests",
+        "lifecycles_released",
+        "chunks_offloaded",
+        "pages_verified",
+        "corrupted_pages",
+        "host_pool_exhausted",
+        "copy_failures",
+        "store_failures",
+        "stored_keys",
+        "stored_keys_digest",
+        "releases",
+        "release_digest",
+        "elapsed_s",
+    )
+    for key in shown:
+        cells = [r.get(key, "-") for r in per_rank]
+        table.add_row(key, *(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells))
+    console = Console()
+    console.print(table)
+    for r in per_rank:
+        if "error" in r:
+            console.print(f"[red]rank {r['rank']}:[/] {r['error']}")
+    if result["ok"] and result["ranks_agreed"]:
+        console.print("[bold green]OK[/]: every rank verified; stores and releases identical")
+    else:
+        console.print("[bold red]FAILED[/]: ranks_agreed=" + str(result["ranks_agreed"]))
 
 
 def _with_progress(cfg: SimConfig) -> SimReport:

@@ -1,0 +1,395 @@
+"""Agreement across the ranks of one tensor-parallel group, over ``torch.distributed``.
+
+Theory of operation
+===================
+
+Every rank of a tensor-parallel group runs its own copy engine on its own
+shard of the KV pool, and must apply the same acks in the same order, or the
+ranks' stores and releases diverge. :class:`TorchAgreement` is the
+:class:`~kvlife.manager.Agreement` that makes them do so. Its primitives, one
+line each:
+
+* ``submitted(ticket)`` -- the manager submitted a chunk; it gets the next
+  *submission index* (0, 1, 2, ... on every rank alike) and extends the
+  running fingerprint of submissions;
+* ``agree(acks)`` -- each poll: record this rank's newly completed acks, run
+  **one** collective, return the acks every rank completed, in submission order;
+* ``admit(n_pages)`` -- before the manager takes host pages for a chunk: the
+  same yes/no on every rank (the host pools fill at different times);
+* ``pending`` -- submissions not yet returned by ``agree``.
+
+The collective is one ``all_reduce(MIN)`` of seven int64 words, on every
+poll, even with nothing to do, so no rank can wait on a collective another
+skipped:
+
+====  ===============================  ====================================
+word  this rank puts                    the MIN means
+====  ===============================  ====================================
+0     completed prefix (local)          chunks complete on every rank
+1,2   submissions, minus submissions    fewest, and (negated) most, submitted
+3,4   fingerprint, minus fingerprint    lowest, and (negated) highest, fingerprint
+5     first failed copy not applied     the first failure on any rank
+6     free host pages                   the host budget until the next poll
+====  ===============================  ====================================
+
+A rank's *completed prefix* is the number of chunks, in submission order,
+whose copies completed locally with no gap. The MIN over ranks is the prefix
+complete everywhere; every rank applies exactly the chunks from the last agreed
+point up to it, in submission order, so an ack is never applied on one rank
+before every rank has completed it. A copy that failed on *any* rank is applied
+as failed on *every* rank (word 5 caps the agreed prefix just after the first
+failure), so no rank stores a page another rank lost.
+
+Divergence: the fingerprint is a running hash of each submission's page count
+and last page key (the hash chain's tail, which names the whole token prefix;
+never the rid, which is a label). If MIN and MAX of the submission count or of
+the fingerprint differ, the ranks submitted different sequences: every rank
+sees that in the same collective and raises :class:`SubmissionDivergence`. The
+first differing chunk is found from a short history: the fingerprint after
+each submission since the last poll at which all ranks agreed, gathered once
+(``all_gather_object``) on this rare path only.
+
+Host pages: the manager asks ``admit`` before it allocates. The answer comes
+from a budget that is the same on every rank: the MIN of free host pages at the
+last collective, less the pages admitted since. A rank's pool only gains pages
+between collectives (stores finish, failures free), so an admitted allocation
+always succeeds locally, and a full pool on one rank stops every rank alike.
+
+Failure: a peer that crashed closes its connections; a peer that hangs or stops
+polling leaves the collective waiting. Both become a :class:`RankFailure`
+(:class:`AgreementTimeout` for the latter) within ``timeout`` seconds. After
+any error the agreement is broken for good: every later call raises at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+import zlib
+from dataclasses import replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from kvlife._lifecycle import Lifecycle, Ticket
+from kvlife.engine.base import Ack
+from kvlife.errors import KVLifeError
+
+if TYPE_CHECKING:
+    from kvlife.pool import HostPagePool
+
+__all__ = [
+    "AgreementConfigError",
+    "AgreementError",
+    "AgreementTimeout",
+    "InvalidSubmission",
+    "PeerCopyFailed",
+    "RankFailure",
+    "SubmissionDivergence",
+    "TorchAgreement",
+    "chunk_fingerprint",
+]
+
+_MOD = (1 << 61) - 1  # a Mersenne prime: the running fingerprint lives in [0, 2**61)
+_MULT = 0x9E3779B97F4A7C15 % _MOD
+_NONE = (1 << 62) - 1  # "no failure" / "no host pool" in a MIN word
+_WORDS = 7
+
+
+class AgreementError(KVLifeError):
+    """The ranks could not agree; after one, the agreement refuses every later call."""
+
+
+class AgreementConfigError(AgreementError, ValueError):
+    """An agreement constructed without a usable process group or with an impossible timeout."""
+
+
+class InvalidSubmission(AgreementError, ValueError):
+    """A submission or ack the agreement cannot take (not a ticket, submitted twice)."""
+
+
+class SubmissionDivergence(AgreementError):
+    """Ranks submitted different chunk sequences (a runtime bug); raised on every rank.
+
+    ``index`` is the first submission index at which the ranks differ;
+    ``chunks[r]`` describes rank r's chunk at that index (``None``: it had none).
+    """
+
+    def __init__(self, message: str, *, index: int, chunks: list[str | None]) -> None:
+        super().__init__(message)
+        self.index = index
+        self.chunks = chunks
+
+
+class RankFailure(AgreementError, RuntimeError):
+    """A peer rank crashed or its connection broke during the agreement's collective."""
+
+
+class AgreementTimeout(RankFailure, TimeoutError):
+    """A peer did not join the agreement's collective within the timeout (hung or stopped)."""
+
+
+class PeerCopyFailed(AgreementError):
+    """The error of an ack whose copy succeeded here but failed on another rank."""
+
+
+def chunk_fingerprint(fp: int, n_pages: int, last_key: str) -> int:
+    """The running fingerprint after one more chunk: cheap, stable across processes."""
+    word = zlib.crc32(last_key.encode()) | (n_pages << 32)
+    return (fp + word + 1) * _MULT % _MOD
+
+
+def _describe(ticket: Ticket) -> str:
+    key = ticket.keys[-1] if ticket.keys else ""
+    return (
+        f"rid={ticket.lifecycle.rid!r} seq={ticket.seq} pages={ticket.n_pages} last key {key[:16]}"
+    )
+
+
+class TorchAgreement:
+    """Agreement over a ``torch.distributed`` group: one MIN all-reduce of 7 int64 per poll.
+
+    ``group``: any process group (default: the world). A group with a gloo
+    backend is used as it is; for any other (NCCL) a gloo group of the same
+    ranks is made next to it, as serving engines do. ``timeout``: seconds a
+    collective may wait for a peer before :class:`AgreementTimeout`. ``host``:
+    the host page pool the manager allocates from; with it, :meth:`admit`
+    answers from an agreed budget (without it, ``admit`` always says yes and
+    the runtime must make host-pool exhaustion identical on every rank).
+
+    Every rank of the group constructs it at the same point (with ``host`` the
+    constructor runs one collective), and every rank polls the same number of
+    times.
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        timeout: float = 60.0,
+        host: HostPagePool | None = None,
+    ) -> None:
+        if not isinstance(timeout, (int, float)) or not (timeout > 0 and math.isfinite(timeout)):
+            raise AgreementConfigError(f"timeout must be a positive number of seconds: {timeout!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise AgreementConfigError(
+                "torch.distributed is not initialized: call init_process_group first "
+                "(one process needs no agreement: pass agreement=None)"
+            )
+        self.timeout = float(timeout)
+        self._wait = timedelta(seconds=self.timeout)
+        self.group = self._cpu_group(group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self._buf = torch.zeros(_WORDS, dtype=torch.int64)
+        self._words = self._buf.numpy()
+        # Submissions, by absolute submission index.
+        self._count = 0  # submitted
+        self._applied = 0  # returned by agree, on every rank alike
+        self._done = 0  # local completed prefix
+        self._index: dict[tuple[Lifecycle, int], int] = {}  # pending (lifecycle, seq) -> index
+        self._acks: dict[int, Ack] = {}  # completed locally, not yet applied
+        self._failed: list[int] = []  # heap of indices in _acks whose copy failed
+        self._dups: dict[int, list[Ack]] = {}  # duplicate acks, returned after the original
+        self._strays: list[Ack] = []  # acks of no pending chunk: the Lifecycle refuses them
+        # Divergence check.
+        self._fp = 0
+        self._checked = 0  # submissions whose fingerprints all ranks agreed on
+        self._history: list[tuple[int, Ticket]] = []  # (fp after, ticket) since _checked
+        # Host budget.
+        self._host = host
+        self._budget = 0
+        self._broken: AgreementError | None = None
+        #: Collectives run (one per :meth:`agree` call, one more with ``host``).
+        self.collectives = 0
+        #: Chunks returned as agreed.
+        self.chunks_agreed = 0
+        #: Acks returned as failed because another rank's copy failed.
+        self.peer_failures = 0
+        #: Seconds spent in the collective (sum).
+        self.collective_s = 0.0
+        if host is not None:
+            self._words[:] = [_NONE] * _WORDS
+            self._words[6] = host.num_free
+            self._all_reduce("construction")
+            self._budget = int(self._words[6])
+
+    def _cpu_group(self, group: Any) -> Any:
+        """The group the collective runs on: ``group`` if it has gloo, else a gloo sibling."""
+        target = group if group is not None else dist.group.WORLD
+        backend = str(dist.get_backend(target))
+        if "gloo" in backend:
+            return target
+        ranks = dist.get_process_group_ranks(target)
+        return dist.new_group(
+            ranks=ranks, backend="gloo", timeout=self._wait, use_local_synchronization=True
+        )
+
+    # ------------------------------------------------------------ the Agreement
+
+    @property
+    def pending(self) -> int:
+        """Submissions not yet returned by :meth:`agree` (the same on every rank)."""
+        return self._count - self._applied
+
+    def submitted(self, ticket: Ticket) -> None:
+        """Record one submission: its index, and the running fingerprint."""
+        self._check_usable()
+        if not isinstance(ticket, Ticket):
+            raise InvalidSubmission(f"expected a Ticket, got {type(ticket).__name__}")
+        key = (ticket.lifecycle, ticket.seq)
+        if key in self._index:
+            raise InvalidSubmission(f"chunk {_describe(ticket)} was already submitted")
+        self._index[key] = self._count
+        self._count += 1
+        self._fp = chunk_fingerprint(self._fp, ticket.n_pages, ticket.keys[-1])
+        self._history.append((self._fp, ticket))
+
+    def admit(self, n_pages: int) -> bool:
+        """Whether to take ``n_pages`` host pages now: the same answer on every rank."""
+        if self._host is None:
+            return True
+        if n_pages > self._budget:
+            return False
+        self._budget -= n_pages
+        return True
+
+    def agree(self, acks: list[Ack]) -> list[Ack]:
+        """Take this rank's newly completed acks; run the collective; return the agreed ones.
+
+        The returned acks are those complete on every rank, in submission order
+        (a failure anywhere is a failure here), then any duplicate or unknown
+        acks, for the Lifecycle to refuse.
+        """
+        self._check_usable()
+        for ack in acks:
+            if not isinstance(ack, Ack):
+                raise InvalidSubmission(f"expected an Ack, got {type(ack).__name__}")
+        index, store = self._index, self._acks
+        for ack in acks:
+            i = index.get((ack.ticket.lifecycle, ack.ticket.seq))
+            if i is None:
+                self._strays.append(ack)
+            elif i in store:
+                self._dups.setdefault(i, []).append(ack)
+            else:
+                store[i] = ack
+                if ack.error is not None:
+                    heapq.heappush(self._failed, i)
+        done = self._done
+        while done in store:
+            done += 1
+        self._done = done
+
+        words = self._words
+        count, fp = self._count, self._fp
+        words[:] = [
+            done,
+            count,
+            -count,
+            fp,
+            -fp,
+            self._failed[0] if self._failed else _NONE,
+            self._host.num_free if self._host is not None else _NONE,
+        ]
+        self._all_reduce("poll")
+        agreed_done, fewest, most, low, high, first_failure, free = words.tolist()
+        if fewest != -most or low != -high:
+            self._diverged(fewest, -most)
+        self._checked = count
+        self._history.clear()
+        self._budget = free
+
+        agreed = min(agreed_done, first_failure + 1)
+        out: list[Ack] = []
+        for i in range(self._applied, agreed):
+            ack = store.pop(i)
+            if ack.error is not None:
+                heapq.heappop(self._failed)  # failures leave in index order too
+            elif i == first_failure:
+                ack = replace(
+                    ack,
+                    error=PeerCopyFailed(
+                        f"chunk {_describe(ack.ticket)} (submission {i}) failed on another rank"
+                    ),
+                )
+                self.peer_failures += 1
+            del index[(ack.ticket.lifecycle, ack.ticket.seq)]
+            out.append(ack)
+            extra = self._dups.pop(i, None)
+            if extra:
+                out.extend(extra)
+        if agreed > self._applied:
+            self.chunks_agreed += agreed - self._applied
+            self._applied = agreed
+        if self._strays:
+            out.extend(self._strays)
+            self._strays = []
+        return out
+
+    # ------------------------------------------------------------ internals
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken  # the same error again: nothing may be applied after it
+
+    def _all_reduce(self, what: str) -> None:
+        """One MIN all-reduce of the words; any failure becomes a (sticky) RankFailure."""
+        t0 = time.perf_counter()
+        try:
+            work = dist.all_reduce(self._buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            finished = work.wait(timeout=self._wait)
+        except RuntimeError as exc:
+            self._fail(exc, what, time.perf_counter() - t0)
+        if finished is False:
+            self._fail(None, what, time.perf_counter() - t0)
+        self.collectives += 1
+        self.collective_s += time.perf_counter() - t0
+
+    def _fail(self, exc: BaseException | None, what: str, elapsed: float) -> NoReturn:
+        timed_out = exc is None or "timed out" in str(exc).lower() or elapsed >= self.timeout
+        kind = AgreementTimeout if timed_out else RankFailure
+        why = "no peer answer in time" if timed_out else "a peer's connection broke"
+        error = kind(
+            f"rank {self.rank} of {self.world_size}: the agreement's {what} collective failed "
+            f"after {elapsed:.1f} s (timeout {self.timeout:g} s; {why}): a peer rank crashed, "
+            f"hung or stopped polling. Nothing was applied. Cause: {exc}"
+        )
+        self._broken = error
+        raise error from exc
+
+    def _diverged(self, fewest: int, most: int) -> NoReturn:
+        """Gather every rank's fingerprints since the last agreed poll; raise at the first diff."""
+        mine = [(fp, _describe(ticket)) for fp, ticket in self._history]
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, (self._checked, mine), group=self.group)
+        except RuntimeError as exc:
+            self._fail(exc, "divergence diagnosis", 0.0)
+        base = min(int(entry[0]) for entry in gathered)
+        histories: list[list[tuple[int, str]]] = [
+            [(0, "")] * (int(b) - base) + list(h) for b, h in gathered
+        ]
+        longest = max(len(h) for h in histories)
+        first = next(
+            (
+                j
+                for j in range(longest)
+                if len({h[j][0] if j < len(h) else None for h in histories}) > 1
+            ),
+            longest,
+        )
+        chunks = [h[first][1] if first < len(h) else None for h in histories]
+        index = base + first
+        lines = "; ".join(f"rank {r}: {c or 'no chunk'}" for r, c in enumerate(chunks))
+        error = SubmissionDivergence(
+            f"ranks submitted different chunk sequences ({fewest} to {most} submissions); "
+            f"the first differing chunk is submission {index}: {lines}",
+            index=index,
+            chunks=chunks,
+        )
+        self._broken = error
+        raise error
