@@ -1,0 +1,158 @@
+"""ScriptedEngine: a copy engine whose copies complete only when the test says so.
+
+A real engine reads a chunk's device pages at some moment between ``submit``
+and the ack; nothing promises when. The scripted engine takes the adversarial
+choice: it reads the device pages **at completion time**, in
+:meth:`ScriptedEngine.complete`, and never earlier. So a runtime that hands a
+chunk's device pages back (and lets them be reused) before the chunk's ack
+gets the reused pages' bytes in its host copy and then in its store: early
+release shows up as a page stored under a key it does not belong to, not as
+luck. Reading at submit would hide exactly that bug.
+
+Everything else is a real copy engine: it checks chunks like the others
+(:func:`~kvlife.engine.base.check_chunk`, host pages busy while in flight),
+copies real tensors with the layout's page copy, and reports one
+:class:`~kvlife.engine.base.Ack` per chunk, in completion order, at the next
+:meth:`poll`. No thread: a test decides every interleaving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlife._lifecycle import Lifecycle, Ticket
+from kvlife.engine.base import (
+    Ack,
+    CopyFault,
+    EngineClosed,
+    EngineError,
+    check_chunk,
+    check_compatible,
+    check_pages,
+    host_runs,
+)
+from kvlife.layout import KVLayout
+from kvlife.pool import HostPagePool
+
+__all__ = ["CopyNotInFlight", "ScriptedCopy", "ScriptedEngine"]
+
+
+class CopyNotInFlight(EngineError, ValueError):
+    """``complete`` named a copy that is not in flight (already completed, or never submitted)."""
+
+
+@dataclass(eq=False, slots=True)
+class ScriptedCopy:
+    """One submitted chunk waiting for the test to complete it; compared by identity."""
+
+    #: The chunk's ticket (``ticket.lifecycle`` is the life that submitted it).
+    ticket: Ticket
+    #: Device pages the copy will read when completed, in page order.
+    device_pages: tuple[int, ...]
+    #: Host pages it will write.
+    host_pages: tuple[int, ...]
+    #: Submission number in this engine: 0, 1, 2, ...
+    number: int
+    submitted_at: float = field(default=0.0)
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """The Lifecycle that submitted the chunk."""
+        return self.ticket.lifecycle
+
+    def __repr__(self) -> str:
+        return (
+            f"<copy #{self.number} rid={self.ticket.lifecycle.rid!r} seq={self.ticket.seq} "
+            f"device={list(self.device_pages)} host={list(self.host_pages)}>"
+        )
+
+
+class ScriptedEngine:
+    """A :class:`~kvlife.engine.base.CopyEngine` that copies a chunk only when told to."""
+
+    def __init__(self, layout: KVLayout, host: HostPagePool) -> None:
+        check_compatible(layout, host)
+        self.layout = layout
+        self.host = host
+        self._in_flight: list[ScriptedCopy] = []
+        self._ready: list[Ack] = []
+        self._busy: set[int] = set()
+        self._submitted = 0
+        self._closed = False
+
+    # ---------------------------------------------------------------- the script
+
+    def in_flight(self, lifecycle: Lifecycle | None = None) -> list[ScriptedCopy]:
+        """Copies submitted and not completed, in submit order (only ``lifecycle``'s if given)."""
+        if lifecycle is None:
+            return list(self._in_flight)
+        return [c for c in self._in_flight if c.ticket.lifecycle is lifecycle]
+
+    def complete(self, copy: ScriptedCopy, ok: bool = True) -> None:
+        """Complete ``copy`` now: read its device pages into its host pages (or fail it).
+
+        The ack appears at the next :meth:`poll`. Refused with
+        :class:`CopyNotInFlight` (nothing changes) if ``copy`` is not in flight.
+        """
+        if not any(c is copy for c in self._in_flight):
+            raise CopyNotInFlight(f"{copy!r} is not in flight in this engine")
+        error: BaseException | None = None
+        if ok:
+            index = torch.tensor(copy.device_pages, dtype=torch.int64)
+            self.layout.gather_runs(index, self.host.tensor, host_runs(copy.host_pages))
+        else:
+            error = CopyFault(f"scripted copy fault in {copy!r}")
+        self._in_flight = [c for c in self._in_flight if c is not copy]
+        self._busy.difference_update(copy.host_pages)
+        self._ready.append(
+            Ack(
+                copy.ticket,
+                copy.device_pages,
+                copy.host_pages,
+                error,
+                copy.submitted_at,
+                time.perf_counter(),
+            )
+        )
+
+    # ---------------------------------------------------------------- the engine
+
+    @property
+    def inflight(self) -> int:
+        """Chunks submitted whose acks were not yet returned by poll or drain."""
+        return len(self._in_flight) + len(self._ready)
+
+    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
+        check_pages(device_pages, host_pages, self.layout, self.host, self._busy)
+
+    def submit(
+        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> None:
+        """Validate the chunk and hold it until :meth:`complete`; refusals change nothing."""
+        if self._closed:
+            raise EngineClosed("the engine is closed; it takes no more chunks")
+        dev, hst = check_chunk(ticket, device_pages, host_pages, self.layout, self.host, self._busy)
+        copy = ScriptedCopy(ticket, dev, hst, self._submitted, time.perf_counter())
+        self._submitted += 1
+        self._busy.update(hst)
+        self._in_flight.append(copy)
+
+    def poll(self) -> list[Ack]:
+        """Acks of the copies completed since the last poll or drain, in completion order."""
+        acks, self._ready = self._ready, []
+        return acks
+
+    def drain(self, timeout: float | None = None) -> list[Ack]:
+        """Complete every copy still in flight (successfully, in submit order); return every ack."""
+        for copy in list(self._in_flight):
+            self.complete(copy)
+        return self.poll()
+
+    def close(self) -> None:
+        """Take no more chunks; copies in flight can still be completed."""
+        self._closed = True

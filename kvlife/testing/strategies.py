@@ -1,0 +1,146 @@
+"""Hypothesis strategies for the kit: rids that get reused, prompts, decode steps, events.
+
+Small pools on purpose: three rids and a handful of prompts and token ids make
+reused rids and lives whose chunks look like another life's (same rid, same
+seq, even the same keys) the common case, not a rare one. :func:`events`
+draws whole event sequences; :func:`replay` runs one against an adapter, the
+stateless twin of :class:`~kvlife.testing.RuntimeMachine`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+from hypothesis import strategies as st
+
+from kvlife._lifecycle import FinishReason
+from kvlife.testing.adapter import (
+    Complete,
+    Finish,
+    KitEvent,
+    Oracle,
+    Poll,
+    Resume,
+    RuntimeAdapter,
+    Start,
+    Step,
+)
+
+__all__ = [
+    "RIDS",
+    "copy_outcomes",
+    "decode_tokens",
+    "events",
+    "finish_reasons",
+    "prompts",
+    "replay",
+    "rids",
+]
+
+#: The rid pool: small, so reuse is frequent.
+RIDS = ("r0", "r1", "r2")
+
+
+def rids(pool: Sequence[str] = RIDS) -> st.SearchStrategy[str]:
+    """A rid from a small pool."""
+    return st.sampled_from(tuple(pool))
+
+
+def prompts(max_tokens: int = 7) -> st.SearchStrategy[tuple[int, ...]]:
+    """A prompt of 1 to ``max_tokens`` ids from a tiny vocabulary (equal prompts are common)."""
+    return st.lists(st.integers(0, 3), min_size=1, max_size=max_tokens).map(tuple)
+
+
+def decode_tokens(max_tokens: int = 4) -> st.SearchStrategy[tuple[int, ...]]:
+    """The tokens one or a few decode steps produce."""
+    return st.lists(st.integers(0, 5), min_size=1, max_size=max_tokens).map(tuple)
+
+
+def finish_reasons() -> st.SearchStrategy[FinishReason]:
+    """Finished, aborted or retracted."""
+    return st.sampled_from(tuple(FinishReason))
+
+
+def copy_outcomes() -> st.SearchStrategy[bool]:
+    """A copy's outcome: mostly success, sometimes a failed copy."""
+    return st.sampled_from((True, True, True, False))
+
+
+def events(max_events: int = 40) -> st.SearchStrategy[list[KitEvent]]:
+    """Event sequences; lives and chunks are picked by index, modulo what exists when replayed."""
+    pick = st.integers(0, 7)
+    event: st.SearchStrategy[KitEvent] = st.one_of(
+        st.builds(Start, rids(), prompts()),
+        st.builds(Step, pick, decode_tokens()),
+        st.builds(Step, pick, decode_tokens()),
+        st.builds(Finish, pick, finish_reasons()),
+        st.builds(Resume, pick),
+        st.builds(Complete, pick, pick, copy_outcomes(), st.booleans()),
+        st.builds(Complete, pick, pick, copy_outcomes(), st.booleans()),
+        st.just(Poll()),
+    )
+    return st.lists(event, max_size=max_events)
+
+
+def replay(
+    adapter_factory: Callable[[], RuntimeAdapter],
+    sequence: Sequence[KitEvent],
+    *,
+    max_unreleased: int = 6,
+    max_tokens: int = 24,
+) -> Oracle:
+    """Run ``sequence`` on a fresh adapter under the oracle, then close; the oracle.
+
+    Indices are taken modulo the lives (or copies) that exist at that point,
+    and events that cannot happen then (no running life, a rid still running)
+    are skipped, so any drawn sequence is a valid run. Raises on the first
+    broken rule; the adapter is closed either way.
+    """
+    adapter = adapter_factory()
+    oracle = Oracle(adapter)
+    clean = False
+    try:
+        for event in sequence:
+            concrete = _concrete(oracle, event, max_unreleased, max_tokens)
+            if concrete is not None:
+                oracle.apply(concrete)
+        oracle.close()
+        clean = True
+    finally:
+        if not clean:
+            with contextlib.suppress(Exception):  # the first failure is the one to report
+                adapter.close()
+    return oracle
+
+
+def _concrete(
+    oracle: Oracle, event: KitEvent, max_unreleased: int, max_tokens: int
+) -> KitEvent | None:
+    """``event`` with its indices resolved against the oracle's lives now, or None to skip."""
+    running = oracle.running()
+    if isinstance(event, Start):
+        busy = {life.rid for life in running}
+        ok = event.rid not in busy and oracle.unreleased() < max_unreleased
+        return event if ok else None
+    if isinstance(event, Step):
+        growing = [life for life in running if len(life.tokens) < max_tokens]
+        if not growing:
+            return None
+        return Step(growing[event.life % len(growing)].index, event.tokens)
+    if isinstance(event, Finish):
+        return Finish(running[event.life % len(running)].index, event.reason) if running else None
+    if isinstance(event, Resume):
+        ready = oracle.resumable()
+        if not ready or oracle.unreleased() >= max_unreleased:
+            return None
+        return Resume(ready[event.life % len(ready)].index)
+    if isinstance(event, Complete):
+        oracle.check()  # registers the copies submitted so far
+        waiting = oracle.in_flight()
+        if not waiting:
+            return None
+        copy = waiting[event.chunk % len(waiting)]
+        life = next(lf for lf in oracle.lives if any(c is copy for c in lf.copies))
+        return Complete(life.index, life.copies.index(copy), event.ok, event.poll)
+    return event
