@@ -87,12 +87,20 @@ def _register_simulate(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     register(subparsers)
 
 
+def _register_check(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kvlife check``: every interleaving of a small configuration (see :mod:`kvlife.testing`)."""
+    from kvlife.testing.command import register
+
+    register(subparsers)
+
+
 #: Every subcommand: (name, register function). Add one entry per new subcommand.
 COMMANDS: list[
     tuple[str, Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]
 ] = [
     ("diagram", _register_diagram),
     ("simulate", _register_simulate),
+    ("check", _register_check),
 ]
 
 
