@@ -23,6 +23,8 @@ Run: python examples/transformers_decode.py [--json]
 (needs the ``hf`` extra: ``pip install 'kvlife[hf]'``; CPU only, about 5 s after import)
 """
 
+# example-requires: transformers
+
 from __future__ import annotations
 
 import argparse

@@ -6,8 +6,9 @@ it needs in a comment line near its top, for instance::
 
     # example-requires: cuda, slow
 
-``cuda`` skips it where torch sees no CUDA device; ``slow`` runs it only with
-``-m slow``.
+``cuda`` skips it where torch sees no CUDA device; ``transformers`` skips it
+where transformers is not installed (``pip install 'kvlife[hf]'``); ``slow``
+runs it only with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 _REQUIRES = re.compile(r"^#\s*example-requires:\s*(.+)$", re.MULTILINE)
-KNOWN_NEEDS = {"cuda", "slow"}
+KNOWN_NEEDS = {"cuda", "slow", "transformers"}
 
 
 def _needs(path: Path) -> set[str]:
@@ -48,6 +49,8 @@ def test_examples_exist() -> None:
 def test_example_runs(path: Path) -> None:
     needs = _needs(path)
     assert needs <= KNOWN_NEEDS, f"{path.name} declares unknown needs {needs - KNOWN_NEEDS}"
+    if "transformers" in needs:
+        pytest.importorskip("transformers")
     if "cuda" in needs:
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():

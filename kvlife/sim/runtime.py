@@ -35,6 +35,7 @@ import torch
 
 from kvlife._lifecycle import FinishReason
 from kvlife.engine.cpu import CpuCopyEngine
+from kvlife.errors import KVLifeError
 from kvlife.hashing import sglang_page_hashes
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.manager import OffloadManager
@@ -45,6 +46,7 @@ __all__ = ["SimConfig", "SimManager", "SimReport", "run_simulation"]
 
 VOCAB = 32_000
 POISON = -7.0
+STALL_S = 2.0  # seconds with nothing decoding before a run is declared stalled
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LAYOUTS = ("layer-first", "page-first", "mla")
 
@@ -278,10 +280,24 @@ class Simulation:
         """Decode every request to its end, close, verify; the report."""
         t0 = time.perf_counter()
         try:
+            stalled_since: float | None = None
             while self.done < self.cfg.requests:
                 self._admit()
                 self._step()
                 self.manager.poll()
+                if self.active:
+                    stalled_since = None
+                elif stalled_since is None:
+                    stalled_since = time.perf_counter()
+                elif time.perf_counter() - stalled_since > STALL_S:
+                    # Nothing decodes and no release frees a page: pages leaked.
+                    self._violation(
+                        f"stalled: no request could start for {STALL_S} s "
+                        f"({len(self.device.free)} device pages free)"
+                    )
+                    break
+                else:
+                    time.sleep(0.0005)  # waiting on copies and writes only
             self.manager.close(timeout=60)
             self.report.elapsed_s = time.perf_counter() - t0
             self._account()
@@ -360,7 +376,10 @@ class Simulation:
                     continue
                 req.pages.append(page)
             self._write_pages(req, len(req.tokens) - 1)  # the newest token has no KV yet
-            self.manager.offload(req.handle, req.tokens, req.pages)
+            try:
+                self.manager.offload(req.handle, req.tokens, req.pages)
+            except KVLifeError as exc:  # kvlife's manager never gets here on a sound runtime
+                self._violation(f"rid {req.rid}: offload refused: {exc}")
             roll = self.rng.random()
             per_step = 1.0 / max(1, cfg.output_len[1])
             if len(req.tokens) >= req.target:
@@ -406,7 +425,7 @@ class Simulation:
     def _account(self) -> None:
         rep = self.report
         rep.leaked_host_pages = self.host.num_used
-        held = sum(len(r.pages) for r in self.active)
+        held = sum(len(r.pages) for r in self.active)  # only after a stall
         rep.leaked_device_pages = self.device.total - len(self.device.free) - held
         if self.unreleased:
             self._violation(f"{len(self.unreleased)} lives never released")

@@ -1,0 +1,122 @@
+"""`kvlife simulate`: the end-to-end proof, and proof that the proof can fail."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvlife.engine.base import Ack
+from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.sim import SimConfig, run_simulation
+from kvlife.sim.runtime import LAYOUTS
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rid_keyed_manager import RidKeyedManager  # noqa: E402
+
+SMALL = {"requests": 150, "concurrency": 16, "rid_pool": 4}
+
+JSON_FIELDS = {
+    "requests",
+    "lifecycles_released",
+    "chunks_offloaded",
+    "pages_stored",
+    "pages_verified",
+    "corrupted_pages",
+    "leaked_host_pages",
+    "leaked_device_pages",
+    "refused_events",
+    "invariant_violations",
+    "offload_gbps",
+    "elapsed_s",
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kvlife_run_verifies_every_page(layout: str) -> None:
+    report = run_simulation(SimConfig(**SMALL, layout=layout, seed=3))
+    assert report.ok, report.violations
+    assert report.pages_stored > 0 and report.pages_verified == report.pages_stored
+    assert report.lifecycles_released == report.lifecycles_started > report.requests
+    assert report.retracted > 0 and report.aborted > 0 and report.chunks_offloaded > 0
+
+
+def test_kvlife_run_with_faults_loses_nothing() -> None:
+    """Copy and store failures drop pages from the store, never misfile or leak them."""
+    cfg = SimConfig(**SMALL, seed=5, copy_fail_rate=0.2, store_fail_rate=0.2, host_pages=24)
+    report = run_simulation(cfg)
+    assert report.ok, report.violations
+    assert report.copy_failures > 0 and report.store_failures > 0
+    assert report.host_pool_exhausted > 0
+    assert report.corrupted_pages == report.misfiled_pages == 0
+
+
+def test_scenario_rid_keyed_bookkeeping_is_caught() -> None:
+    """Scenario: the same runtime, same seed, with rid-keyed bookkeeping instead of kvlife.
+
+    Reused rids and late acks land on the wrong request: the simulator must see
+    pages stored under keys they do not belong to, and lives never released;
+    kvlife's manager on the same run must be clean.
+    """
+    cfg = SimConfig(**SMALL, seed=11)
+    good = run_simulation(cfg)
+    bad = run_simulation(cfg, make_manager=RidKeyedManager)
+    assert good.ok, good.violations
+    assert not bad.ok
+    assert bad.corrupted_pages + bad.misfiled_pages > 0
+    assert bad.leaked_device_pages > 0 or bad.invariant_violations > 0
+
+
+def test_nothing_outlives_its_request() -> None:
+    """Every Lifecycle and every ack is garbage once its request is done (weak references)."""
+    lifecycles: list[weakref.ref[ManagedLifecycle]] = []
+
+    class Recording(OffloadManager):
+        def start(self, *args: Any, **kwargs: Any) -> ManagedLifecycle:
+            lc = super().start(*args, **kwargs)
+            lifecycles.append(weakref.ref(lc))
+            return lc
+
+    def factory(engine: Any, host: Any, store: Any, **kw: Any) -> Recording:
+        return Recording(engine, host, store, **kw)
+
+    report = run_simulation(SimConfig(**SMALL, seed=2), make_manager=factory)
+    assert report.ok and len(lifecycles) == report.lifecycles_started
+    gc.collect()
+    alive = [ref() for ref in lifecycles if ref() is not None]
+    assert alive == []
+    assert not any(type(obj) is Ack for obj in gc.get_objects())
+
+
+def test_command_json_and_exit_status(tmp_path: Path) -> None:
+    args = ["--requests", "60", "--concurrency", "8", "--json", "--store-dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlife", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert JSON_FIELDS <= report.keys()
+    assert report["ok"] is True and report["requests"] == 60
+    assert report["pages_verified"] == report["pages_stored"] > 0
+    assert any((tmp_path / "sim").rglob("*.page"))  # the store directory was used
+
+
+def test_command_refuses_bad_flags() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlife", "simulate", "--abort-rate", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "rate" in done.stderr
