@@ -172,7 +172,11 @@ class TorchAgreement:
         timeout: float = 60.0,
         host: HostPagePool | None = None,
     ) -> None:
-        if not isinstance(timeout, (int, float)) or not (timeout > 0 and math.isfinite(timeout)):
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not (timeout > 0 and math.isfinite(timeout))
+        ):
             raise AgreementConfigError(f"timeout must be a positive number of seconds: {timeout!r}")
         if not (dist.is_available() and dist.is_initialized()):
             raise AgreementConfigError(

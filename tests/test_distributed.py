@@ -458,7 +458,7 @@ def test_agreement_needs_a_process_group_and_a_sane_timeout() -> None:
     assert not dist.is_initialized()
     with pytest.raises(AgreementConfigError, match="not initialized"):
         TorchAgreement()
-    for bad in (0, -1.0, float("inf"), float("nan")):
+    for bad in (0, -1.0, float("inf"), float("nan"), True):
         with pytest.raises(AgreementConfigError, match="timeout"):
             TorchAgreement(timeout=bad)
 
