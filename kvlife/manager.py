@@ -46,6 +46,7 @@ from kvlife.errors import (
     ReleaseCallbackError,
 )
 from kvlife.hashing import PageHasher, namespace_prior, sglang_page_hashes
+from kvlife.store.base import StoreError
 
 if TYPE_CHECKING:
     import torch
@@ -225,9 +226,10 @@ class OffloadManager:
         changed; the same chunk is due again next step).
         """
         self._check_owned(lc)
-        lc.device_pages = device_pages
         if lc.state is not State.IDLE and lc.state is not State.OFFLOADING:
-            return None  # finished: the tail is never offloaded
+            self._refused[InvalidStep.__name__] += 1
+            raise InvalidStep(f"{lc!r}: decoding has ended; no more steps")
+        lc.device_pages = device_pages
         start = lc.prefill_len + lc.tokens_submitted
         kv_len = len(tokens) - 1
         if kv_len < start:
@@ -270,9 +272,20 @@ class OffloadManager:
         self._chunks_submitted += 1
         return ticket
 
-    def finish(self, lc: ManagedLifecycle, reason: FinishReason = FinishReason.FINISHED) -> None:
-        """End decoding; release runs now if nothing is in flight, else at the last ack."""
+    def finish(
+        self,
+        lc: ManagedLifecycle,
+        reason: FinishReason = FinishReason.FINISHED,
+        device_pages: Sequence[int] | None = None,
+    ) -> None:
+        """End decoding; release runs now if nothing is in flight, else at the last ack.
+
+        ``device_pages`` is the request's final page table, if it changed since
+        the last :meth:`offload` (or there was none): the release callback gets it.
+        """
         self._check_owned(lc)
+        if device_pages is not None and lc.state in (State.IDLE, State.OFFLOADING):
+            lc.device_pages = device_pages
         was_offloading = lc.state is State.OFFLOADING
         try:
             lc.finish(reason)
@@ -333,8 +346,14 @@ class OffloadManager:
             self._copy_failures += 1
             self.host.free(ack.host_pages, owner=lc)
             return
+        try:
+            self.store.put((lc, ack.host_pages), ticket.keys, self._host_rows(ack.host_pages))
+        except StoreError as exc:  # refused at once: the pages will never be stored
+            self._refused[type(exc).__name__] += 1
+            self._store_failures += 1
+            self.host.free(ack.host_pages, owner=lc)
+            return
         self._pages_offloaded += len(ack.host_pages)
-        self.store.put((lc, ack.host_pages), ticket.keys, self._host_rows(ack.host_pages))
 
     def _apply_store_result(self, result: StoreResult) -> None:
         owner: ManagedLifecycle

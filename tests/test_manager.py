@@ -9,11 +9,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
 
 from kvlife import FinishReason, State
+from kvlife.engine.base import EngineClosed
 from kvlife.engine.cpu import CpuCopyEngine
 from kvlife.errors import DuplicateAck, ForeignLifecycle, InvalidStep, InvalidTransition
 from kvlife.hashing import page_hashes
@@ -313,3 +315,49 @@ def test_metrics_never_negative_and_consistent(rig: Rig) -> None:
     assert sum(snap.lifecycles_by_state.values()) == 6
     assert all(v >= 0 for v in snap.lifecycles_by_state.values())
     assert snap.lifecycles_by_state["RELEASED"] == 3
+
+
+def test_scenario_offload_on_closed_engine_changes_nothing(rig: Rig) -> None:
+    """Scenario: the engine was closed under the runtime. The chunk is refused before
+    the Lifecycle hears of it: no chunk that can never be acked, no host page held."""
+    m = rig.manager
+    lc = m.start("r", [], rig.on_release)
+    rig.engine.close()
+    before = lc.snapshot()
+    with pytest.raises(EngineClosed):
+        m.offload(lc, tokens_for(PAGE + 1, 12), [1, 2])
+    assert lc.snapshot() == before and rig.host.num_used == 0
+    m.finish(lc)
+    assert [r[0] for r in rig.released] == [lc]
+
+
+def test_scenario_store_refusing_a_put_does_not_drop_other_acks(rig: Rig) -> None:
+    """Scenario: the store refuses one chunk's put outright (here: keys it cannot name).
+
+    The other acks of the same poll must still be applied: both Lifecycles
+    release, every host page is freed, and the refusal is counted.
+    """
+
+    def upper_keys(tokens: Any, page_size: int, prior: str | None) -> list[str]:
+        return [k.upper() for k in page_hashes(tokens, page_size, prior.lower() if prior else None)]
+
+    m = OffloadManager(rig.engine, rig.host, rig.store, page_size=PAGE, hasher=upper_keys)
+    lcs = [m.start(f"r{i}", [], rig.on_release) for i in range(2)]
+    for i, lc in enumerate(lcs):
+        assert m.offload(lc, tokens_for(PAGE + 1, 13 + i), [i]) is not None
+        m.finish(lc)
+    m.close()
+    assert [r[0] for r in rig.released] == lcs
+    assert rig.host.num_used == 0
+    snap = m.metrics()
+    assert snap.store_failures == 2 and snap.refused_events == {"InvalidKey": 2}
+
+
+def test_finish_gives_the_final_page_table_and_steps_after_finish_are_refused(rig: Rig) -> None:
+    m = rig.manager
+    lc = m.start("r", tokens_for(6, 14), rig.on_release)
+    m.finish(lc, FinishReason.ABORTED, device_pages=[7, 8])  # aborted before any step
+    assert rig.released == [(lc, (7, 8))]
+    with pytest.raises(InvalidStep):
+        m.offload(lc, tokens_for(9, 14), [9, 10, 11])
+    assert lc.device_pages == [7, 8] and lc.state is State.RELEASED

@@ -93,6 +93,8 @@ class CudaCopyEngine:
 
     def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
+        if self._closed:
+            raise EngineClosed("the engine is closed; it takes no more chunks")
         check_pages(device_pages, host_pages, self.layout, self.host, self._busy)
 
     def submit(
