@@ -6,6 +6,8 @@ fail), and the whole kit is shown to pass on kvlife's own manager.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -233,3 +235,13 @@ def test_lazy_names_and_unknown_names() -> None:
     assert kvlife.testing.run_kit is run_kit
     with pytest.raises(AttributeError):
         kvlife.testing.no_such_name  # noqa: B018
+
+
+def test_docs_page_shows_the_example_as_it_runs() -> None:
+    """docs/testing-kit.md quotes examples/test_my_runtime.py verbatim (CI runs the example)."""
+    root = Path(__file__).resolve().parents[1]
+    example = (root / "examples" / "test_my_runtime.py").read_text(encoding="utf-8")
+    page = (root / "docs" / "testing-kit.md").read_text(encoding="utf-8")
+    assert f"```python\n{example}```" in page, (
+        "docs/testing-kit.md's example differs from examples/test_my_runtime.py"
+    )
