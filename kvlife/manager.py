@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from kvlife.pool import HostPagePool
     from kvlife.store.base import Store, StoreResult
 
+_IDLE, _OFFLOADING = State.IDLE, State.OFFLOADING
+
 __all__ = ["Agreement", "ManagedLifecycle", "ManagerMetrics", "OffloadManager", "ReleaseHandler"]
 
 #: The runtime's release callback: ``(lifecycle, device_pages)``, called exactly once.
@@ -225,23 +227,26 @@ class OffloadManager:
         ``None`` when nothing is due, or when the host pool is full (nothing
         changed; the same chunk is due again next step).
         """
-        self._check_owned(lc)
-        if lc.state is not State.IDLE and lc.state is not State.OFFLOADING:
+        # The hot path: most steps submit nothing, so this prefix must cost about
+        # what a dict lookup does. It reads the Lifecycle's slots directly.
+        if lc.__class__ is not ManagedLifecycle or lc._manager is not self:
+            self._check_owned(lc)
+        state = lc._state
+        if state is not _IDLE and state is not _OFFLOADING:
             self._refused[InvalidStep.__name__] += 1
             raise InvalidStep(f"{lc!r}: decoding has ended; no more steps")
-        lc.device_pages = device_pages
-        start = lc.prefill_len + lc.tokens_submitted
-        kv_len = len(tokens) - 1
-        if kv_len < start:
-            if kv_len + 1 < start:
+        start = lc.prefill_len + lc._pages_submitted * self.page_size
+        ready = len(tokens) - 1 - start  # tokens with KV not yet offloaded
+        if ready < self.stride:
+            if ready < -1:
                 raise InvalidStep(
                     f"Lifecycle rid={lc.rid!r} id=0x{id(lc):x}: {len(tokens)} tokens, but "
                     f"{start} are already offloaded or prefilled"
                 )
+            lc.device_pages = device_pages
             return None
-        n = (kv_len - start) // self.stride * self.stride
-        if n == 0:
-            return None
+        lc.device_pages = device_pages
+        n = ready // self.stride * self.stride
         first, end = start // self.page_size, (start + n) // self.page_size
         if len(device_pages) < end:
             raise InvalidStep(
@@ -256,7 +261,7 @@ class OffloadManager:
         if host_pages is None:
             self._exhausted += 1
             return None
-        was_idle = lc.state is State.IDLE
+        was_idle = state is _IDLE
         try:
             # Everything that can refuse runs before the Lifecycle hears of the chunk.
             self.engine.check(chunk_pages, host_pages)
@@ -368,7 +373,7 @@ class OffloadManager:
     def _host_rows(self, pages: Sequence[int]) -> torch.Tensor:
         """The host pages as one [n, page_numel] tensor: a view when they are consecutive."""
         first = pages[0]
-        if all(p == first + i for i, p in enumerate(pages)):
+        if len(pages) == 1 or all(p == first + i for i, p in enumerate(pages)):
             return self.host.tensor[first : first + len(pages)]
         return self.host.tensor[list(pages)]
 
