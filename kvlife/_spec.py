@@ -5,8 +5,8 @@ It does three jobs and is never used per request on the hot path:
 * **validation** -- every state reachable from ``IDLE``, no dead end but
   ``RELEASED``, every guard known, one row at most per (state, event, guard
   outcome) (:func:`validate`);
-* **diagrams** -- ``GraphMachine`` renders the same table as mermaid or dot
-  (:func:`diagram_source`);
+* **diagrams** -- :mod:`kvlife.diagrams` renders the same table through
+  ``transitions``' ``GraphMachine`` (mermaid, dot);
 * **reference engine** -- :class:`ReferenceLifecycle` runs the events through
   ``transitions`` with its own, deliberately naive bookkeeping, so a
   differential test can hold the fast :class:`~kvlife.Lifecycle` to it.
@@ -42,7 +42,7 @@ from kvlife.errors import (
 )
 from kvlife.hashing import sglang_page_hashes
 
-__all__ = ["ReferenceLifecycle", "build_machine", "diagram_source", "validate"]
+__all__ = ["ReferenceLifecycle", "build_machine", "validate"]
 
 
 def _machine_transitions(table: Sequence[Transition]) -> list[dict[str, Any]]:
@@ -57,9 +57,9 @@ def _machine_transitions(table: Sequence[Transition]) -> list[dict[str, Any]]:
     ]
 
 
-def build_machine(table: Sequence[Transition] = TABLE, *, graph: bool = False) -> Machine:
-    """A model-less ``transitions`` machine of ``table`` (``GraphMachine`` when ``graph``)."""
-    kwargs: dict[str, Any] = dict(
+def build_machine(table: Sequence[Transition] = TABLE) -> Machine:
+    """A model-less ``transitions`` machine of ``table``."""
+    return Machine(
         model=None,
         states=list(State),
         transitions=_machine_transitions(table),
@@ -67,11 +67,6 @@ def build_machine(table: Sequence[Transition] = TABLE, *, graph: bool = False) -
         auto_transitions=False,
         ignore_invalid_triggers=False,
     )
-    if graph:
-        from transitions.extensions import GraphMachine
-
-        return GraphMachine(graph_engine="mermaid", show_conditions=True, **kwargs)
-    return Machine(**kwargs)
 
 
 def validate(table: Sequence[Transition] = TABLE) -> None:
@@ -236,15 +231,3 @@ class ReferenceLifecycle:
         self._fire(Event.FINISH)
         self.finish_reason = reason
         self._fire_automatic()
-
-
-def diagram_source(table: Sequence[Transition] = TABLE) -> str:
-    """Mermaid state diagram of ``table``, rendered by ``transitions``' GraphMachine."""
-
-    class _Model:
-        pass
-
-    machine = build_machine(table, graph=True)
-    model = _Model()
-    machine.add_model(model)
-    return str(model.get_graph().source)  # type: ignore[attr-defined]
