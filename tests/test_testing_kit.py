@@ -245,3 +245,17 @@ def test_docs_page_shows_the_example_as_it_runs() -> None:
     assert f"```python\n{example}```" in page, (
         "docs/testing-kit.md's example differs from examples/test_my_runtime.py"
     )
+
+
+@pytest.mark.slow
+def test_kit_full_size_on_kvlifes_manager() -> None:
+    """The full-size run (``python -m pytest -m slow``): 2,000 examples x 80 steps."""
+    run_kit(
+        ManagerAdapter,
+        settings(
+            max_examples=2_000,
+            stateful_step_count=80,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
