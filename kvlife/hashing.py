@@ -7,8 +7,9 @@ using kvlife finds the keys a prefill side wrote:
                         ++ each token id as 4 bytes little-endian unsigned ).hexdigest()
 
 Pages are hashed one at a time and chained: each page's key is the next page's
-prior. The token ids of a page are packed into bytes with one ``struct`` call
-and hashed with one ``update`` (not one call per token).
+prior. The token ids of a page are packed into bytes with one (cached)
+``struct`` call and hashed with the prior in one ``sha256`` call (not one call
+per token).
 
 A *namespace* seeds the chain: with no prior, the first page's prior becomes
 ``sha256(namespace.encode()).hexdigest()``, so two models (or tenants) sharing a
@@ -19,9 +20,10 @@ The scheme is pluggable: anything with the :class:`PageHasher` signature works.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvlife.errors import HashingError
@@ -45,6 +47,12 @@ def _check_pages(tokens: Sequence[int], page_size: int) -> None:
         )
 
 
+@functools.lru_cache(maxsize=64)
+def _packer(page_size: int) -> Callable[..., bytes]:
+    """``struct`` packer of one page of token ids, 4 bytes little-endian unsigned each."""
+    return struct.Struct(f"<{page_size}I").pack
+
+
 def sglang_page_hashes(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
     """SGLang HiCache keys for the whole pages of ``tokens``, chained from ``prior``."""
     _check_pages(tokens, page_size)
@@ -52,17 +60,17 @@ def sglang_page_hashes(tokens: Sequence[int], page_size: int, prior: str | None)
         prior_bytes = bytes.fromhex(prior) if prior else b""
     except ValueError:
         raise HashingError(f"prior {prior!r} is not a hex digest") from None
-    pack = struct.Struct(f"<{page_size}I").pack
+    pack = _packer(page_size)
+    sha256 = hashlib.sha256
     keys: list[str] = []
     for start in range(0, len(tokens), page_size):
-        h = hashlib.sha256(prior_bytes)
         try:
-            h.update(pack(*tokens[start : start + page_size]))
+            packed = pack(*tokens[start : start + page_size])
         except struct.error:
             raise HashingError(
                 f"token ids of page {start // page_size} must be ints in [0, 2**32)"
             ) from None
-        digest = h.digest()
+        digest = sha256(prior_bytes + packed).digest()
         keys.append(digest.hex())
         prior_bytes = digest
     return keys
