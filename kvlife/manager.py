@@ -32,12 +32,13 @@ back with the rest at release).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlife._lifecycle import FinishReason, Lifecycle, State, Ticket
+from kvlife.engine.base import Ack, CopyFault
 from kvlife.errors import (
     ForeignLifecycle,
     InvalidStep,
@@ -51,7 +52,7 @@ from kvlife.store.base import StoreError
 if TYPE_CHECKING:
     import torch
 
-    from kvlife.engine.base import Ack, CopyEngine
+    from kvlife.engine.base import CopyEngine
     from kvlife.pool import HostPagePool
     from kvlife.store.base import Store, StoreResult
 
@@ -165,6 +166,7 @@ class OffloadManager:
         self._seed = namespace_prior(namespace) if namespace is not None else None
         self._page_bytes = host.tensor[0].numel() * host.tensor.element_size()
         self._refused: Counter[str] = Counter()
+        self._acks: deque[Ack] = deque()  # taken from the engine, not yet applied
         self._started = 0
         self._finished = 0
         self._released = 0
@@ -233,26 +235,23 @@ class OffloadManager:
             self._check_owned(lc)
         state = lc._state
         if state is not _IDLE and state is not _OFFLOADING:
-            self._refused[InvalidStep.__name__] += 1
-            raise InvalidStep(f"{lc!r}: decoding has ended; no more steps")
+            raise self._invalid_step(lc, "decoding has ended; no more steps")
         start = lc.prefill_len + lc._pages_submitted * self.page_size
         ready = len(tokens) - 1 - start  # tokens with KV not yet offloaded
         if ready < self.stride:
             if ready < -1:
-                raise InvalidStep(
-                    f"Lifecycle rid={lc.rid!r} id=0x{id(lc):x}: {len(tokens)} tokens, but "
-                    f"{start} are already offloaded or prefilled"
+                raise self._invalid_step(
+                    lc, f"{len(tokens)} tokens, but {start} are already offloaded or prefilled"
                 )
             lc.device_pages = device_pages
             return None
-        lc.device_pages = device_pages
         n = ready // self.stride * self.stride
         first, end = start // self.page_size, (start + n) // self.page_size
         if len(device_pages) < end:
-            raise InvalidStep(
-                f"Lifecycle rid={lc.rid!r} id=0x{id(lc):x}: {len(device_pages)} device pages "
-                f"cannot hold {start + n} tokens"
+            raise self._invalid_step(
+                lc, f"{len(device_pages)} device pages cannot hold {start + n} tokens"
             )
+        lc.device_pages = device_pages
         chunk_pages = device_pages[first:end]
         if self.agreement is not None and not self.agreement.admit(end - first):
             self._exhausted += 1  # host pool full on some rank: no rank submits
@@ -261,7 +260,6 @@ class OffloadManager:
         if host_pages is None:
             self._exhausted += 1
             return None
-        was_idle = state is _IDLE
         try:
             # Everything that can refuse runs before the Lifecycle hears of the chunk.
             self.engine.check(chunk_pages, host_pages)
@@ -269,12 +267,19 @@ class OffloadManager:
         except KVLifeError:
             self.host.free(host_pages, owner=lc)
             raise
-        self.engine.submit(ticket, chunk_pages, host_pages)
-        if self.agreement is not None:
-            self.agreement.submitted(ticket)
-        if was_idle:
+        if state is _IDLE:
             self._offloading += 1
         self._chunks_submitted += 1
+        try:
+            self.engine.submit(ticket, chunk_pages, host_pages)
+        except BaseException as exc:
+            # check() passed, so this is the engine failing, not a refusal: the
+            # Lifecycle already holds the chunk, so settle it as a failed copy.
+            fault = CopyFault(f"the engine failed to take chunk {ticket.seq}: {exc!r}")
+            self._apply_ack(Ack(ticket, tuple(chunk_pages), tuple(host_pages), fault))
+            raise
+        if self.agreement is not None:
+            self.agreement.submitted(ticket)
         return ticket
 
     def finish(
@@ -289,7 +294,11 @@ class OffloadManager:
         the last :meth:`offload` (or there was none): the release callback gets it.
         """
         self._check_owned(lc)
-        if device_pages is not None and lc.state in (State.IDLE, State.OFFLOADING):
+        if (
+            device_pages is not None
+            and isinstance(reason, FinishReason)
+            and lc.state in (State.IDLE, State.OFFLOADING)
+        ):
             lc.device_pages = device_pages
         was_offloading = lc.state is State.OFFLOADING
         try:
@@ -307,26 +316,37 @@ class OffloadManager:
 
     def poll(self) -> None:
         """Apply completed copies and completed store writes. Never blocks (but an
-        :class:`Agreement` across ranks runs its collective here, every call)."""
+        :class:`Agreement` across ranks runs its collective here, every call).
+
+        Acks taken from the engine wait in the manager until applied, so an
+        exception from one (a release callback is reported, not raised; a store
+        or pool error is) leaves the others for the next call, none lost.
+        """
         acks = self.engine.poll()
         if self.agreement is not None:
             acks = self.agreement.agree(acks)
-        for ack in acks:
-            self._apply_ack(ack)
+        self._apply_acks(acks)
         for result in self.store.poll():
             self._apply_store_result(result)
 
     def close(self, timeout: float | None = None) -> None:
         """Drain every copy and every store write; afterwards nothing is in flight or allocated."""
-        acks = self.engine.drain(timeout)
-        if self.agreement is not None:
-            acks = self.agreement.agree(acks)
-            while self.agreement.pending:
-                acks += self.agreement.agree([])
-        for ack in acks:
-            self._apply_ack(ack)
-        for result in self.store.drain(timeout):
-            self._apply_store_result(result)
+        try:
+            acks = self.engine.drain(timeout)
+            if self.agreement is not None:
+                acks = self.agreement.agree(acks)
+                while self.agreement.pending:
+                    acks += self.agreement.agree([])
+            self._apply_acks(acks)
+        finally:
+            for result in self.store.drain(timeout):
+                self._apply_store_result(result)
+
+    def _apply_acks(self, acks: list[Ack]) -> None:
+        pending = self._acks
+        pending.extend(acks)
+        while pending:
+            self._apply_ack(pending.popleft())
 
     def _apply_ack(self, ack: Ack) -> None:
         ticket = ack.ticket
@@ -353,10 +373,12 @@ class OffloadManager:
             return
         try:
             self.store.put((lc, ack.host_pages), ticket.keys, self._host_rows(ack.host_pages))
-        except StoreError as exc:  # refused at once: the pages will never be stored
-            self._refused[type(exc).__name__] += 1
+        except BaseException as exc:  # refused or broken at once: never stored
             self._store_failures += 1
             self.host.free(ack.host_pages, owner=lc)
+            if not isinstance(exc, StoreError):
+                raise
+            self._refused[type(exc).__name__] += 1
             return
         self._pages_offloaded += len(ack.host_pages)
 
@@ -383,6 +405,10 @@ class OffloadManager:
         handler = lc.release_handler
         if handler is not None:
             handler(lc, lc.device_pages)
+
+    def _invalid_step(self, lc: ManagedLifecycle, why: str) -> InvalidStep:
+        self._refused[InvalidStep.__name__] += 1
+        return InvalidStep(f"Lifecycle rid={lc.rid!r} id=0x{id(lc):x}: {why}")
 
     def _record_callback_error(self, exc: ReleaseCallbackError) -> None:
         self._callback_errors += 1

@@ -17,7 +17,13 @@ import torch
 from kvlife import FinishReason, State
 from kvlife.engine.base import EngineClosed
 from kvlife.engine.cpu import CpuCopyEngine
-from kvlife.errors import DuplicateAck, ForeignLifecycle, InvalidStep, InvalidTransition
+from kvlife.errors import (
+    DuplicateAck,
+    ForeignLifecycle,
+    InvalidEvent,
+    InvalidStep,
+    InvalidTransition,
+)
 from kvlife.hashing import page_hashes
 from kvlife.layout import LayerFirstLayout
 from kvlife.manager import ManagedLifecycle, OffloadManager
@@ -361,3 +367,88 @@ def test_finish_gives_the_final_page_table_and_steps_after_finish_are_refused(ri
     with pytest.raises(InvalidStep):
         m.offload(lc, tokens_for(9, 14), [9, 10, 11])
     assert lc.device_pages == [7, 8] and lc.state is State.RELEASED
+
+
+def test_refused_steps_leave_the_page_table_and_are_counted(rig: Rig) -> None:
+    m = rig.manager
+    lc = m.start("r", [], rig.on_release)
+    m.offload(lc, tokens_for(2, 15), [1, 2, 3])
+    with pytest.raises(InvalidStep):
+        m.offload(lc, tokens_for(2 * PAGE + 1, 15), [1])  # too few pages for 8 tokens
+    with pytest.raises(InvalidEvent):
+        m.finish(lc, "bogus", device_pages=[9, 9])  # type: ignore[arg-type]
+    assert lc.device_pages == [1, 2, 3] and lc.state is State.IDLE
+    assert m.metrics().refused_events == {"InvalidStep": 1, "InvalidEvent": 1}
+
+
+class _BrokenOnce(MemoryStore):
+    """A store whose first put fails outright (as a store backed by a dead disk might)."""
+
+    broken = True
+
+    def put(self, token: object, keys: Any, pages: torch.Tensor) -> None:
+        if self.broken:
+            self.broken = False
+            raise OSError("disk gone")
+        super().put(token, keys, pages)
+
+
+class _PollWaits(CpuCopyEngine):
+    """Polling waits for every copy, so both acks surely come back in one poll."""
+
+    def poll(self) -> list[Any]:
+        return self.drain(5)
+
+
+def test_scenario_an_exception_in_poll_loses_no_other_ack(rig: Rig) -> None:
+    """Scenario: two finished requests' copies complete; the store's first put raises.
+
+    The error reaches the runtime, but the second ack of that same poll stays
+    with the manager: the next poll applies it, both requests release, and every
+    host page is freed.
+    """
+    engine, store = _PollWaits(rig.layout, rig.host, copy_delay=0.02), _BrokenOnce()
+    m = OffloadManager(engine, rig.host, store, page_size=PAGE)
+    try:
+        a, b = (m.start(rid, [], rig.on_release) for rid in ("a", "b"))
+        for i, lc in enumerate((a, b)):
+            m.offload(lc, tokens_for(PAGE + 1, 16 + i), [i])
+            m.finish(lc)
+        with pytest.raises(OSError):
+            m.poll()
+        assert [r[0] for r in rig.released] == [a] and b.state is State.FINISHED
+        m.poll()
+        assert [r[0] for r in rig.released] == [a, b]
+        m.close()
+        assert rig.host.num_used == 0
+        assert m.metrics().store_failures == 1 and m.metrics().pages_stored == 1
+    finally:
+        engine.close()
+        store.close()
+
+
+class _TakesNothing(CpuCopyEngine):
+    """An engine whose submit fails after check passed (e.g. out of memory on the device)."""
+
+    def submit(self, ticket: Any, device_pages: Any, host_pages: Any) -> None:
+        raise MemoryError("no room for the staging buffer")
+
+
+def test_scenario_engine_failing_after_check_settles_the_chunk(rig: Rig) -> None:
+    """Scenario: the engine accepted the pages in check() but fails in submit().
+
+    The Lifecycle already holds the chunk; it must be settled as a failed copy
+    (host pages freed), so the request still drains and releases.
+    """
+    engine = _TakesNothing(rig.layout, rig.host)
+    m = OffloadManager(engine, rig.host, rig.store, page_size=PAGE)
+    try:
+        lc = m.start("r", [], rig.on_release)
+        with pytest.raises(MemoryError):
+            m.offload(lc, tokens_for(PAGE + 1, 18), [1])
+        assert lc.state is State.IDLE and lc.inflight == 0 and rig.host.num_used == 0
+        assert m.metrics().copy_failures == 1 and m.metrics().chunks_in_flight == 0
+        m.finish(lc)
+        assert [r[0] for r in rig.released] == [lc]
+    finally:
+        engine.close()
