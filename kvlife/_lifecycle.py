@@ -233,6 +233,15 @@ class Ticket(NamedTuple):
 _new_ticket = tuple.__new__
 
 
+class _Settled:
+    """A chunk acked while an earlier one is still in flight: only its last key matters."""
+
+    __slots__ = ("last_key",)
+
+    def __init__(self, last_key: str) -> None:
+        self.last_key = last_key
+
+
 class LifecycleSnapshot(NamedTuple):
     """Every observable field of a Lifecycle, for whole-state assertions."""
 
@@ -296,9 +305,9 @@ class Lifecycle:
         self._tail = prior_hash
         # Every chunk from the first one not yet in the acked prefix, in seq order:
         # _chunks[i] has seq _acked_seq + i. An entry is the chunk's Ticket while
-        # it is in flight; once acked out of order it becomes the chunk's last
-        # page key (a str) until the prefix reaches it.
-        self._chunks: list[Ticket | str] = []
+        # it is in flight; once acked out of order it becomes a _Settled holding
+        # the chunk's last page key, until the prefix reaches it.
+        self._chunks: list[Ticket | _Settled] = []
         self._acked_seq = 0
         self._finish_reason: FinishReason | None = None
 
@@ -341,7 +350,7 @@ class Lifecycle:
 
     def chunks_in_flight(self) -> tuple[Ticket, ...]:
         """Tickets submitted and not yet acked, in page order."""
-        return tuple(chunk for chunk in self._chunks if type(chunk) is not str)  # type: ignore[misc]
+        return tuple(chunk for chunk in self._chunks if type(chunk) is not _Settled)  # type: ignore[misc]
 
     def snapshot(self) -> LifecycleSnapshot:
         """Every observable field, for comparing whole states."""
@@ -418,13 +427,13 @@ class Lifecycle:
         if dest is None:  # unreachable while the table and the checks above agree
             raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
         if index:  # an earlier chunk is still in flight: remember this one's last key
-            chunks[index] = ticket.keys[-1]
+            chunks[index] = _Settled(ticket.keys[-1])
         else:  # the acked prefix grows over this chunk and any acked early after it
             last = ticket.keys[-1]
             del chunks[0]
             settled = ticket.seq + 1
-            while chunks and type(chunks[0]) is str:
-                last = chunks.pop(0)  # type: ignore[assignment]
+            while chunks and type(chunks[0]) is _Settled:
+                last = chunks.pop(0).last_key  # type: ignore[union-attr]
                 settled += 1
             self._acked_seq = settled
             self._last_hash = last
@@ -460,8 +469,8 @@ class Lifecycle:
                     ident=id(self),
                 ) from exc
 
-    def _ack_refusal(self, seq: int, chunk: Ticket | str | None) -> LifecycleError:
-        if type(chunk) is str or (chunk is None and 0 <= seq < self._acked_seq):
+    def _ack_refusal(self, seq: int, chunk: Ticket | _Settled | None) -> LifecycleError:
+        if type(chunk) is _Settled or (chunk is None and 0 <= seq < self._acked_seq):
             return self._refuse(DuplicateAck, _ACK, f"chunk {seq} was already acked")
         return self._refuse(UnknownChunk, _ACK, f"chunk {seq} was never submitted")
 

@@ -75,12 +75,17 @@ class InvalidStep(ManagerError, ValueError):
     """A step's tokens or device pages do not fit the request (too few pages, tokens went back)."""
 
 
+class DrainTimeout(KVLifeError, TimeoutError):
+    """A drain ran out of time (copies or store writes); nothing was lost, poll again."""
+
+
 class HashingError(KVLifeError, ValueError):
     """Tokens that cannot be hashed as pages (not whole pages, bad ids)."""
 
 
 __all__ = [
     "AckError",
+    "DrainTimeout",
     "DuplicateAck",
     "ForeignAck",
     "ForeignLifecycle",

@@ -433,3 +433,19 @@ def test_every_ack_order_and_finish_point_keeps_page_order(order: tuple[int, ...
             ), (order, finish_at, step)
             assert lc.chunks_in_flight() == tuple(tickets[s] for s in in_flight)
             assert released.calls == ([lc] if state is State.RELEASED else [])
+
+
+def test_out_of_order_acks_keep_page_order_whatever_the_key_type() -> None:
+    """A pluggable scheme may return keys of any type; the acked prefix still moves in order."""
+
+    def byte_keys(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+        return [bytes([len(tokens), i]) for i in range(len(tokens) // page_size)]  # type: ignore[misc]
+
+    lc = Lifecycle("r", page_size=2, hasher=byte_keys)
+    t0, t1 = lc.submit([1, 2]), lc.submit([3, 4, 5, 6])
+    lc.ack(t1)
+    assert lc.last_hash is None and lc.chunks_in_flight() == (t0,)
+    with pytest.raises(DuplicateAck):
+        lc.ack(t1)
+    lc.ack(t0)
+    assert lc.last_hash == t1.keys[-1] and lc.snapshot().in_flight_seqs == ()

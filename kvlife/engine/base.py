@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from kvlife import errors
 from kvlife._lifecycle import Lifecycle, Ticket
 from kvlife.errors import KVLifeError
 
@@ -103,7 +104,7 @@ class EngineClosed(EngineError, RuntimeError):
     """The engine was closed; it takes no more chunks."""
 
 
-class DrainTimeout(EngineError, TimeoutError):
+class DrainTimeout(EngineError, errors.DrainTimeout):
     """``drain`` ran out of time; acks collected so far come with the next poll or drain."""
 
 

@@ -52,6 +52,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvlife import errors
 from kvlife.errors import KVLifeError
 
 __all__ = [
@@ -100,7 +101,7 @@ class StoreClosed(StoreError):
     """A put on a closed store."""
 
 
-class DrainTimeout(StoreError, TimeoutError):
+class DrainTimeout(StoreError, errors.DrainTimeout):
     """``drain(timeout)`` ran out of time; no result was consumed, poll again later."""
 
 
