@@ -215,8 +215,12 @@ def check_pages(
     layout: KVLayout,
     host: HostPagePool,
     busy: set[int] | frozenset[int] = frozenset(),
+    *,
+    closed: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Every page check a chunk must pass before any copy; returns the pages as tuples."""
+    if closed:
+        raise EngineClosed("the engine is closed; it takes no more chunks")
     dev, hst = tuple(device_pages), tuple(host_pages)
     if not dev or len(dev) != len(hst):
         raise LengthMismatch(f"chunk has {len(dev)} device and {len(hst)} host pages")
@@ -237,8 +241,12 @@ def check_chunk(
     layout: KVLayout,
     host: HostPagePool,
     busy: set[int] | frozenset[int] = frozenset(),
+    *,
+    closed: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """:func:`check_pages`, and the ticket's page count must match; returns the pages."""
+    if closed:
+        raise EngineClosed("the engine is closed; it takes no more chunks")
     if not isinstance(ticket, Ticket):
         raise InvalidTicket(f"expected a Ticket, got {type(ticket).__name__}")
     n = ticket.n_pages
@@ -247,7 +255,7 @@ def check_chunk(
             f"chunk {ticket.seq} has {n} pages but {len(device_pages)} device and "
             f"{len(host_pages)} host pages"
         )
-    return check_pages(device_pages, host_pages, layout, host, busy)
+    return check_pages(device_pages, host_pages, layout, host, busy)  # open: checked above
 
 
 def host_runs(host_pages: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -33,7 +33,6 @@ from kvlife.engine.base import (
     Ack,
     CopyFault,
     DrainTimeout,
-    EngineClosed,
     EngineConfigError,
     check_chunk,
     check_compatible,
@@ -189,9 +188,9 @@ class CpuCopyEngine:
 
     def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
-        if self._closed:
-            raise EngineClosed("the engine is closed; it takes no more chunks")
-        check_pages(device_pages, host_pages, self.layout, self.host, self._busy)
+        check_pages(
+            device_pages, host_pages, self.layout, self.host, self._busy, closed=self._closed
+        )
 
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
@@ -203,9 +202,15 @@ class CpuCopyEngine:
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> CpuCopyEvent:
         """:meth:`submit`, returning the chunk's completion event."""
-        if self._closed:
-            raise EngineClosed("the engine is closed; it takes no more chunks")
-        dev, hst = check_chunk(ticket, device_pages, host_pages, self.layout, self.host, self._busy)
+        dev, hst = check_chunk(
+            ticket,
+            device_pages,
+            host_pages,
+            self.layout,
+            self.host,
+            self._busy,
+            closed=self._closed,
+        )
         fault: BaseException | None = None
         if self._fail_next:
             fault = self._fail_next.popleft() or CopyFault(

@@ -27,7 +27,6 @@ from kvlife._lifecycle import Ticket
 from kvlife.engine.base import (
     Ack,
     DrainTimeout,
-    EngineClosed,
     EngineConfigError,
     check_chunk,
     check_compatible,
@@ -93,9 +92,9 @@ class CudaCopyEngine:
 
     def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
-        if self._closed:
-            raise EngineClosed("the engine is closed; it takes no more chunks")
-        check_pages(device_pages, host_pages, self.layout, self.host, self._busy)
+        check_pages(
+            device_pages, host_pages, self.layout, self.host, self._busy, closed=self._closed
+        )
 
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
@@ -107,9 +106,15 @@ class CudaCopyEngine:
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> torch.cuda.Event:
         """:meth:`submit`, returning the chunk's ``torch.cuda.Event``."""
-        if self._closed:
-            raise EngineClosed("the engine is closed; it takes no more chunks")
-        dev, hst = check_chunk(ticket, device_pages, host_pages, self.layout, self.host, self._busy)
+        dev, hst = check_chunk(
+            ticket,
+            device_pages,
+            host_pages,
+            self.layout,
+            self.host,
+            self._busy,
+            closed=self._closed,
+        )
         submitted_at = time.perf_counter()
         current = torch.cuda.current_stream(self.device)
         index = torch.tensor(dev, dtype=torch.int64, pin_memory=True).to(

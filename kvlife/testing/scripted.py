@@ -28,7 +28,6 @@ from kvlife._lifecycle import Lifecycle, Ticket
 from kvlife.engine.base import (
     Ack,
     CopyFault,
-    EngineClosed,
     EngineError,
     check_chunk,
     check_compatible,
@@ -128,15 +127,23 @@ class ScriptedEngine:
 
     def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
-        check_pages(device_pages, host_pages, self.layout, self.host, self._busy)
+        check_pages(
+            device_pages, host_pages, self.layout, self.host, self._busy, closed=self._closed
+        )
 
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> None:
         """Validate the chunk and hold it until :meth:`complete`; refusals change nothing."""
-        if self._closed:
-            raise EngineClosed("the engine is closed; it takes no more chunks")
-        dev, hst = check_chunk(ticket, device_pages, host_pages, self.layout, self.host, self._busy)
+        dev, hst = check_chunk(
+            ticket,
+            device_pages,
+            host_pages,
+            self.layout,
+            self.host,
+            self._busy,
+            closed=self._closed,
+        )
         copy = ScriptedCopy(ticket, dev, hst, self._submitted, time.perf_counter())
         self._submitted += 1
         self._busy.update(hst)
