@@ -2,8 +2,11 @@
 
 One host page is one row of :attr:`HostPagePool.tensor` (``[num_pages,
 page_numel]``), pinned when CUDA is available so device-to-host copies can be
-asynchronous. Each allocated page records its owner (typically the
-:class:`~kvlife.Ticket` of the chunk copied into it), compared by identity.
+asynchronous. Each allocated page records its owner, compared by identity.
+The offload manager allocates a chunk's pages before the chunk exists (so a
+full pool changes nothing), with the chunk's Lifecycle as owner: another
+Lifecycle can never free them, and the pages of one chunk are those its ack
+lists.
 
 Rules the allocator enforces, each with a typed error and no change on refusal:
 

@@ -7,9 +7,10 @@ The manager hands a store the host pages of one acked chunk with their hash
 keys: ``put(token, keys, pages)``. The put is *asynchronous*: it validates,
 queues and returns; one writer thread per store does the work, and the outcome
 comes back later as a :class:`StoreResult` carrying the caller's ``token``
-(the manager passes its chunk Ticket). The caller polls results on its own
-thread (``poll()``) or waits for all of them (``drain()``), exactly like copy
-acks, so no callback ever runs on the writer thread.
+(the manager passes its Lifecycle and the chunk's host pages). The caller
+polls results on its own thread (``poll()``) or waits for all of them
+(``drain()``), exactly like copy acks, so no callback ever runs on the writer
+thread.
 
 Rules every store keeps:
 
@@ -127,7 +128,7 @@ class PageMismatch(StoreError):
 class StoreResult:
     """The outcome of one put: the caller's token, the put's keys, and the error if it failed."""
 
-    #: Opaque object given at put (the manager passes its chunk Ticket).
+    #: Opaque object given at put (the manager: its Lifecycle and the host pages).
     token: object
     #: The put's keys, in page order.
     keys: tuple[str, ...]
