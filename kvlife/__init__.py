@@ -1,4 +1,14 @@
-"""kvlife: an explicit, checked lifecycle for each request's KV-cache offload."""
+"""kvlife: an explicit, checked lifecycle for each request's KV-cache offload.
+
+``import kvlife`` loads the lifecycle core only (no torch). The parts that hold
+tensors (the manager, the host pool, the layouts, the engines, the stores) are
+public names here too, imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvlife._lifecycle import (
     TABLE,
@@ -12,35 +22,100 @@ from kvlife._lifecycle import (
 )
 from kvlife.errors import (
     AckError,
+    DrainTimeout,
     DuplicateAck,
     ForeignAck,
+    ForeignLifecycle,
+    HashingError,
     InvalidChunk,
     InvalidEvent,
+    InvalidStep,
     InvalidTransition,
     KVLifeError,
     LifecycleError,
+    ManagerError,
     ReleaseCallbackError,
     UnknownChunk,
 )
 
+if TYPE_CHECKING:
+    from kvlife.engine.base import Ack, EngineError
+    from kvlife.engine.cpu import CpuCopyEngine
+    from kvlife.engine.cuda import CudaCopyEngine
+    from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
+    from kvlife.manager import ManagedLifecycle, ManagerMetrics, OffloadManager
+    from kvlife.pool import HostPagePool, PoolError
+    from kvlife.store.base import StoreError
+    from kvlife.store.directory import LocalDirectoryStore
+    from kvlife.store.memory import MemoryStore
+
 __version__ = "0.1.0"
+
+#: Public names whose modules need torch: name -> module, imported on first use.
+_LAZY = {
+    "Ack": "kvlife.engine.base",
+    "EngineError": "kvlife.engine.base",
+    "CpuCopyEngine": "kvlife.engine.cpu",
+    "CudaCopyEngine": "kvlife.engine.cuda",
+    "KVLayout": "kvlife.layout",
+    "LayerFirstLayout": "kvlife.layout",
+    "MLALayout": "kvlife.layout",
+    "PageFirstLayout": "kvlife.layout",
+    "ManagedLifecycle": "kvlife.manager",
+    "ManagerMetrics": "kvlife.manager",
+    "OffloadManager": "kvlife.manager",
+    "HostPagePool": "kvlife.pool",
+    "PoolError": "kvlife.pool",
+    "StoreError": "kvlife.store.base",
+    "LocalDirectoryStore": "kvlife.store.directory",
+    "MemoryStore": "kvlife.store.memory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlife' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "TABLE",
+    "Ack",
     "AckError",
+    "CpuCopyEngine",
+    "CudaCopyEngine",
+    "DrainTimeout",
     "DuplicateAck",
+    "EngineError",
     "Event",
     "FinishReason",
     "ForeignAck",
+    "ForeignLifecycle",
+    "HashingError",
+    "HostPagePool",
     "InvalidChunk",
     "InvalidEvent",
+    "InvalidStep",
     "InvalidTransition",
+    "KVLayout",
     "KVLifeError",
+    "LayerFirstLayout",
     "Lifecycle",
     "LifecycleError",
     "LifecycleSnapshot",
+    "LocalDirectoryStore",
+    "MLALayout",
+    "ManagedLifecycle",
+    "ManagerError",
+    "ManagerMetrics",
+    "MemoryStore",
+    "OffloadManager",
+    "PageFirstLayout",
+    "PoolError",
     "ReleaseCallbackError",
     "State",
+    "StoreError",
     "Ticket",
     "Transition",
     "UnknownChunk",
