@@ -276,11 +276,11 @@ class Lifecycle:
         "_inflight",
         "_last_hash",
         "_on_release",
+        "_page_size",
         "_pages_submitted",
+        "_rid",
         "_state",
         "_tail",
-        "page_size",
-        "rid",
     )
 
     def __init__(
@@ -294,8 +294,8 @@ class Lifecycle:
     ) -> None:
         if type(page_size) is not int or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        self.rid = rid
-        self.page_size = page_size
+        self._rid = rid
+        self._page_size = page_size
         self._on_release = on_release
         self._hasher = hasher
         self._state = _IDLE
@@ -314,6 +314,16 @@ class Lifecycle:
     # ---------------------------------------------------------------- reading
 
     @property
+    def rid(self) -> object:
+        """The request id: a label for logs and metrics, never a key."""
+        return self._rid
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page, fixed for the life."""
+        return self._page_size
+
+    @property
     def state(self) -> State:
         """The current :class:`State`."""
         return self._state
@@ -326,7 +336,7 @@ class Lifecycle:
     @property
     def tokens_submitted(self) -> int:
         """Tokens covered by every chunk submitted so far."""
-        return self._pages_submitted * self.page_size
+        return self._pages_submitted * self._page_size
 
     @property
     def last_hash(self) -> str | None:
@@ -367,7 +377,7 @@ class Lifecycle:
 
     def __repr__(self) -> str:
         return (
-            f"<Lifecycle rid={self.rid!r} {self._state.name} inflight={self._inflight} "
+            f"<Lifecycle rid={self._rid!r} {self._state.name} inflight={self._inflight} "
             f"id=0x{id(self):x}>"
         )
 
@@ -376,7 +386,7 @@ class Lifecycle:
     def submit(self, tokens: Sequence[int]) -> Ticket:
         """Record a chunk: the next whole pages of ``tokens``, in order; return its ticket."""
         n = len(tokens)
-        page_size = self.page_size
+        page_size = self._page_size
         pages = n // page_size
         if not pages or pages * page_size != n:
             raise self._refuse(
@@ -463,9 +473,9 @@ class Lifecycle:
                 callback(self)
             except Exception as exc:
                 raise ReleaseCallbackError(
-                    f"release callback of Lifecycle rid={self.rid!r} id=0x{id(self):x} raised "
+                    f"release callback of Lifecycle rid={self._rid!r} id=0x{id(self):x} raised "
                     f"{exc!r}; the Lifecycle is released and will not be released again",
-                    rid=self.rid,
+                    rid=self._rid,
                     ident=id(self),
                 ) from exc
 
@@ -477,9 +487,9 @@ class Lifecycle:
     def _refuse(self, kind: type[LifecycleError], event: Event, why: str) -> LifecycleError:
         return kind(
             f"{event.value} refused in state {self._state.name} for Lifecycle "
-            f"rid={self.rid!r} id=0x{id(self):x}: {why}",
+            f"rid={self._rid!r} id=0x{id(self):x}: {why}",
             event=event.value,
             state=self._state,
-            rid=self.rid,
+            rid=self._rid,
             ident=id(self),
         )

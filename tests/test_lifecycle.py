@@ -449,3 +449,12 @@ def test_out_of_order_acks_keep_page_order_whatever_the_key_type() -> None:
         lc.ack(t1)
     lc.ack(t0)
     assert lc.last_hash == t1.keys[-1] and lc.snapshot().in_flight_seqs == ()
+
+
+def test_rid_and_page_size_are_fixed_for_the_life() -> None:
+    lc = Lifecycle("r", page_size=2)
+    before = lc.snapshot()
+    for name, value in (("rid", "other"), ("page_size", 3)):
+        with pytest.raises(AttributeError):
+            setattr(lc, name, value)
+    assert (lc.rid, lc.page_size, lc.snapshot()) == ("r", 2, before)
