@@ -44,6 +44,7 @@ from kvlife.errors import (
     InvalidStep,
     KVLifeError,
     LifecycleError,
+    ManagerError,
     ReleaseCallbackError,
 )
 from kvlife.hashing import PageHasher, namespace_prior, sglang_page_hashes
@@ -96,6 +97,20 @@ class ManagedLifecycle(Lifecycle):
     __slots__ = ("_manager", "device_pages", "prefill_len", "release_handler")
 
     _manager: OffloadManager
+
+    # Its events go through the manager, which keeps the counters and the pages;
+    # a direct call would bypass both, so it is refused before anything changes.
+    def submit(self, tokens: Sequence[int]) -> Ticket:
+        """Refused: use :meth:`OffloadManager.offload`."""
+        raise ManagerError(f"{self!r}: submit through its manager (offload)")
+
+    def ack(self, ticket: Ticket) -> None:
+        """Refused: the manager applies acks in :meth:`OffloadManager.poll`."""
+        raise ManagerError(f"{self!r}: acks reach it through its manager (poll)")
+
+    def finish(self, reason: FinishReason = FinishReason.FINISHED) -> None:
+        """Refused: use :meth:`OffloadManager.finish`."""
+        raise ManagerError(f"{self!r}: finish through its manager (finish)")
     #: The request's device page table as last given (page i holds tokens [i*P, (i+1)*P)).
     device_pages: Sequence[int]
     #: Tokens the prefill side already stored (prompt rounded down to whole pages).
@@ -263,7 +278,7 @@ class OffloadManager:
         try:
             # Everything that can refuse runs before the Lifecycle hears of the chunk.
             self.engine.check(chunk_pages, host_pages)
-            ticket = lc.submit(tokens[start : start + n])
+            ticket = Lifecycle.submit(lc, tokens[start : start + n])
         except KVLifeError:
             self.host.free(host_pages, owner=lc)
             raise
@@ -302,7 +317,7 @@ class OffloadManager:
             lc.device_pages = device_pages
         was_offloading = lc.state is State.OFFLOADING
         try:
-            lc.finish(reason)
+            Lifecycle.finish(lc, reason)
         except ReleaseCallbackError as exc:
             self._record_callback_error(exc)
         except LifecycleError as exc:
@@ -353,7 +368,7 @@ class OffloadManager:
         lc = ticket.lifecycle
         was_finished = lc.state is State.FINISHED
         try:
-            lc.ack(ticket)
+            Lifecycle.ack(lc, ticket)
         except ReleaseCallbackError as exc:
             self._record_callback_error(exc)
         except LifecycleError as exc:

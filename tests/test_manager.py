@@ -23,6 +23,7 @@ from kvlife.errors import (
     InvalidEvent,
     InvalidStep,
     InvalidTransition,
+    ManagerError,
 )
 from kvlife.hashing import page_hashes
 from kvlife.layout import LayerFirstLayout
@@ -452,3 +453,22 @@ def test_scenario_engine_failing_after_check_settles_the_chunk(rig: Rig) -> None
         assert [r[0] for r in rig.released] == [lc]
     finally:
         engine.close()
+
+
+def test_a_managed_lifecycle_refuses_events_that_bypass_its_manager(rig: Rig) -> None:
+    m = rig.manager
+    lc = m.start("r", [], rig.on_release)
+    ticket = m.offload(lc, tokens_for(PAGE + 1, 19), [1])
+    assert ticket is not None
+    before, counters = lc.snapshot(), m.metrics()
+    with pytest.raises(ManagerError):
+        lc.finish()
+    with pytest.raises(ManagerError):
+        lc.ack(ticket)
+    with pytest.raises(ManagerError):
+        lc.submit(tokens_for(PAGE, 19))
+    assert lc.snapshot() == before and m.metrics() == counters
+    m.finish(lc)
+    m.close()
+    assert lc.state is State.RELEASED
+    assert all(v >= 0 for v in m.metrics().lifecycles_by_state.values())
