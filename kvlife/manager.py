@@ -112,6 +112,8 @@ class ManagedLifecycle(Lifecycle):
         """Refused: use :meth:`OffloadManager.finish`."""
         raise ManagerError(f"{self!r}: finish through its manager (finish)")
     #: The request's device page table as last given (page i holds tokens [i*P, (i+1)*P)).
+    #: Kept by reference, not copied (a copy per step would cost the hot path): the
+    #: release callback receives this same object, so mutate it only through steps.
     device_pages: Sequence[int]
     #: Tokens the prefill side already stored (prompt rounded down to whole pages).
     prefill_len: int
