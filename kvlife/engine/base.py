@@ -50,6 +50,7 @@ __all__ = [
     "InvalidTicket",
     "LayoutMismatch",
     "LengthMismatch",
+    "PageCopyEngine",
     "PageOutOfRange",
     "UnallocatedHostPage",
     "check_chunk",
@@ -256,6 +257,42 @@ def check_chunk(
             f"{len(host_pages)} host pages"
         )
     return check_pages(device_pages, host_pages, layout, host, busy)  # open: checked above
+
+
+class PageCopyEngine:
+    """What every engine shares: its device layout and host pool, the host pages
+    being written, whether it is closed, and the checks a chunk must pass."""
+
+    def __init__(self, layout: KVLayout, host: HostPagePool) -> None:
+        check_compatible(layout, host)
+        self.layout = layout
+        self.host = host
+        self._busy: set[int] = set()  # host pages a chunk in flight is writing
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
+        check_pages(
+            device_pages, host_pages, self.layout, self.host, self._busy, closed=self._closed
+        )
+
+    def _check_chunk(
+        self, ticket: object, device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return check_chunk(
+            ticket,
+            device_pages,
+            host_pages,
+            self.layout,
+            self.host,
+            self._busy,
+            closed=self._closed,
+        )
 
 
 def host_runs(host_pages: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -34,9 +34,7 @@ from kvlife.engine.base import (
     CopyFault,
     DrainTimeout,
     EngineConfigError,
-    check_chunk,
-    check_compatible,
-    check_pages,
+    PageCopyEngine,
     host_runs,
 )
 from kvlife.layout import KVLayout
@@ -107,7 +105,7 @@ class _Job:
     completed_at: float = 0.0
 
 
-class CpuCopyEngine:
+class CpuCopyEngine(PageCopyEngine):
     """Copies chunks from a CPU KV layout into a host page pool on worker threads."""
 
     def __init__(
@@ -121,7 +119,7 @@ class CpuCopyEngine:
         seed: int = 0,
         workers: int = 1,
     ) -> None:
-        check_compatible(layout, host)
+        super().__init__(layout, host)
         if layout.device.type != "cpu":
             raise EngineConfigError(f"CpuCopyEngine copies from a CPU layout, not {layout.device}")
         if not (copy_delay >= 0 and delay_jitter >= 0):
@@ -130,8 +128,6 @@ class CpuCopyEngine:
             raise EngineConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise EngineConfigError(f"workers must be a positive int, got {workers!r}")
-        self.layout = layout
-        self.host = host
         self.copy_delay = float(copy_delay)
         self.delay_jitter = float(delay_jitter)
         self.fail_rate = float(fail_rate)
@@ -141,12 +137,10 @@ class CpuCopyEngine:
         # Owner-thread state: collected but not yet returned acks, counters, busy host pages.
         self._ready: list[Ack] = []
         self._inflight = 0
-        self._busy: set[int] = set()
         self._fail_next: deque[BaseException | None] = deque()
         self._slow_next: deque[float] = deque()
         self._hold_next: deque[Gate] = deque()
         self._held: list[Gate] = []
-        self._closed = False
         self._threads = [
             threading.Thread(target=self._work, name=f"kvlife-cpu-copy-{i}", daemon=True)
             for i in range(workers)
@@ -181,17 +175,6 @@ class CpuCopyEngine:
         """Chunks submitted whose acks were not yet returned by poll or drain."""
         return self._inflight
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
-        check_pages(
-            device_pages, host_pages, self.layout, self.host, self._busy, closed=self._closed
-        )
-
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> None:
@@ -202,15 +185,7 @@ class CpuCopyEngine:
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> CpuCopyEvent:
         """:meth:`submit`, returning the chunk's completion event."""
-        dev, hst = check_chunk(
-            ticket,
-            device_pages,
-            host_pages,
-            self.layout,
-            self.host,
-            self._busy,
-            closed=self._closed,
-        )
+        dev, hst = self._check_chunk(ticket, device_pages, host_pages)
         fault: BaseException | None = None
         if self._fail_next:
             fault = self._fail_next.popleft() or CopyFault(

@@ -28,9 +28,7 @@ from kvlife.engine.base import (
     Ack,
     DrainTimeout,
     EngineConfigError,
-    check_chunk,
-    check_compatible,
-    check_pages,
+    PageCopyEngine,
     host_runs,
 )
 from kvlife.layout import KVLayout
@@ -49,7 +47,7 @@ class _Chunk:
     submitted_at: float
 
 
-class CudaCopyEngine:
+class CudaCopyEngine(PageCopyEngine):
     """Copies chunks from a CUDA KV layout into pinned host pages on a side stream."""
 
     def __init__(
@@ -61,15 +59,13 @@ class CudaCopyEngine:
         max_staging_bytes: int = 256 << 20,
         poll_interval: float = 1e-4,
     ) -> None:
-        check_compatible(layout, host)
+        super().__init__(layout, host)
         if not torch.cuda.is_available() or layout.device.type != "cuda":
             raise EngineConfigError(f"CudaCopyEngine needs a CUDA layout, not {layout.device}")
         if not host.pinned:
             raise EngineConfigError("the host pool must be pinned for asynchronous copies")
         if max_staging_bytes < layout.page_nbytes:
             raise EngineConfigError("max_staging_bytes must hold at least one page")
-        self.layout = layout
-        self.host = host
         self.device = layout.device
         self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         self.max_staging_bytes = int(max_staging_bytes)
@@ -77,24 +73,11 @@ class CudaCopyEngine:
         self._pending: deque[_Chunk] = deque()
         # Acks settled by a drain that then timed out; returned by the next poll or drain.
         self._ready: list[Ack] = []
-        self._busy: set[int] = set()
-        self._closed = False
 
     @property
     def inflight(self) -> int:
         """Chunks submitted whose acks were not yet returned by poll or drain."""
         return len(self._pending) + len(self._ready)
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
-        check_pages(
-            device_pages, host_pages, self.layout, self.host, self._busy, closed=self._closed
-        )
 
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
@@ -106,15 +89,7 @@ class CudaCopyEngine:
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> torch.cuda.Event:
         """:meth:`submit`, returning the chunk's ``torch.cuda.Event``."""
-        dev, hst = check_chunk(
-            ticket,
-            device_pages,
-            host_pages,
-            self.layout,
-            self.host,
-            self._busy,
-            closed=self._closed,
-        )
+        dev, hst = self._check_chunk(ticket, device_pages, host_pages)
         submitted_at = time.perf_counter()
         current = torch.cuda.current_stream(self.device)
         index = torch.tensor(dev, dtype=torch.int64, pin_memory=True).to(

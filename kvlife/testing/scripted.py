@@ -29,9 +29,7 @@ from kvlife.engine.base import (
     Ack,
     CopyFault,
     EngineError,
-    check_chunk,
-    check_compatible,
-    check_pages,
+    PageCopyEngine,
     host_runs,
 )
 from kvlife.layout import KVLayout
@@ -70,18 +68,14 @@ class ScriptedCopy:
         )
 
 
-class ScriptedEngine:
+class ScriptedEngine(PageCopyEngine):
     """A :class:`~kvlife.engine.base.CopyEngine` that copies a chunk only when told to."""
 
     def __init__(self, layout: KVLayout, host: HostPagePool) -> None:
-        check_compatible(layout, host)
-        self.layout = layout
-        self.host = host
+        super().__init__(layout, host)
         self._in_flight: list[ScriptedCopy] = []
         self._ready: list[Ack] = []
-        self._busy: set[int] = set()
         self._submitted = 0
-        self._closed = False
 
     # ---------------------------------------------------------------- the script
 
@@ -125,25 +119,11 @@ class ScriptedEngine:
         """Chunks submitted whose acks were not yet returned by poll or drain."""
         return len(self._in_flight) + len(self._ready)
 
-    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
-        check_pages(
-            device_pages, host_pages, self.layout, self.host, self._busy, closed=self._closed
-        )
-
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> None:
         """Validate the chunk and hold it until :meth:`complete`; refusals change nothing."""
-        dev, hst = check_chunk(
-            ticket,
-            device_pages,
-            host_pages,
-            self.layout,
-            self.host,
-            self._busy,
-            closed=self._closed,
-        )
+        dev, hst = self._check_chunk(ticket, device_pages, host_pages)
         copy = ScriptedCopy(ticket, dev, hst, self._submitted, time.perf_counter())
         self._submitted += 1
         self._busy.update(hst)
