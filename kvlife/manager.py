@@ -41,6 +41,7 @@ from kvlife._lifecycle import FinishReason, Lifecycle, State, Ticket
 from kvlife.engine.base import Ack, CopyFault
 from kvlife.errors import (
     ForeignLifecycle,
+    HashingError,
     InvalidStep,
     KVLifeError,
     LifecycleError,
@@ -111,6 +112,7 @@ class ManagedLifecycle(Lifecycle):
     def finish(self, reason: FinishReason = FinishReason.FINISHED) -> None:
         """Refused: use :meth:`OffloadManager.finish`."""
         raise ManagerError(f"{self!r}: finish through its manager (finish)")
+
     #: The request's device page table as last given (page i holds tokens [i*P, (i+1)*P)).
     #: Kept by reference, not copied (a copy per step would cost the hot path): the
     #: release callback receives this same object, so mutate it only through steps.
@@ -218,10 +220,16 @@ class OffloadManager:
         runtime has it from the prefill side; otherwise it is computed here.
         """
         prefill_len = len(prompt) // self.page_size * self.page_size
-        if prior_hash is None:
-            prior_hash = self._seed
-            if prefill_len:
-                prior_hash = self.hasher(prompt[:prefill_len], self.page_size, prior_hash)[-1]
+        try:
+            if prior_hash is None:
+                prior_hash = self._seed
+                if prefill_len:
+                    prior_hash = self.hasher(prompt[:prefill_len], self.page_size, prior_hash)[-1]
+            else:  # the scheme checks a prior it is given even with no page to hash
+                self.hasher((), self.page_size, prior_hash)
+        except HashingError as exc:
+            self._refused[InvalidStep.__name__] += 1
+            raise InvalidStep(f"cannot start rid={rid!r}: {exc}") from None
         lc = ManagedLifecycle(
             rid,
             page_size=self.page_size,

@@ -472,3 +472,14 @@ def test_a_managed_lifecycle_refuses_events_that_bypass_its_manager(rig: Rig) ->
     m.close()
     assert lc.state is State.RELEASED
     assert all(v >= 0 for v in m.metrics().lifecycles_by_state.values())
+
+
+def test_start_refuses_a_prior_the_scheme_cannot_chain_from(rig: Rig) -> None:
+    m = rig.manager
+    with pytest.raises(InvalidStep):
+        m.start("r", [], rig.on_release, prior_hash="not-hex")
+    with pytest.raises(InvalidStep):
+        m.start("r", [1, 2**40, 3, 4, 5], rig.on_release)  # a prompt page it cannot hash
+    assert m.metrics().lifecycles_started == 0
+    good = m.start("r", [], rig.on_release, prior_hash="ab" * 32)
+    assert good.last_hash == good.chain_tail == "ab" * 32
