@@ -120,3 +120,26 @@ def test_command_refuses_bad_flags() -> None:
         check=False,
     )
     assert done.returncode == 2 and "rate" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--concurrency", "0"],
+        ["--page-size", "0"],
+        ["--stride", "3"],
+        ["--requests", "-1"],
+        ["--copy-delay", "-1"],
+        ["--host-pages", "0"],
+    ],
+)
+def test_command_refuses_bad_configurations_before_running(flags: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlife", "simulate", "--json", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert "kvlife simulate:" in done.stderr and "Traceback" not in done.stderr

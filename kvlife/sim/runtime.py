@@ -42,7 +42,12 @@ from kvlife.manager import OffloadManager
 from kvlife.pool import HostPagePool
 from kvlife.store.directory import LocalDirectoryStore
 
-__all__ = ["SimConfig", "SimManager", "SimReport", "run_simulation"]
+__all__ = ["SimConfig", "SimConfigError", "SimManager", "SimReport", "run_simulation"]
+
+
+class SimConfigError(KVLifeError, ValueError):
+    """A simulator configuration no run can use; nothing was started."""
+
 
 VOCAB = 32_000
 POISON = -7.0
@@ -79,6 +84,27 @@ class SimConfig:
     #: This process's rank in a tensor-parallel group: its KV shard's values and
     #: its store namespace differ per rank (keys do not: all ranks share the chain).
     rank: int = 0
+
+    def check(self) -> None:
+        """Refuse a configuration no run can use, with the field named (:class:`SimConfigError`)."""
+        positive = ("concurrency", "rid_pool", "prompt_pool", "page_size", "layers", "heads")
+        for name in (*positive, "head_dim", "host_pages"):
+            if getattr(self, name) <= 0:
+                raise SimConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.requests < 0 or self.rank < 0:
+            raise SimConfigError("requests and rank must be >= 0")
+        if self.stride is not None and self.stride < self.page_size:
+            raise SimConfigError(f"stride {self.stride} is shorter than a page of {self.page_size}")
+        if self.layout not in LAYOUTS:
+            raise SimConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.dtype not in DTYPES:
+            raise SimConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if min(self.copy_delay, self.copy_fail_rate, self.store_fail_rate) < 0:
+            raise SimConfigError("delays and rates must be >= 0")
+        for name in ("prompt_len", "output_len"):
+            low, high = getattr(self, name)
+            if not 0 < low <= high:
+                raise SimConfigError(f"{name} must be 0 < low <= high, got {(low, high)}")
 
 
 @dataclass
@@ -211,7 +237,7 @@ def make_layout(cfg: SimConfig, num_pages: int) -> KVLayout:
         )
     if cfg.layout == "mla":
         return MLALayout(cfg.layers, num_pages, cfg.page_size, cfg.heads * cfg.head_dim, dtype)
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
+    raise SimConfigError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
 
 
 def kvlife_manager(
@@ -230,10 +256,7 @@ class Simulation:
         make_manager: ManagerFactory = kvlife_manager,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        if cfg.requests < 0 or cfg.concurrency <= 0 or cfg.rid_pool <= 0 or cfg.prompt_pool <= 0:
-            raise ValueError("requests >= 0 and concurrency, rid_pool, prompt_pool > 0")
-        if cfg.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+        cfg.check()
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         max_tokens = cfg.prompt_len[1] + cfg.output_len[1] + 1
