@@ -376,6 +376,10 @@ class OffloadManager:
     def _apply_ack(self, ack: Ack) -> None:
         ticket = ack.ticket
         lc = ticket.lifecycle
+        if not isinstance(lc, ManagedLifecycle) or lc._manager is not self:
+            # An engine shared with another manager, or a forged ack: not ours to touch.
+            self._refused[ForeignLifecycle.__name__] += 1
+            return
         was_finished = lc.state is State.FINISHED
         try:
             Lifecycle.ack(lc, ticket)
@@ -396,6 +400,7 @@ class OffloadManager:
             self._copy_failures += 1
             self.host.free(ack.host_pages, owner=lc)
             return
+        self._pages_offloaded += len(ack.host_pages)  # on the host now, whatever the store does
         try:
             self.store.put((lc, ack.host_pages), ticket.keys, self._host_rows(ack.host_pages))
         except BaseException as exc:  # refused or broken at once: never stored
@@ -404,8 +409,6 @@ class OffloadManager:
             if not isinstance(exc, StoreError):
                 raise
             self._refused[type(exc).__name__] += 1
-            return
-        self._pages_offloaded += len(ack.host_pages)
 
     def _apply_store_result(self, result: StoreResult) -> None:
         owner: ManagedLifecycle
