@@ -325,17 +325,8 @@ class OffloadManager:
             and lc.state in (State.IDLE, State.OFFLOADING)
         ):
             lc.device_pages = device_pages
-        was_offloading = lc.state is State.OFFLOADING
-        try:
-            Lifecycle.finish(lc, reason)
-        except ReleaseCallbackError as exc:
-            self._record_callback_error(exc)
-        except LifecycleError as exc:
-            self._refused[type(exc).__name__] += 1
-            raise
+        self._event(lc, Lifecycle.finish, reason)
         self._finished += 1
-        if was_offloading:
-            self._offloading -= 1
 
     # ------------------------------------------------------------ progress
 
@@ -380,18 +371,11 @@ class OffloadManager:
             # An engine shared with another manager, or a forged ack: not ours to touch.
             self._refused[ForeignLifecycle.__name__] += 1
             return
-        was_finished = lc.state is State.FINISHED
         try:
-            Lifecycle.ack(lc, ticket)
-        except ReleaseCallbackError as exc:
-            self._record_callback_error(exc)
-        except LifecycleError as exc:
-            # A duplicate or foreign ack from the engine: its pages are not ours to touch.
-            self._refused[type(exc).__name__] += 1
+            self._event(lc, Lifecycle.ack, ticket)
+        except LifecycleError:  # a duplicate ack from the engine: its pages are not ours
             return
         self._chunks_acked += 1
-        if not was_finished and lc.state is State.IDLE:
-            self._offloading -= 1
         latency = ack.completed_at - ack.submitted_at
         self._latency_count += 1
         self._latency_sum += latency
@@ -433,6 +417,20 @@ class OffloadManager:
         handler = lc.release_handler
         if handler is not None:
             handler(lc, lc.device_pages)
+
+    def _event(self, lc: ManagedLifecycle, event: Callable[..., None], *args: Any) -> None:
+        """Run one Lifecycle event: a raising release callback is reported, a refusal
+        counted and re-raised, and the OFFLOADING count follows the Lifecycle."""
+        was_offloading = lc._state is _OFFLOADING
+        try:
+            event(lc, *args)
+        except ReleaseCallbackError as exc:
+            self._record_callback_error(exc)
+        except LifecycleError as exc:
+            self._refused[type(exc).__name__] += 1
+            raise
+        if was_offloading and lc._state is not _OFFLOADING:
+            self._offloading -= 1
 
     def _invalid_step(self, lc: ManagedLifecycle, why: str) -> InvalidStep:
         self._refused[InvalidStep.__name__] += 1
