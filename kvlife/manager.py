@@ -32,6 +32,7 @@ back with the rest at release).
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvlife._lifecycle import FinishReason, Lifecycle, State, Ticket
 from kvlife.engine.base import Ack, CopyFault
 from kvlife.errors import (
+    DrainTimeout,
     ForeignLifecycle,
     HashingError,
     InvalidStep,
@@ -346,14 +348,26 @@ class OffloadManager:
             self._apply_store_result(result)
 
     def close(self, timeout: float | None = None) -> None:
-        """Drain every copy and every store write; afterwards nothing is in flight or allocated."""
+        """Drain every copy and every store write; afterwards nothing is in flight or allocated.
+
+        ``timeout`` bounds each phase; past it :class:`~kvlife.errors.DrainTimeout`
+        is raised with nothing lost: what was not applied yet is applied by a
+        later :meth:`poll` or :meth:`close`.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             acks = self.engine.drain(timeout)
-            if self.agreement is not None:
-                acks = self.agreement.agree(acks)
+            if self.agreement is None:
+                self._apply_acks(acks)
+            else:
+                self._apply_acks(self.agreement.agree(acks))
                 while self.agreement.pending:
-                    acks += self.agreement.agree([])
-            self._apply_acks(acks)
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise DrainTimeout(
+                            f"{self.agreement.pending} chunks not yet complete on every rank "
+                            f"after {timeout} s"
+                        )
+                    self._apply_acks(self.agreement.agree([]))
         finally:
             for result in self.store.drain(timeout):
                 self._apply_store_result(result)

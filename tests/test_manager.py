@@ -18,6 +18,7 @@ from kvlife import FinishReason, State
 from kvlife.engine.base import EngineClosed
 from kvlife.engine.cpu import CpuCopyEngine
 from kvlife.errors import (
+    DrainTimeout,
     DuplicateAck,
     ForeignLifecycle,
     InvalidEvent,
@@ -498,4 +499,42 @@ def test_an_ack_of_another_managers_lifecycle_is_refused_and_touches_nothing(rig
     other._apply_acks(acks)  # the right one applies them
     other.finish(lc)
     other.close()
+    assert lc.state is State.RELEASED and rig.host.num_used == 0
+
+
+class _PeerNeverCompletes:
+    """An agreement whose peer rank never completes a copy (a real one would time out too)."""
+
+    def __init__(self) -> None:
+        self.held: list[Any] = []
+
+    def submitted(self, ticket: Any) -> None:
+        pass
+
+    def admit(self, n_pages: int) -> bool:
+        return True
+
+    def agree(self, acks: list[Any]) -> list[Any]:
+        self.held += acks
+        return []
+
+    @property
+    def pending(self) -> int:
+        return len(self.held)
+
+
+def test_close_with_an_agreement_that_never_completes_times_out_and_loses_nothing(
+    rig: Rig,
+) -> None:
+    agreement = _PeerNeverCompletes()
+    m = OffloadManager(rig.engine, rig.host, rig.store, page_size=PAGE, agreement=agreement)
+    lc = m.start("r", [], rig.on_release)
+    m.offload(lc, tokens_for(PAGE + 1, 21), [1])
+    m.finish(lc)
+    with pytest.raises(DrainTimeout):
+        m.close(timeout=0.3)
+    assert lc.state is State.FINISHED and rig.host.num_used == 1 and agreement.pending == 1
+    done, agreement.held = agreement.held, []
+    m._apply_acks(done)  # the peer finally completes: nothing was lost
+    m.close()
     assert lc.state is State.RELEASED and rig.host.num_used == 0
