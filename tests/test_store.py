@@ -37,7 +37,8 @@ from kvlife.store import (
     StoreResult,
     StoreStats,
 )
-from kvlife.store.base import PageBytes, QueuedStore, Written
+from kvlife.store.base import PageBytes, QueuedStore, Written, frame_page, unframe_page
+from kvlife.store.directory import PAGES_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ["memory", "directory"]
@@ -388,7 +389,7 @@ def test_a_failed_put_leaves_none_of_its_pages(tmp_path: Path, kind: str) -> Non
         if kind == "directory":
             expected = {
                 f"injected failure before {what} page {i} (4 pages)"
-                for what in ("writing", "renaming")
+                for what in ("writing", "linking")
                 for i in range(4)
             }
         else:
@@ -607,7 +608,8 @@ def test_writer_killed_mid_page_leaves_no_partial_page(tmp_path: Path) -> None:
         # The half page is on disk, in a temporary file only.
         pages_dir = tmp_path / "model" / "rank0" / "@pages"
         temps = list(pages_dir.rglob("*.tmp"))
-        assert len(temps) == 1 and temps[0].stat().st_size == (1 << 16) * 4 // 2
+        header = len(frame_page(cut, b""))
+        assert len(temps) == 1 and temps[0].stat().st_size == header + (1 << 16) * 4 // 2
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
@@ -669,3 +671,267 @@ def test_writer_killed_at_any_moment_leaves_only_whole_pages(tmp_path: Path) -> 
             value = torch.tensor([i * 8 + j], dtype=torch.float32)
             assert fresh.get(k) == raw(value) * (1 << 16), k
         assert list(fresh.directory.rglob("*.tmp")) == []
+
+
+# ----------------------------------------------------------------------------- hardening (issue 13)
+
+
+def tree(path: Path) -> dict[str, bytes | None]:
+    """Everything under ``path``: each file's bytes, None for a directory."""
+    return {
+        str(p.relative_to(path)): (None if p.is_dir() else p.read_bytes())
+        for p in sorted(path.rglob("*"))
+    }
+
+
+# Ways a stored page file can be damaged: (its bytes, another key's whole page file) -> new bytes.
+DAMAGES: dict[str, Callable[[bytes, bytes], bytes]] = {
+    "truncated_to_5_bytes": lambda data, other: data[:5],
+    "cut_in_the_payload": lambda data, other: data[:-1],
+    "emptied": lambda data, other: b"",
+    "extended": lambda data, other: data + b"\0",
+    "bit_flipped_in_the_payload": lambda data, other: (
+        data[:-3] + bytes([data[-3] ^ 0x10]) + data[-2:]
+    ),
+    "another_keys_page": lambda data, other: other,
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_defect9_truncated_page_is_a_miss_and_repaired_by_next_put(
+    tmp_path: Path, damage: str
+) -> None:
+    """Scenario: a stored 32-byte page file is damaged behind the store's back.
+
+    The page is never served (get None, contains False; also for a fresh store,
+    i.e. another process), each bad read is counted, and the next put of the
+    correct page replaces it.
+    """
+    page, other = pages_of(1, 8, seed=1), pages_of(1, 8, seed=2)  # 32-byte payloads
+    with LocalDirectoryStore(tmp_path, "ns") as s:
+        s.put("first", [key(1), key(2)], torch.cat([page, other]))
+        assert s.drain()[0].ok
+        file = s.path(key(1))
+        file.write_bytes(DAMAGES[damage](file.read_bytes(), s.path(key(2)).read_bytes()))
+        assert s.get(key(1)) is None
+        assert not s.contains(key(1))
+        assert s.get(key(2)) == raw(other[0])  # the other page is untouched
+        assert s.stats().pages_corrupt == 2
+        with LocalDirectoryStore(tmp_path, "ns") as fresh:
+            assert fresh.get(key(1)) is None and fresh.stats().pages_corrupt == 1
+        # The correct page repairs it (not a PageMismatch).
+        s.put("repair", [key(1)], page)
+        (result,) = s.drain()
+        assert result.ok, result.error
+        assert s.get(key(1)) == raw(page[0]) and s.contains(key(1))
+        assert s.stats() == StoreStats(
+            puts_ok=2, pages_written=3, bytes_written=3 * 32, pages_corrupt=3
+        )
+        assert disk_files(s) == sorted(
+            str(Path(k[:2]) / f"{k}.page") for k in (key(1), key(2))
+        )
+
+
+def test_defect9_memory_store_verifies_its_pages_too(tmp_path: Path) -> None:
+    """The memory store keeps the same page format: a damaged page is a miss, then repaired."""
+    page = pages_of(1, 8, seed=1)
+    with MemoryStore() as s:
+        s.put("first", [key(1)], page)
+        assert s.drain()[0].ok
+        s._pages[key(1)] = s._pages[key(1)][:5]  # damage it in place
+        assert s.get(key(1)) is None and not s.contains(key(1))
+        s.put("repair", [key(1)], page)
+        assert s.drain()[0].ok
+        assert s.get(key(1)) == raw(page[0])
+        assert s.stats().pages_corrupt == 3 and s.stats().pages_written == 2
+
+
+def test_defect9_page_format_checks_length_crc_and_key() -> None:
+    payload = bytes(range(32))
+    stored = frame_page(key(1), payload) + payload
+    assert stored[:4] == b"KVLP"
+    assert unframe_page(key(1), stored) == payload
+    assert unframe_page(key(2), stored) is None  # another key's page
+    for damage in DAMAGES.values():
+        assert unframe_page(key(1), damage(stored, b"")) is None
+
+
+def test_defect9_mismatch_against_a_whole_page_changes_nothing(tmp_path: Path) -> None:
+    """A put of other bytes under a whole stored page is refused; the disk is unchanged."""
+    with LocalDirectoryStore(tmp_path, "ns") as s:
+        s.put("first", [key(1)], pages_of(1, 8, seed=1))
+        assert s.drain()[0].ok
+        before, stats = tree(tmp_path), s.stats()
+        s.put("other", [key(3), key(1)], pages_of(2, 8, seed=2))
+        (result,) = s.drain()
+        assert isinstance(result.error, PageMismatch)
+        assert tree(tmp_path) == before
+        assert s.stats() == StoreStats(
+            puts_ok=stats.puts_ok,
+            puts_failed=1,
+            pages_written=stats.pages_written,
+            page_mismatches=1,
+            bytes_written=stats.bytes_written,
+        )
+
+
+# A writer process whose store writes a whole page of the value argv[3] to its temporary
+# file, says so, and waits for a line on stdin before naming it and reporting the result.
+GATED_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from kvlife.store import LocalDirectoryStore
+
+    class Gated(LocalDirectoryStore):
+        def _write_page(self, file, page):
+            super()._write_page(file, page)
+            file.flush()
+            print("WRITTEN", flush=True)
+            sys.stdin.readline()
+
+    root, key, value = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    with Gated(root, "shared") as store:
+        store.put("p", [key], torch.full((1, 1024), value))
+        (result,) = store.drain()
+        print("ok" if result.ok else type(result.error).__name__, flush=True)
+    """
+)
+
+
+def writer_process(script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+@pytest.mark.parametrize("same_bytes", [False, True])
+def test_defect10_first_complete_page_of_a_key_wins_across_processes(
+    tmp_path: Path, same_bytes: bool
+) -> None:
+    """Scenario: two processes both hold a complete page of one key, neither has named it.
+
+    The one that names it first wins; the other gets PageMismatch (other bytes)
+    or a deduplicated success (same bytes), and the first page stays stored.
+    """
+    k = key(7)
+    values = [1.0, 1.0 if same_bytes else 2.0]
+    procs = [writer_process(GATED_WRITER, str(tmp_path), k, str(v)) for v in values]
+    outcomes = []
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "WRITTEN"
+        for proc in procs:  # let them name their pages one after the other
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            outcomes.append(proc.stdout.readline().strip())
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert outcomes == ["ok", "ok" if same_bytes else "PageMismatch"]
+    with LocalDirectoryStore(tmp_path, "shared") as s:
+        assert list(s.keys()) == [k]
+        assert s.get(k) == raw(torch.full((1024,), values[0]))
+        assert list(s.directory.rglob("*.tmp")) == []
+
+
+# A writer process that, once told to go, puts one page per key for 200 keys, every page
+# filled with its own value argv[2], and prints each put's outcome.
+RACING_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from kvlife.store import LocalDirectoryStore
+
+    with LocalDirectoryStore(sys.argv[1], "race") as store:
+        print("READY", flush=True)
+        sys.stdin.readline()
+        for i in range(200):
+            store.put(i, [f"{i:064x}"], torch.full((1, 256), float(sys.argv[2])))
+        for r in store.drain():
+            print(r.token, "ok" if r.ok else type(r.error).__name__, flush=True)
+    """
+)
+
+
+def test_defect10_racing_writers_store_exactly_one_page_per_key(tmp_path: Path) -> None:
+    """Scenario: three processes race to store other bytes under the same 200 keys.
+
+    For each key exactly one process is told ok, the others PageMismatch, and
+    the stored page is the winner's.
+    """
+    procs = [writer_process(RACING_WRITER, str(tmp_path), str(v)) for v in range(3)]
+    winners: dict[int, list[int]] = {i: [] for i in range(200)}
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        for v, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=120)
+            lines = [line.split() for line in out.splitlines()]
+            assert len(lines) == 200 and {o for _, o in lines} <= {"ok", "PageMismatch"}
+            for i, outcome in lines:
+                if outcome == "ok":
+                    winners[int(i)].append(v)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    with LocalDirectoryStore(tmp_path, "race") as s:
+        for i, won in winners.items():
+            assert len(won) == 1, (i, won)
+            assert s.get(f"{i:064x}") == raw(torch.full((256,), float(won[0])))
+        assert s.stats().pages_corrupt == 0
+
+
+def long_namespace(root: Path, length: int) -> str:
+    """A namespace of 100-character components making ``root/ns/@pages`` about ``length``."""
+    room = length - len(os.fsencode(os.path.abspath(root / PAGES_DIR)))
+    return "/".join(["n" * 100] * (room // 101))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "root_is_a_file",
+        "root_under_a_file",
+        "root_component_too_long",
+        "namespace_too_long",
+        "namespace_leaves_no_room_for_page_files",
+    ],
+)
+def test_defect17_unusable_root_or_namespace_is_a_typed_error_and_changes_nothing(
+    tmp_path: Path, case: str
+) -> None:
+    """Scenario: the store's directory cannot be made, or its page paths would be too long.
+
+    The constructor raises a KVLifeError subclass (never a bare OSError) and
+    creates nothing: not even the parents it could have made.
+    """
+    (tmp_path / "file").write_bytes(b"keep")
+    error: type[StoreError] = StoreConfigError
+    namespace = "ns"
+    if case == "root_is_a_file":
+        root = tmp_path / "file"
+    elif case == "root_under_a_file":
+        root = tmp_path / "file" / "sub"
+    elif case == "root_component_too_long":
+        root = tmp_path / "new" / ("x" * 300)  # NAME_MAX is 255: "new" could be made first
+    else:
+        root = tmp_path / "new"
+        error = InvalidNamespace
+        namespace = long_namespace(root, 4200 if case == "namespace_too_long" else 4050)
+    before = tree(tmp_path)
+    with pytest.raises(error) as info:
+        LocalDirectoryStore(root, namespace)
+    assert isinstance(info.value, KVLifeError)
+    assert tree(tmp_path) == before

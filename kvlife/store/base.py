@@ -28,6 +28,12 @@ Rules every store keeps:
    Re-putting it with *different* bytes is a corruption signal: the put fails
    with :class:`PageMismatch`, the stored page is kept, and it is counted.
 5. Results arrive in completion order, which is put order (one writer thread).
+6. A page is served only whole: every store keeps each page in the one format
+   of :func:`frame_page` (a header with magic, version, key, payload length and
+   CRC32) and :func:`unframe_page` checks it on every read. A stored page that
+   fails the check (truncated, extended, a flipped bit, another key's page) is
+   a miss: ``get`` returns None, ``contains`` False, ``stats().pages_corrupt``
+   counts it, and the next put of that key replaces it.
 
 Fault injection (for tests and the simulator): ``fail_rate`` and ``seed`` at
 construction and ``fail_next(n)``. Whether a put fails, and at which internal
@@ -43,11 +49,13 @@ import ctypes
 import queue
 import random
 import re
+import struct
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
@@ -72,6 +80,8 @@ __all__ = [
     "StoreStats",
     "Written",
     "check_key",
+    "frame_page",
+    "unframe_page",
 ]
 
 
@@ -150,7 +160,11 @@ class StoreStats:
     pages_written: int = 0
     pages_deduplicated: int = 0
     page_mismatches: int = 0
+    #: Payload bytes of the pages written (headers not counted).
     bytes_written: int = 0
+    #: Reads (get, contains, or a put checking the key) that found a stored page
+    #: failing verification; each was a miss, and a put replaced it.
+    pages_corrupt: int = 0
 
 
 @runtime_checkable
@@ -170,11 +184,11 @@ class Store(Protocol):
         ...
 
     def get(self, key: str) -> bytes | None:
-        """The stored bytes of a page, or None when the key is not stored."""
+        """The stored payload bytes of a page, or None when no whole page is stored under it."""
         ...
 
     def contains(self, key: str) -> bool:
-        """Whether a complete page is stored under ``key``."""
+        """Whether a whole, verified page is stored under ``key``."""
         ...
 
     def keys(self) -> Iterator[str]:
@@ -204,6 +218,51 @@ def check_key(key: object) -> str:
             "(a content hash; never a path)"
         )
     return key
+
+
+# ----------------------------------------------------------------------------- page format
+
+#: First bytes of every stored page.
+PAGE_MAGIC = b"KVLP"
+#: Version of the page format; a page of another version is a miss.
+PAGE_VERSION = 1
+# magic, version, key length, payload length, CRC32 of the payload (little-endian, no padding);
+# the key's ASCII digits follow, then the payload.
+_HEADER = struct.Struct("<4sBBQI")
+
+
+def frame_page(key: str, payload: bytes | memoryview) -> bytes:
+    """The header that precedes ``payload`` when it is stored under ``key``.
+
+    A stored page is ``frame_page(key, payload) + payload``: magic ``KVLP``,
+    version, key length, payload length and the payload's CRC32
+    (``zlib.crc32``), then the key itself.
+    """
+    digits = key.encode("ascii")
+    crc = zlib.crc32(payload)
+    return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), crc) + digits
+
+
+def unframe_page(key: str, stored: bytes) -> bytes | None:
+    """The payload of ``stored`` if it is a whole page of ``key``, else None.
+
+    Whole means: the magic and version match, the header names ``key``, the
+    bytes after the header are exactly the recorded length, and their CRC32
+    matches.
+    """
+    if len(stored) < _HEADER.size:
+        return None
+    magic, version, key_len, length, crc = _HEADER.unpack_from(stored)
+    start = _HEADER.size + key_len
+    if (
+        magic != PAGE_MAGIC
+        or version != PAGE_VERSION
+        or stored[_HEADER.size : start] != key.encode("ascii")
+        or len(stored) != start + length
+        or zlib.crc32(memoryview(stored)[start:]) != crc
+    ):
+        return None
+    return stored[start:]
 
 
 def _check_put(keys: Sequence[str], pages: torch.Tensor) -> tuple[str, ...]:
@@ -317,11 +376,11 @@ class QueuedStore(abc.ABC):
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
-        """The stored bytes of a page, or None when the key is not stored."""
+        """The stored payload bytes of a page, or None when no whole page is stored under it."""
 
     @abc.abstractmethod
     def contains(self, key: str) -> bool:
-        """Whether a complete page is stored under ``key``."""
+        """Whether a whole, verified page is stored under ``key``."""
 
     @abc.abstractmethod
     def keys(self) -> Iterator[str]:
@@ -423,6 +482,11 @@ class QueuedStore(abc.ABC):
 
     # -- internals
 
+    def _count_corrupt(self) -> None:
+        """Count one read that found a stored page failing verification (any thread)."""
+        with self._lock:
+            self._stats = replace(self._stats, pages_corrupt=self._stats.pages_corrupt + 1)
+
     def _take(self) -> list[StoreResult]:
         taken = list(self._done)
         self._done.clear()
@@ -444,22 +508,18 @@ class QueuedStore(abc.ABC):
             with self._lock:
                 s = self._stats
                 if written is not None:
-                    self._stats = StoreStats(
-                        s.puts_ok + 1,
-                        s.puts_failed,
-                        s.pages_written + written.pages_written,
-                        s.pages_deduplicated + written.pages_deduplicated,
-                        s.page_mismatches,
-                        s.bytes_written + written.bytes_written,
+                    self._stats = replace(
+                        s,
+                        puts_ok=s.puts_ok + 1,
+                        pages_written=s.pages_written + written.pages_written,
+                        pages_deduplicated=s.pages_deduplicated + written.pages_deduplicated,
+                        bytes_written=s.bytes_written + written.bytes_written,
                     )
                 else:
-                    self._stats = StoreStats(
-                        s.puts_ok,
-                        s.puts_failed + 1,
-                        s.pages_written,
-                        s.pages_deduplicated,
-                        s.page_mismatches + isinstance(error, PageMismatch),
-                        s.bytes_written,
+                    self._stats = replace(
+                        s,
+                        puts_failed=s.puts_failed + 1,
+                        page_mismatches=s.page_mismatches + isinstance(error, PageMismatch),
                     )
                 self._done.append(result)
                 self._unfinished -= 1

@@ -12,45 +12,76 @@ File naming
 - Keys are 2 to 128 lowercase hex digits (content hashes), never paths. The
   first two digits pick a subdirectory so no directory grows past ~1/256 of the
   pages.
-- A page file holds the page's raw bytes and nothing else; the caller knows the
-  dtype and shape.
+- Opening a store creates the missing directories up to ``@pages``, or none of
+  them: a root that is a file (or under one), a path the file system refuses,
+  or a namespace that makes the longest page path too long is refused with
+  ``StoreConfigError`` or ``InvalidNamespace`` and leaves the disk as it was.
 
-Atomic writes
-=============
+File format and verification
+============================
+
+A page file is the page in the shared format of ``kvlife.store.base``
+(``frame_page``): an 18-byte header (magic ``KVLP``, version, key length,
+payload length, CRC32 of the payload), the key's digits, then the payload. The
+caller knows the payload's dtype and shape. ``get`` and ``contains`` read the
+whole file and check it (``unframe_page``); a file that is truncated, extended,
+damaged, of another version or of another key is a miss (``get`` returns None),
+counted in ``stats().pages_corrupt``, and the next put of that key replaces it.
+``keys()`` lists page file names without reading them.
+
+Atomic writes, first writer wins
+================================
 
 The writer thread writes each page to a temporary file in the page's own
-directory (``.<key>.<pid>.<random>.tmp``), and only when *every* page of the put
-is complete on disk does it ``os.replace`` them to their names. A reader (this
-or another process) therefore sees a page file only when it is complete: a
-writer killed mid-write leaves a temporary file, never a partial page. Listing
-and lookups ignore temporary files; opening a store removes those left by
-processes that no longer run on this host (``clean_temps``).
+directory (``.<key>.<pid>.<random>.tmp``). Only when *every* page of the put
+is complete on disk does it give each one its name with ``os.link``, which
+fails if the name exists. So a reader (this or another process) sees a page
+file only when it is complete, and the first complete page of a key wins, in
+any number of processes:
 
-With ``fsync=True`` every temporary file is flushed to the disk before its
-rename and the directories after; without it a killed *process* still leaves
-only whole pages, but a power loss may not.
+- the name is free: the link makes this put's page the stored one;
+- a whole page with the same bytes is there: nothing is written (deduplicated);
+- a whole page with other bytes is there: the put fails with ``PageMismatch``
+  and the stored page is kept;
+- a page failing verification is there: it is moved aside to a temporary name
+  and removed (or put back, if another writer had replaced it with a whole page
+  in the meantime), and the link is tried again.
+
+A writer killed mid-write leaves a temporary file, never a partial page.
+Listing and lookups ignore temporary files; opening a store removes those left
+by processes that no longer run on this host (``clean_temps``). The store needs
+a file system with hard links (any local POSIX one).
+
+With ``fsync=True`` every temporary file is flushed to the disk before it is
+linked and the directories after; without it a killed *process* still leaves
+only whole pages, but a power loss may not (and verification turns such a page
+into a miss).
 
 Failures
 ========
 
 All-or-nothing per put: on an error (I/O error, injected fault, or a key that
 already holds different bytes) the writer removes the put's temporary files and
-every page file this put renamed into place that did not exist before, then
-reports the error. A page that already held the same bytes is left alone.
-A put in which a *process kill* strikes between two renames can leave some of
-its pages visible (each one complete and correct, as keys are content hashes);
-no result was reported for it, so no caller relies on it either way.
+every page file this put linked into place, then reports the error. A page that
+already held the same bytes is left alone. A put in which a *process kill*
+strikes between two links can leave some of its pages visible (each one
+complete and correct, as keys are content hashes); no result was reported for
+it, so no caller relies on it either way.
 
 Concurrent writers of the same namespace (other processes) are safe for
-readers; the rollback of a failed put may remove a page another writer put
-under the same key in the same instant, which only costs a later rewrite.
+readers; the rollback of a failed put may remove a page another writer found
+already stored with the same bytes in the same instant, which only costs a
+later rewrite.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -61,8 +92,11 @@ from kvlife.store.base import (
     PageBytes,
     PageMismatch,
     QueuedStore,
+    StoreConfigError,
     Written,
     check_key,
+    frame_page,
+    unframe_page,
 )
 
 __all__ = ["LocalDirectoryStore", "check_namespace"]
@@ -73,6 +107,9 @@ PAGES_DIR = "@pages"
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 _PAGE_FILE = re.compile(r"([0-9a-f]{2,128})\.page")
 _TEMP_FILE = re.compile(r"\.([0-9a-f]{2,128})\.([0-9]+)\.[0-9a-f]+\.tmp")
+# The longest path below ``@pages``: "/ff/" and a temporary file name with a
+# 128-digit key, a 10-digit pid and 8 random hex digits.
+_LONGEST_BELOW = len("/ff/." + "f" * 128 + "." + "9" * 10 + ".ffffffff.tmp")
 
 
 def check_namespace(namespace: object) -> tuple[str, ...]:
@@ -117,7 +154,15 @@ class LocalDirectoryStore(QueuedStore):
         self._namespace = namespace
         self._directory = self._root.joinpath(*parts, PAGES_DIR)
         self._fsync = fsync
-        self._directory.mkdir(parents=True, exist_ok=True)
+        longest = len(os.fsencode(os.path.abspath(self._directory))) + _LONGEST_BELOW
+        if longest >= _path_max():
+            base = len(os.fsencode(os.path.abspath(self._root.joinpath(PAGES_DIR))))
+            error = StoreConfigError if base + _LONGEST_BELOW >= _path_max() else InvalidNamespace
+            raise error(
+                f"root {str(root)[:40]!r}... with namespace {namespace[:40]!r}... gives page "
+                f"paths of up to {longest} bytes; the file system takes {_path_max() - 1}"
+            )
+        _make_directories(self._directory)
         if clean_temps:
             self.clean_stale_temps()
         super().__init__(fail_rate=fail_rate, seed=seed, name="directory-store")
@@ -145,15 +190,26 @@ class LocalDirectoryStore(QueuedStore):
     # -- reads
 
     def get(self, key: str) -> bytes | None:
-        """The stored bytes of a page, or None when the key is not stored."""
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            return None
+        """The stored payload bytes of a page, or None when no whole page is stored under it."""
+        return self._read(self.path(key), key)
 
     def contains(self, key: str) -> bool:
-        """Whether a complete page file is stored under ``key``."""
-        return self.path(key).is_file()
+        """Whether a whole, verified page file is stored under ``key``."""
+        return self.get(key) is not None
+
+    def _read(self, file: Path, key: str, *, count: bool = True) -> bytes | None:
+        """The payload of page ``file`` if it is a whole page of ``key``; None if not.
+
+        A file failing verification is counted in ``pages_corrupt`` when ``count``.
+        """
+        try:
+            stored = file.read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        payload = unframe_page(key, stored)
+        if payload is None and count:
+            self._count_corrupt()
+        return payload
 
     def keys(self) -> Iterator[str]:
         """Every stored key, read from the directory (temporary files are not pages)."""
@@ -190,11 +246,11 @@ class LocalDirectoryStore(QueuedStore):
     # -- writes (writer thread)
 
     def _write_page(self, file: BinaryIO, page: memoryview) -> None:
-        """Write one page's bytes to its open temporary file (an override point for tests)."""
+        """Write one page's payload to its open temporary file (an override point for tests)."""
         file.write(page)
 
     def _fault_steps(self, n_pages: int) -> int:
-        # Before writing each page's temporary file, and before each rename.
+        # Before writing each page's temporary file, and before each link.
         return 2 * n_pages
 
     def _store_pages(
@@ -220,16 +276,19 @@ class LocalDirectoryStore(QueuedStore):
                 temp = final.parent / f".{key}.{tag}.tmp"
                 temps[i] = (temp, final)
                 with open(temp, "xb") as file:
+                    file.write(frame_page(key, page))
                     self._write_page(file, page)
                     if self._fsync:
                         file.flush()
                         os.fsync(file.fileno())
             for i in range(n):
-                step(n + i, f"before renaming page {i}")
+                step(n + i, f"before linking page {i}")
                 if i in temps:
-                    temp, final = temps.pop(i)
-                    os.replace(temp, final)
-                    created.append(final)
+                    temp, final = temps[i]
+                    if self._claim(temp, final, keys[i], pages.page(i)):
+                        created.append(final)
+                    temp.unlink()
+                    del temps[i]
             if self._fsync:
                 for directory in {p.parent for p in created}:
                     _fsync_directory(directory)
@@ -241,19 +300,91 @@ class LocalDirectoryStore(QueuedStore):
             raise
         return Written(len(created), n - len(created), len(created) * pages.page_nbytes)
 
-    @staticmethod
-    def _holds(final: Path, key: str, page: memoryview) -> bool:
-        """True if ``final`` already holds exactly ``page``; PageMismatch if other bytes."""
-        try:
-            with open(final, "rb") as file:
-                same = os.fstat(file.fileno()).st_size == len(page) and file.read() == page
-        except FileNotFoundError:
-            return False
-        if not same:
+    def _holds(self, final: Path, key: str, page: memoryview, *, count: bool = True) -> bool:
+        """True if ``final`` holds exactly ``page``; PageMismatch if a whole other page.
+
+        False when there is no whole page (none, or one failing verification).
+        """
+        held = self._read(final, key, count=count)
+        if held is not None and held != page:
             raise PageMismatch(
                 f"key {key} is stored with different bytes; the stored page is kept", key=key
             )
-        return True
+        return held is not None
+
+    def _claim(self, temp: Path, final: Path, key: str, page: memoryview) -> bool:
+        """Give the complete ``temp`` the name ``final`` unless a whole page has it first.
+
+        True if this put's page is now the stored one, False if the same bytes
+        were already there; PageMismatch if other bytes were.
+        """
+        while True:
+            try:
+                os.link(temp, final)  # fails if the name exists: the first page wins
+                return True
+            except FileExistsError:
+                pass
+            if self._holds(final, key, page, count=False):  # counted before writing
+                return False
+            # No whole page under the name (a bad one, or one just removed): move it aside,
+            # but put back a whole page another writer may have linked in the meantime.
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISREG(os.lstat(final).st_mode):
+                    raise FileExistsError(errno.EEXIST, "not a page file", str(final))
+            aside = final.parent / f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            try:
+                os.rename(final, aside)
+            except FileNotFoundError:
+                continue
+            try:
+                if unframe_page(key, aside.read_bytes()) is not None:
+                    with contextlib.suppress(FileExistsError):
+                        os.link(aside, final)
+            finally:
+                aside.unlink()
+
+
+def _path_max() -> int:
+    """The longest path (in bytes, with its terminating NUL) the file system takes."""
+    try:
+        return os.pathconf("/", "PC_PATH_MAX")
+    except (AttributeError, OSError, ValueError):
+        return 4096
+
+
+def _make_directories(directory: Path) -> None:
+    """Create ``directory`` and its missing parents, or none of them.
+
+    Raises StoreConfigError (nothing created) when a parent is a file, or the
+    file system refuses (permissions, read-only, name too long).
+    """
+    missing: list[Path] = []
+    created: list[Path] = []
+    try:
+        path = directory
+        while True:
+            try:
+                mode = os.stat(path).st_mode
+            except FileNotFoundError:
+                missing.append(path)
+                path = path.parent
+                continue
+            if not stat.S_ISDIR(mode):
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+            break
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                if not path.is_dir():
+                    raise
+                continue
+            created.append(path)
+    except OSError as exc:
+        for path in reversed(created):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise StoreConfigError(f"cannot use {str(directory)!r} as a store: {exc}") from exc
 
 
 def _fsync_directory(directory: Path) -> None:

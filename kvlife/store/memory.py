@@ -10,6 +10,11 @@ All-or-nothing: the writer copies every page of a put first and commits them to
 the dict in one step under the lock; a failure (injected, or a key already
 holding different bytes) happens before the commit, so nothing of that put is
 ever visible.
+
+Pages are kept in the shared page format (``frame_page``: a header with the
+key, length and CRC32) and checked on every read like files are, so a page
+damaged in memory is a miss, counted in ``stats().pages_corrupt``, and the
+next put of its key replaces it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from kvlife.store.base import (
     QueuedStore,
     Written,
     check_key,
+    frame_page,
+    unframe_page,
 )
 
 __all__ = ["MemoryStore"]
@@ -33,7 +40,7 @@ class MemoryStore(QueuedStore):
     """An in-process store: a dict of page bytes behind a writer thread (tests, simulator)."""
 
     def __init__(self, *, fail_rate: float = 0.0, seed: int = 0) -> None:
-        self._pages: dict[str, bytes] = {}
+        self._pages: dict[str, bytes] = {}  # key -> framed page (header + payload)
         self._pages_lock = threading.Lock()
         super().__init__(fail_rate=fail_rate, seed=seed, name="memory-store")
 
@@ -44,36 +51,46 @@ class MemoryStore(QueuedStore):
     def _store_pages(
         self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
     ) -> Written:
-        copies: dict[str, bytes] = {}
+        framed: list[bytes] = []
         for i, key in enumerate(keys):
             if fault_at == i:
                 raise InjectedStoreFailure(f"injected failure before page {i} of {len(keys)}")
-            copies[key] = bytes(pages.page(i))
+            framed.append(frame_page(key, pages.page(i)) + pages.page(i))
         if fault_at == len(keys):
             raise InjectedStoreFailure(f"injected failure before committing {len(keys)} pages")
+        new: dict[str, bytes] = {}
         with self._pages_lock:
-            for key, page in copies.items():
-                held = self._pages.get(key)
-                if held is not None and held != page:
+            for i, key in enumerate(keys):
+                held = self._verified(key)
+                if held is None:
+                    new[key] = framed[i]
+                elif held != pages.page(i):
                     raise PageMismatch(
                         f"key {key} is stored with different bytes; the stored page is kept",
                         key=key,
                     )
-            new = {k: v for k, v in copies.items() if k not in self._pages}
             self._pages.update(new)
-        return Written(len(new), len(copies) - len(new), sum(map(len, new.values())))
+        return Written(len(new), len(keys) - len(new), len(new) * pages.page_nbytes)
+
+    def _verified(self, key: str) -> bytes | None:
+        """The payload stored under ``key`` if it is whole; None (a bad one counted) if not."""
+        framed = self._pages.get(key)
+        if framed is None:
+            return None
+        payload = unframe_page(key, framed)
+        if payload is None:
+            self._count_corrupt()
+        return payload
 
     def get(self, key: str) -> bytes | None:
-        """The stored bytes of a page, or None when the key is not stored."""
+        """The stored payload bytes of a page, or None when no whole page is stored under it."""
         check_key(key)
         with self._pages_lock:
-            return self._pages.get(key)
+            return self._verified(key)
 
     def contains(self, key: str) -> bool:
-        """Whether a page is stored under ``key``."""
-        check_key(key)
-        with self._pages_lock:
-            return key in self._pages
+        """Whether a whole, verified page is stored under ``key``."""
+        return self.get(key) is not None
 
     def keys(self) -> Iterator[str]:
         """Every stored key (a snapshot taken at the call)."""
