@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -416,13 +417,39 @@ def test_layout_and_pool_must_agree() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"copy_delay": -1.0}, {"delay_jitter": -0.1}, {"fail_rate": 1.5}, {"workers": 0}],
+    [
+        {"copy_delay": -1.0},
+        {"copy_delay": float("inf")},
+        {"delay_jitter": -0.1},
+        {"delay_jitter": float("nan")},
+        {"fail_rate": 1.5},
+        {"workers": 0},
+    ],
 )
 def test_bad_engine_settings_are_refused(kwargs: dict[str, float]) -> None:
     layout = make_layout("page_first")
     host = HostPagePool(4, layout.page_numel, layout.dtype, pin_memory=False)
     with pytest.raises(EngineConfigError):
         CpuCopyEngine(layout, host, **kwargs)  # type: ignore[arg-type]
+
+
+def test_defect13_close_wakes_sleeping_copies_and_is_bounded(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """A copy sleeping out a huge delay runs at close; close returns in bounded time."""
+    layout, host, engine = setup(engines, copy_delay=1e9, workers=2)
+    lc = Lifecycle("r", page_size=PAGE)
+    t = chunk(lc, 1)
+    pages = host.alloc(1, t)
+    assert pages is not None
+    engine.submit(t, [0], pages)
+    closer = threading.Thread(target=engine.close, daemon=True)
+    closer.start()
+    closer.join(5.0)
+    assert not closer.is_alive(), "close() joined a sleeping worker with no timeout"
+    (ack,) = engine.drain(timeout=5.0)  # submitted chunks still complete and are acked
+    assert ack.ok and torch.equal(host.page(pages[0]), layout.read_page(0))
+    assert engine.copy_errors == 0
 
 
 def test_bad_fault_injection_is_refused(engines: Callable[..., CpuCopyEngine]) -> None:

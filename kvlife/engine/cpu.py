@@ -18,6 +18,7 @@ complete out of order.
 
 from __future__ import annotations
 
+import math
 import queue
 import random
 import threading
@@ -122,8 +123,8 @@ class CpuCopyEngine(PageCopyEngine):
         super().__init__(layout, host)
         if layout.device.type != "cpu":
             raise EngineConfigError(f"CpuCopyEngine copies from a CPU layout, not {layout.device}")
-        if not (copy_delay >= 0 and delay_jitter >= 0):
-            raise EngineConfigError("copy_delay and delay_jitter must be >= 0 seconds")
+        if not (0 <= copy_delay < math.inf and 0 <= delay_jitter < math.inf):
+            raise EngineConfigError("copy_delay and delay_jitter must be finite, >= 0 seconds")
         if not 0.0 <= fail_rate <= 1.0:
             raise EngineConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -141,6 +142,11 @@ class CpuCopyEngine(PageCopyEngine):
         self._slow_next: deque[float] = deque()
         self._hold_next: deque[Gate] = deque()
         self._held: list[Gate] = []
+        #: Copies that failed with an error of their own, not an injected fault.
+        self.copy_errors = 0
+        #: The newest of those errors.
+        self.last_copy_error: BaseException | None = None
+        self._closing = threading.Event()  # set by close: delayed copies run at once
         self._threads = [
             threading.Thread(target=self._work, name=f"kvlife-cpu-copy-{i}", daemon=True)
             for i in range(workers)
@@ -250,18 +256,24 @@ class CpuCopyEngine(PageCopyEngine):
         self._inflight -= len(ready)
         return ready
 
-    def close(self) -> None:
-        """Take no more chunks, open held gates, and let the workers finish queued copies."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Take no more chunks, open held gates, and let the workers finish queued copies.
+
+        Copies still waiting out their delay run at once. The workers are waited
+        for ``timeout`` seconds at most (they are daemon threads).
+        """
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         for gate in self._held:
             gate.open()
         self._held.clear()
         for _ in self._threads:
             self._jobs.put(None)
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> CpuCopyEngine:
         return self
@@ -273,6 +285,9 @@ class CpuCopyEngine(PageCopyEngine):
 
     def _settle(self, job: _Job) -> Ack:
         self._busy.difference_update(job.host_pages)
+        if job.error is not None and job.fault is None:
+            self.copy_errors += 1
+            self.last_copy_error = job.error
         if job.gate is not None and job.gate in self._held:
             self._held.remove(job.gate)
         return Ack(
@@ -297,7 +312,7 @@ class CpuCopyEngine(PageCopyEngine):
                 # earlier work), not time added per copy: copies do not serialise on it.
                 wait = job.submitted_at + job.delay - time.perf_counter()
                 if wait > 0:
-                    time.sleep(wait)
+                    self._closing.wait(wait)
                 job.event._started = True
                 if job.fault is not None:
                     job.error = job.fault
