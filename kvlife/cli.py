@@ -3,8 +3,9 @@
 Each subcommand is one ``register`` function in :data:`COMMANDS`: it adds its
 parser to the subparsers and sets ``handler`` (``args -> exit status``). A new
 subcommand is one more function and one more entry. Exit status: 0 done,
-2 refused (bad usage, or a :class:`~kvlife.errors.KVLifeError` such as a missing
-Graphviz), with the reason on stderr.
+2 refused (bad usage, a :class:`~kvlife.errors.KVLifeError` such as a missing
+Graphviz, or an ``OSError`` such as an ``--out`` that cannot be written), with
+the reason on one line of stderr and no traceback.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         status: int = args.handler(args)
-    except KVLifeError as exc:
+    except (KVLifeError, OSError) as exc:  # a refusal, or a file or directory we cannot use
         print(f"kvlife {args.command}: {exc}", file=sys.stderr)
         return 2
     return status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import subprocess
 import sys
 import weakref
@@ -15,7 +16,7 @@ import pytest
 from kvlife.engine.base import Ack
 from kvlife.manager import ManagedLifecycle, OffloadManager
 from kvlife.sim import SimConfig, run_simulation
-from kvlife.sim.runtime import LAYOUTS
+from kvlife.sim.runtime import LAYOUTS, Simulation
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rid_keyed_manager import RidKeyedManager
@@ -143,3 +144,12 @@ def test_command_refuses_bad_configurations_before_running(flags: list[str]) -> 
     )
     assert done.returncode == 2 and done.stdout == ""
     assert "kvlife simulate:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_defect13_copies_failing_for_a_real_reason_are_never_ok() -> None:
+    """Copies that fail for a reason of their own (not the fault rate) make the run FAILED."""
+    sim = Simulation(SimConfig(requests=20, concurrency=4, seed=1))
+    sim.engine.copy_delay = math.inf  # past every check: each copy's wait overflows
+    report = sim.run()
+    assert report.copy_failures > 0 and not report.ok
+    assert any("copies failed" in v and "OverflowError" in v for v in report.violations)

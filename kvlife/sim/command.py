@@ -130,16 +130,8 @@ def _simulate_ranks(cfg: SimConfig, args: argparse.Namespace) -> int:
     """``--world-size N``: N processes; ``ranks_agreed`` and per-rank figures."""
     from kvlife.sim.distributed import run_distributed
 
-    delays = args.rank_copy_delays
-    if delays is not None and len(delays) != args.world_size:
-        print(
-            f"kvlife simulate: --rank-copy-delays gives {len(delays)} delays for "
-            f"{args.world_size} ranks",
-            file=sys.stderr,
-        )
-        return 2
     result = run_distributed(
-        cfg, args.world_size, timeout=args.agreement_timeout, copy_delays=delays
+        cfg, args.world_size, timeout=args.agreement_timeout, copy_delays=args.rank_copy_delays
     )
     if args.json:
         print(json.dumps(result))

@@ -52,16 +52,36 @@ import torch.multiprocessing as mp
 
 from kvlife.distributed import TorchAgreement
 from kvlife.manager import ManagedLifecycle, OffloadManager, ReleaseHandler
-from kvlife.sim.runtime import SimConfig, SimManager, Simulation
+from kvlife.sim.runtime import SimConfig, SimConfigError, SimManager, Simulation, make_store_dir
 
 __all__ = [
     "RecordingManager",
+    "check_ranks",
     "free_port",
     "init_rank",
     "run_distributed",
     "run_rank",
     "spawn_ranks",
 ]
+
+
+MAX_AGREEMENT_TIMEOUT_S = 86_400.0
+
+
+def check_ranks(
+    cfg: SimConfig, world_size: int, timeout: float, copy_delays: Sequence[float] | None
+) -> None:
+    """Refuse a run of ``world_size`` ranks no rank can use (:class:`SimConfigError`)."""
+    if world_size < 1:
+        raise SimConfigError(f"world_size must be >= 1, got {world_size}")
+    if not 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S:
+        raise SimConfigError(
+            f"the agreement timeout must be > 0 and <= {MAX_AGREEMENT_TIMEOUT_S} s, got {timeout}"
+        )
+    if copy_delays is not None and len(copy_delays) != world_size:
+        raise SimConfigError(f"{len(copy_delays)} copy delays for {world_size} ranks")
+    for delay in copy_delays or [cfg.copy_delay]:
+        replace(cfg, copy_delay=delay).check(processes=world_size)
 
 
 def free_port() -> int:
@@ -158,19 +178,20 @@ def run_rank(cfg: SimConfig, *, timeout: float = 60.0, group: Any = None) -> dic
     ``cfg.rank`` should be this process's rank. The store directory is kept
     (pass ``cfg.store_dir``) so that its keys can be listed after the run.
     """
-    own_dir = cfg.store_dir is None
-    store_dir = cfg.store_dir or tempfile.mkdtemp(prefix="kvlife-sim-rank-")
+    own_dir = not cfg.store_dir
+    store_dir = make_store_dir(cfg.store_dir)
     built: dict[str, Any] = {}
 
     def make_manager(engine: Any, host: Any, store: Any, **kwargs: Any) -> SimManager:
         agreement = TorchAgreement(group, timeout=timeout, host=host)
         manager = RecordingManager(engine, host, store, agreement=agreement, **kwargs)
-        built.update(agreement=agreement, manager=manager, store=store)
+        built.update(agreement=agreement, manager=manager)
         return manager
 
     try:
-        report = Simulation(replace(cfg, store_dir=store_dir), make_manager).run()
-        keys = sorted(built["store"].keys())
+        sim = Simulation(replace(cfg, store_dir=store_dir), make_manager)
+        report = sim.run()
+        keys = sim.stored_keys
     finally:
         if own_dir:
             shutil.rmtree(store_dir, ignore_errors=True)
@@ -236,12 +257,9 @@ def run_distributed(
 
     ``copy_delays`` gives each rank its own copy delay (e.g. one slow rank).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if copy_delays is not None and len(copy_delays) != world_size:
-        raise ValueError(f"{len(copy_delays)} copy delays for {world_size} ranks")
-    own_dir = cfg.store_dir is None
-    store_dir = cfg.store_dir or tempfile.mkdtemp(prefix="kvlife-sim-")
+    check_ranks(cfg, world_size, timeout, copy_delays)  # before anything is made or spawned
+    own_dir = not cfg.store_dir
+    store_dir = make_store_dir(cfg.store_dir)
     out_dir = tempfile.mkdtemp(prefix="kvlife-sim-ranks-")
     t0 = time.perf_counter()
     try:

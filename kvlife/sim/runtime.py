@@ -22,6 +22,7 @@ tests shows that the check fails where the bookkeeping is wrong.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -42,7 +44,14 @@ from kvlife.manager import OffloadManager
 from kvlife.pool import HostPagePool
 from kvlife.store.directory import LocalDirectoryStore
 
-__all__ = ["SimConfig", "SimConfigError", "SimManager", "SimReport", "run_simulation"]
+__all__ = [
+    "SimConfig",
+    "SimConfigError",
+    "SimManager",
+    "SimReport",
+    "make_store_dir",
+    "run_simulation",
+]
 
 
 class SimConfigError(KVLifeError, ValueError):
@@ -54,6 +63,29 @@ POISON = -7.0
 STALL_S = 2.0  # seconds with nothing decoding before a run is declared stalled
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LAYOUTS = ("layer-first", "page-first", "mla")
+MAX_COPY_DELAY_S = 10.0  # a copy slower than this is no simulated copy: a run would never end
+TOKEN_BYTES = 40  # a token id in a Python list: the pointer and the int
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory in bytes (no limit where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**63
+
+
+def make_store_dir(store_dir: str | None) -> str:
+    """``store_dir``, made if missing, or a new temporary directory; refuse one no run can write."""
+    if not store_dir:
+        return tempfile.mkdtemp(prefix="kvlife-sim-")
+    try:
+        Path(store_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SimConfigError(f"cannot create the store directory: {exc}") from None
+    if not os.access(store_dir, os.W_OK | os.X_OK):
+        raise SimConfigError(f"the store directory {store_dir} is not writable")
+    return store_dir
 
 
 @dataclass
@@ -85,8 +117,31 @@ class SimConfig:
     #: its store namespace differ per rank (keys do not: all ranks share the chain).
     rank: int = 0
 
-    def check(self) -> None:
-        """Refuse a configuration no run can use, with the field named (:class:`SimConfigError`)."""
+    @property
+    def page_numel(self) -> int:
+        """Elements in one page of KV (every layer's K and V, or MLA's one latent)."""
+        kv = 1 if self.layout == "mla" else 2
+        return kv * self.layers * self.page_size * self.heads * self.head_dim
+
+    @property
+    def device_pages(self) -> int:
+        """Device pool size: every active request at full length, and as much again for
+        finished ones whose copies still drain."""
+        max_tokens = self.prompt_len[1] + self.output_len[1] + 1
+        return 2 * self.concurrency * -(-max_tokens // self.page_size)
+
+    def memory_needed(self) -> int:
+        """Bytes a run allocates up front: device and host pools, and the prompts."""
+        pages = self.device_pages + self.host_pages + 1  # + the poison page
+        tokens = self.prompt_pool * self.prompt_len[1]
+        return pages * self.page_numel * DTYPES[self.dtype].itemsize + tokens * TOKEN_BYTES
+
+    def check(self, processes: int = 1) -> None:
+        """Refuse a configuration no run can use, with the field named (:class:`SimConfigError`).
+
+        Nothing is allocated, created or started: the memory ``processes`` runs
+        need is computed, and refused if it exceeds this machine's.
+        """
         positive = ("concurrency", "rid_pool", "prompt_pool", "page_size", "layers", "heads")
         for name in (*positive, "head_dim", "host_pages"):
             if getattr(self, name) <= 0:
@@ -99,12 +154,23 @@ class SimConfig:
             raise SimConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.dtype not in DTYPES:
             raise SimConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if min(self.copy_delay, self.copy_fail_rate, self.store_fail_rate) < 0:
-            raise SimConfigError("delays and rates must be >= 0")
+        if not 0 <= self.copy_delay <= MAX_COPY_DELAY_S:
+            raise SimConfigError(
+                f"copy_delay must be 0 to {MAX_COPY_DELAY_S} seconds, got {self.copy_delay}"
+            )
+        for name in ("copy_fail_rate", "store_fail_rate", "abort_rate", "retract_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise SimConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("prompt_len", "output_len"):
             low, high = getattr(self, name)
             if not 0 < low <= high:
                 raise SimConfigError(f"{name} must be 0 < low <= high, got {(low, high)}")
+        needed, have = processes * self.memory_needed(), memory_bytes()
+        if needed > have:
+            raise SimConfigError(
+                f"this configuration needs {needed / 2**30:.1f} GiB; "
+                f"this machine has {have / 2**30:.1f} GiB"
+            )
 
 
 @dataclass
@@ -259,11 +325,16 @@ class Simulation:
         cfg.check()
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        max_tokens = cfg.prompt_len[1] + cfg.output_len[1] + 1
-        self.pages_per_request = -(-max_tokens // cfg.page_size)
-        # Room for every active request at full length, and as much again for
-        # finished ones whose copies still drain.
-        self.layout = make_layout(cfg, 2 * cfg.concurrency * self.pages_per_request)
+        self._own_dir = not cfg.store_dir
+        self.store_dir = make_store_dir(cfg.store_dir)
+        self.store = LocalDirectoryStore(
+            self.store_dir, f"sim/rank{cfg.rank}", fail_rate=cfg.store_fail_rate, seed=cfg.seed
+        )
+        #: Keys stored before this run (a reused store directory): not this run's to verify.
+        self.keys_before = set(self.store.keys())
+        #: Keys this run added to the store, found by :meth:`run`.
+        self.stored_keys: list[str] = []
+        self.layout = make_layout(cfg, cfg.device_pages)
         self.device = _DevicePages(self.layout)
         self.host = HostPagePool(cfg.host_pages, self.layout.page_numel, self.layout.dtype)
         self.engine = CpuCopyEngine(
@@ -273,11 +344,6 @@ class Simulation:
             delay_jitter=cfg.copy_delay,
             seed=cfg.seed,
             fail_rate=cfg.copy_fail_rate,
-        )
-        self._own_dir = cfg.store_dir is None
-        self.store_dir = cfg.store_dir or tempfile.mkdtemp(prefix="kvlife-sim-")
-        self.store = LocalDirectoryStore(
-            self.store_dir, f"sim/rank{cfg.rank}", fail_rate=cfg.store_fail_rate, seed=cfg.seed
         )
         self.manager = make_manager(
             self.engine, self.host, self.store, page_size=cfg.page_size, stride=cfg.stride
@@ -462,11 +528,16 @@ class Simulation:
             rep.host_pool_exhausted = m.host_pool_exhausted
             if rep.elapsed_s > 0:
                 rep.offload_gbps = m.bytes_offloaded / rep.elapsed_s / 1e9
+        if self.engine.copy_errors:  # not the injected faults: a copy that could not be made
+            self._violation(
+                f"{self.engine.copy_errors} copies failed: {self.engine.last_copy_error!r}"
+            )
 
     def _verify(self) -> None:
         rep = self.report
         numel, dtype = self.layout.page_numel, self.layout.dtype
-        for key in self.store.keys():  # noqa: SIM118 (a store, not a dict)
+        self.stored_keys = sorted(set(self.store.keys()) - self.keys_before)
+        for key in self.stored_keys:
             rep.pages_stored += 1
             data = self.store.get(key)
             if key not in self.expected_keys:

@@ -1,0 +1,116 @@
+"""Bad command-line input: one line on stderr and exit 2, never a traceback or a false verdict.
+
+Each test runs the real ``kvlife`` command in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kvlife(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "kvlife", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+    )
+
+
+def assert_refused(done: subprocess.CompletedProcess[str], command: str, says: str) -> None:
+    """Exit 2, nothing on stdout, one line on stderr naming the command and the reason."""
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"kvlife {command}: ") and says in lines[0], lines[0]
+
+
+def store_dirs(tmp_path: Path) -> list[Path]:
+    """Store directories no run can create or write: under a file, under /proc, read-only."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    dirs = [a_file / "store", Path("/proc/kvlife-store")]
+    if os.geteuid() != 0:  # root writes through the mode bits
+        read_only = tmp_path / "read-only"
+        read_only.mkdir(mode=0o555)
+        dirs.append(read_only / "store")
+    return dirs
+
+
+def test_defect11_store_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
+    for store_dir in store_dirs(tmp_path):
+        done = kvlife("simulate", "--json", "--requests", "5", "--store-dir", str(store_dir))
+        assert_refused(done, "simulate", "store directory")
+
+
+def test_defect11_unwritable_diagram_out_is_refused(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for out in (a_file / "life.mmd", Path("/proc/kvlife-life.mmd")):
+        assert_refused(kvlife("diagram", "--out", str(out)), "diagram", str(out))
+        assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--host-pages", "1000000000000"],
+        ["--page-size", "1000000000"],
+        ["--head-dim", "1000000000"],
+        ["--concurrency", "1000000000"],
+        ["--output-len", "1,1000000000000"],
+    ],
+)
+def test_defect11_sizes_that_cannot_be_allocated_are_refused(flags: list[str]) -> None:
+    assert_refused(kvlife("simulate", "--json", *flags), "simulate", "GiB")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--requests", "-1"], "requests"),
+        (["--agreement-timeout", "nan"], "agreement timeout"),
+        (["--agreement-timeout", "-1"], "agreement timeout"),
+        (["--rank-copy-delays", "0,inf"], "copy_delay"),
+        (["--host-pages", "1000000000000"], "GiB"),
+    ],
+)
+def test_defect12_bad_configuration_is_refused_before_any_rank_starts(
+    flags: list[str], says: str
+) -> None:
+    done = kvlife("simulate", "--json", "--world-size", "2", *flags, timeout=30)
+    assert_refused(done, "simulate", says)
+
+
+@pytest.mark.parametrize("delay", ["inf", "nan", "1e9"])
+def test_defect13_copy_delay_inf_is_refused(delay: str) -> None:
+    done = kvlife("simulate", "--json", "--requests", "5", "--copy-delay", delay, timeout=30)
+    assert_refused(done, "simulate", "copy_delay")
+
+
+def test_defect14_a_used_store_dir_gives_no_false_failure(tmp_path: Path) -> None:
+    """A second run (other seed, so other keys) in the same store verifies its own keys only."""
+    reports = []
+    for seed in ("1", "2"):
+        done = kvlife(
+            "simulate", "--json", "--requests", "30", "--seed", seed, "--store-dir", str(tmp_path)
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        reports.append(json.loads(done.stdout))
+    first, second = reports
+    assert first["ok"] and second["ok"]
+    assert second["misfiled_pages"] == second["corrupted_pages"] == 0
+    assert second["pages_verified"] == second["pages_stored"] > 0
