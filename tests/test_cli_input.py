@@ -86,6 +86,7 @@ def test_defect11_sizes_that_cannot_be_allocated_are_refused(flags: list[str]) -
         (["--agreement-timeout", "-1"], "agreement timeout"),
         (["--rank-copy-delays", "0,inf"], "copy_delay"),
         (["--host-pages", "1000000000000"], "GiB"),
+        (["--store-dir", "/proc/kvlife-store"], "store directory"),
     ],
 )
 def test_defect12_bad_configuration_is_refused_before_any_rank_starts(
