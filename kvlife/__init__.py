@@ -22,6 +22,7 @@ from kvlife._lifecycle import (
 )
 from kvlife.errors import (
     AckError,
+    ConfigError,
     DrainTimeout,
     DuplicateAck,
     ForeignAck,
@@ -83,6 +84,7 @@ __all__ = [
     "TABLE",
     "Ack",
     "AckError",
+    "ConfigError",
     "CpuCopyEngine",
     "CudaCopyEngine",
     "DrainTimeout",

@@ -45,12 +45,14 @@ the Lifecycle exactly as it was: all checks run before the first assignment.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
 from kvlife.errors import (
+    ConfigError,
     DuplicateAck,
     ForeignAck,
     HashingError,
@@ -229,6 +231,14 @@ class Ticket(NamedTuple):
         return len(self.keys)
 
 
+def _check_tokens(tokens: object, refuse: Callable[..., LifecycleError]) -> None:
+    """Refuse what is not an ordered, sized sequence of token ids (a generator, a set, a dict)."""
+    if isinstance(tokens, (AbstractSet, Mapping)) or not hasattr(tokens, "__len__"):
+        raise refuse(
+            InvalidChunk, _SUBMIT, f"tokens must be a sequence of ids, got {type(tokens).__name__}"
+        )
+
+
 # Ticket(...) runs a generated Python __new__; the hot path builds the tuple directly.
 _new_ticket = tuple.__new__
 
@@ -293,7 +303,9 @@ class Lifecycle:
         hasher: PageHasher = sglang_page_hashes,
     ) -> None:
         if type(page_size) is not int or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+            raise ConfigError(f"page_size must be a positive int, got {page_size!r}")
+        if prior_hash is not None and type(prior_hash) is not str:
+            raise HashingError(f"prior_hash must be a hex digest str, got {prior_hash!r}")
         self._rid = rid
         self._page_size = page_size
         self._on_release = on_release
@@ -385,6 +397,8 @@ class Lifecycle:
 
     def submit(self, tokens: Sequence[int]) -> Ticket:
         """Record a chunk: the next whole pages of ``tokens``, in order; return its ticket."""
+        if type(tokens) is not list and type(tokens) is not tuple:
+            _check_tokens(tokens, self._refuse)
         n = len(tokens)
         page_size = self._page_size
         pages = n // page_size
@@ -398,7 +412,7 @@ class Lifecycle:
             raise self._refuse(InvalidTransition, _SUBMIT, "the table has no such transition")
         try:
             keys = tuple(self._hasher(tokens, page_size, self._tail))
-        except HashingError as exc:
+        except (HashingError, TypeError) as exc:
             raise self._refuse(InvalidChunk, _SUBMIT, str(exc)) from None
         if len(keys) != pages:
             raise self._refuse(

@@ -75,6 +75,11 @@ class InvalidStep(ManagerError, ValueError):
     """A step's tokens or device pages do not fit the request (too few pages, tokens went back)."""
 
 
+class ConfigError(KVLifeError, ValueError):
+    """A constructor argument no run can use (a page size of ``True``, a NaN stride,
+    an engine already driven by another manager); nothing was built."""
+
+
 class DrainTimeout(KVLifeError, TimeoutError):
     """A drain ran out of time (copies or store writes); nothing was lost, poll again."""
 
@@ -85,6 +90,7 @@ class HashingError(KVLifeError, ValueError):
 
 __all__ = [
     "AckError",
+    "ConfigError",
     "DrainTimeout",
     "DuplicateAck",
     "ForeignAck",

@@ -58,7 +58,7 @@ def sglang_page_hashes(tokens: Sequence[int], page_size: int, prior: str | None)
     _check_pages(tokens, page_size)
     try:
         prior_bytes = bytes.fromhex(prior) if prior else b""
-    except ValueError:
+    except (TypeError, ValueError):
         raise HashingError(f"prior {prior!r} is not a hex digest") from None
     pack = _packer(page_size)
     sha256 = hashlib.sha256
@@ -66,7 +66,7 @@ def sglang_page_hashes(tokens: Sequence[int], page_size: int, prior: str | None)
     for start in range(0, len(tokens), page_size):
         try:
             packed = pack(*tokens[start : start + page_size])
-        except struct.error:
+        except (struct.error, TypeError):
             raise HashingError(
                 f"token ids of page {start // page_size} must be ints in [0, 2**32)"
             ) from None

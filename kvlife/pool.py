@@ -164,6 +164,8 @@ class HostPagePool:
 
     def free(self, pages: Sequence[int], owner: object) -> None:
         """Return ``pages`` (all owned by ``owner``) to the pool; every page is checked first."""
+        if not isinstance(pages, Sequence):  # a set has no order; a generator, one pass
+            raise PoolError(f"pages must be a sequence of ints, got {type(pages).__name__}")
         owners = self._owner
         seen: set[int] = set()
         for p in pages:

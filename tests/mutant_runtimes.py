@@ -43,6 +43,7 @@ class RidKeyedProgress(OffloadManager):
         old = self._by_rid.get(rid)
         if old is not None and old.state is not State.RELEASED:
             lc._pages_submitted = old._pages_submitted  # the bug: progress found by rid
+            lc.next_page = old.next_page
             lc._tail = old.chain_tail
         self._by_rid[rid] = lc
         return lc

@@ -186,3 +186,47 @@ def test_unpinned_host_and_cpu_layouts_are_refused() -> None:
 def test_engine_follows_the_protocol() -> None:
     _, _, engine = setup()
     assert isinstance(engine, CopyEngine)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_defect18_a_stream_on_another_device_is_refused() -> None:
+    layout = make_layout("layer_first")
+    host = HostPagePool(4, layout.page_numel, layout.dtype, pin_memory=True)
+    other = torch.cuda.Stream(device="cuda:1")  # type: ignore[no-untyped-call]
+    with pytest.raises(EngineConfigError):
+        CudaCopyEngine(layout, host, stream=other)
+
+
+def test_defect18_a_chunk_failing_part_way_is_acked_only_after_its_queued_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scenario: a chunk over max_staging_bytes copies its first window, then fails.
+
+    The first window's write into the host pages is still queued behind a long
+    kernel. submit() must not raise (the manager would free the host pages at
+    once); the chunk is acked as failed when its event, recorded after the
+    queued write, completes, and its host pages stay busy until then.
+    """
+    layout, host, engine = setup(max_staging_bytes=make_layout("layer_first").page_nbytes)
+    real = layout.gather_runs
+
+    def fails_after_first_window(*args: Any, **kwargs: Any) -> None:
+        runs = args[2]
+        real(args[0][:1], args[1], [(0, runs[0][1], 1)], **kwargs)  # one page enqueued ...
+        raise torch.cuda.OutOfMemoryError("staging buffer")  # ... then the next one fails
+
+    monkeypatch.setattr(layout, "gather_runs", fails_after_first_window)
+    lc = Lifecycle("r", page_size=PAGE)
+    ticket = chunk(lc, 2)
+    pages = host.alloc(2, ticket)
+    assert pages is not None
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+    engine.submit(ticket, [0, 1], pages)  # no exception: the failure comes as the ack
+    assert engine.poll() == [] and engine.inflight == 1
+    with pytest.raises(HostPageBusy):
+        engine.check([2], [pages[0]])
+    (ack,) = engine.drain()
+    assert isinstance(ack.error, torch.cuda.OutOfMemoryError) and ack.host_pages == tuple(pages)
+    assert engine.inflight == 0

@@ -486,22 +486,6 @@ def test_start_refuses_a_prior_the_scheme_cannot_chain_from(rig: Rig) -> None:
     assert good.last_hash == good.chain_tail == "ab" * 32
 
 
-def test_an_ack_of_another_managers_lifecycle_is_refused_and_touches_nothing(rig: Rig) -> None:
-    """Two managers share one engine (a runtime bug): each ignores the other's acks."""
-    other = OffloadManager(rig.engine, rig.host, rig.store, page_size=PAGE)
-    lc = other.start("r", [], rig.on_release)
-    ticket = other.offload(lc, tokens_for(PAGE + 1, 20), [1])
-    assert ticket is not None
-    acks = rig.engine.drain(5)
-    rig.manager._apply_acks(acks)  # the wrong manager polls them
-    assert lc.inflight == 1 and rig.host.num_used == 1
-    assert rig.manager.metrics().refused_events == {"ForeignLifecycle": 1}
-    other._apply_acks(acks)  # the right one applies them
-    other.finish(lc)
-    other.close()
-    assert lc.state is State.RELEASED and rig.host.num_used == 0
-
-
 class _PeerNeverCompletes:
     """An agreement whose peer rank never completes a copy (a real one would time out too)."""
 

@@ -37,6 +37,12 @@ from kvlife.pool import HostPagePool
 __all__ = ["CudaCopyEngine"]
 
 
+def _index(device: torch.device | str) -> int:
+    """A CUDA device's index; ``cuda`` with no index means the current device."""
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 @dataclass(slots=True)
 class _Chunk:
     ticket: Ticket
@@ -45,6 +51,8 @@ class _Chunk:
     event: torch.cuda.Event
     index: torch.Tensor
     submitted_at: float
+    #: Set when the chunk failed part-way at submit; acked with it once its event completes.
+    error: BaseException | None = None
 
 
 class CudaCopyEngine(PageCopyEngine):
@@ -67,6 +75,11 @@ class CudaCopyEngine(PageCopyEngine):
         if max_staging_bytes < layout.page_nbytes:
             raise EngineConfigError("max_staging_bytes must hold at least one page")
         self.device = layout.device
+        if stream is not None and _index(stream.device) != _index(self.device):
+            raise EngineConfigError(
+                f"the stream is on {stream.device}, the layout on {self.device}: "
+                "a copy must run on the layout's device"
+            )
         self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         self.max_staging_bytes = int(max_staging_bytes)
         self.poll_interval = float(poll_interval)
@@ -91,20 +104,32 @@ class CudaCopyEngine(PageCopyEngine):
         """:meth:`submit`, returning the chunk's ``torch.cuda.Event``."""
         dev, hst = self._check_chunk(ticket, device_pages, host_pages)
         submitted_at = time.perf_counter()
-        current = torch.cuda.current_stream(self.device)
-        index = torch.tensor(dev, dtype=torch.int64, pin_memory=True).to(
-            self.device, non_blocking=True
-        )
         side = self.stream
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self.layout.gather_runs(
-                index, self.host.tensor, host_runs(hst), max_staging_bytes=self.max_staging_bytes
+        index = torch.empty(0, dtype=torch.int64)
+        error: BaseException | None = None
+        try:
+            current = torch.cuda.current_stream(self.device)
+            index = torch.tensor(dev, dtype=torch.int64, pin_memory=True).to(
+                self.device, non_blocking=True
             )
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(side)
-        index.record_stream(side)
-        self._pending.append(_Chunk(ticket, dev, hst, event, index, submitted_at))
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self.layout.gather_runs(
+                    index,
+                    self.host.tensor,
+                    host_runs(hst),
+                    max_staging_bytes=self.max_staging_bytes,
+                )
+            index.record_stream(side)
+        except Exception as exc:
+            # Failed part-way (a staging buffer that cannot be allocated, say): some
+            # writes into the host pages may still be queued. The chunk stays in
+            # flight behind an event recorded after them, and is acked as failed
+            # only when they are done, so its host pages are never freed under them.
+            error = exc
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(side)
+        self._pending.append(_Chunk(ticket, dev, hst, event, index, submitted_at, error))
         self._busy.update(hst)
         return event
 
@@ -159,7 +184,7 @@ class CudaCopyEngine(PageCopyEngine):
             chunk.ticket,
             chunk.device_pages,
             chunk.host_pages,
-            error,
+            chunk.error or error,
             chunk.submitted_at,
             time.perf_counter(),
         )
