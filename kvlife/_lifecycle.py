@@ -73,6 +73,7 @@ __all__ = [
     "FinishReason",
     "Lifecycle",
     "LifecycleSnapshot",
+    "LoadTicket",
     "State",
     "Ticket",
     "Transition",
@@ -85,8 +86,10 @@ class State(Enum):
 
     #: Decoding; no chunk in flight.
     IDLE = "idle"
-    #: Decoding; one or more chunks in flight.
+    #: Decoding; one or more chunks in flight, a store among them (loads may be too).
     OFFLOADING = "offloading"
+    #: Decoding, or waiting for its prefix; one or more loads in flight and no store.
+    LOADING = "loading"
     #: No more decoding (finished, aborted or retracted); chunks still draining.
     FINISHED = "finished"
     #: Terminal: nothing in flight, device pages handed back exactly once.
@@ -100,8 +103,10 @@ class State(Enum):
 class Event(Enum):
     """What can happen to a Lifecycle."""
 
-    #: Submit one chunk of whole pages for copying.
+    #: Submit one chunk of whole pages for copying to the host (a store).
     SUBMIT = "submit"
+    #: Start one load: whole pages copied from the host back into device pages.
+    LOAD = "load"
     #: One chunk's copy completed (successfully or not).
     ACK = "ack"
     #: Decoding ended, with a :class:`FinishReason`.
@@ -161,6 +166,13 @@ TABLE: tuple[Transition, ...] = (
     Transition(_S.FINISHED, _E.ACK, _S.FINISHED, "more_in_flight", "settle chunk, inflight -= 1"),
     Transition(_S.FINISHED, _E.ACK, _S.FINISHED, "last_in_flight", "settle chunk, inflight -= 1"),
     Transition(_S.FINISHED, _E.RELEASE, _S.RELEASED, "drained", "call the release callback once"),
+    Transition(_S.IDLE, _E.LOAD, _S.LOADING, None, "record load, inflight += 1"),
+    Transition(_S.LOADING, _E.LOAD, _S.LOADING, None, "record load, inflight += 1"),
+    Transition(_S.OFFLOADING, _E.LOAD, _S.OFFLOADING, None, "record load, inflight += 1"),
+    Transition(_S.LOADING, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, inflight += 1"),
+    Transition(_S.LOADING, _E.ACK, _S.LOADING, "more_in_flight", "settle load, inflight -= 1"),
+    Transition(_S.LOADING, _E.ACK, _S.IDLE, "last_in_flight", "settle load, inflight -= 1"),
+    Transition(_S.LOADING, _E.FINISH, _S.FINISHED, None, "record reason"),
 )
 
 #: Events that fire themselves as soon as their guard holds.
@@ -187,8 +199,8 @@ def compile_table(table: Sequence[Transition]) -> dict[tuple[State, Event, int],
 
 
 _NEXT = compile_table(TABLE)
-_IDLE, _OFFLOADING, _FINISHED, _RELEASED = State
-_SUBMIT, _ACK, _FINISH, _RELEASE = Event
+_IDLE, _OFFLOADING, _LOADING, _FINISHED, _RELEASED = State
+_SUBMIT, _LOAD, _ACK, _FINISH, _RELEASE = Event
 
 #: A destination per in-flight class (index 0, 1, 2); ``None`` where the table refuses.
 _Row = tuple["State | None", "State | None", "State | None"]
@@ -208,6 +220,7 @@ def _rows_of(compiled: dict[tuple[State, Event, int], State], event: Event) -> d
 # The hot path's view of _NEXT, split by event so one dict lookup keyed by the
 # state (hashed by identity) gives the row; the in-flight class indexes it.
 _ON_SUBMIT = _rows_of(_NEXT, _SUBMIT)
+_ON_LOAD = _rows_of(_NEXT, _LOAD)
 _ON_ACK = _rows_of(_NEXT, _ACK)
 _ON_FINISH = _rows_of(_NEXT, _FINISH)
 _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
@@ -231,12 +244,31 @@ class Ticket(NamedTuple):
         return len(self.keys)
 
 
-def _check_tokens(tokens: object, refuse: Callable[..., LifecycleError]) -> None:
-    """Refuse what is not an ordered, sized sequence of token ids (a generator, a set, a dict)."""
+def _check_tokens(
+    tokens: object, refuse: Callable[..., LifecycleError], event: Event = Event.SUBMIT
+) -> None:
+    """Refuse what is not an ordered, sized sequence (a generator, a set, a dict, None)."""
     if isinstance(tokens, (AbstractSet, Mapping)) or not hasattr(tokens, "__len__"):
         raise refuse(
-            InvalidChunk, _SUBMIT, f"tokens must be a sequence of ids, got {type(tokens).__name__}"
+            InvalidChunk, event, f"expected an ordered sequence, got {type(tokens).__name__}"
         )
+
+
+class LoadTicket(NamedTuple):
+    """One load (host pages copied back into device pages); acked like a chunk, to its own
+    Lifecycle. Loads have their own sequence numbers and never move ``last_hash``."""
+
+    #: The Lifecycle that started the load.
+    lifecycle: Lifecycle
+    #: Sequence number among this Lifecycle's loads: 0, 1, 2, ...
+    seq: int
+    #: Storage key of each page loaded, in page order.
+    keys: tuple[str, ...]
+
+    @property
+    def n_pages(self) -> int:
+        """Number of pages loaded."""
+        return len(self.keys)
 
 
 # Ticket(...) runs a generated Python __new__; the hot path builds the tuple directly.
@@ -263,6 +295,8 @@ class LifecycleSnapshot(NamedTuple):
     in_flight_seqs: tuple[int, ...]
     next_seq: int
     finish_reason: FinishReason | None
+    #: Sequence numbers of the loads in flight, ascending.
+    loads_in_flight: tuple[int, ...] = ()
 
 
 ReleaseCallback = Callable[["Lifecycle"], object]
@@ -285,6 +319,8 @@ class Lifecycle:
         "_hasher",
         "_inflight",
         "_last_hash",
+        "_loads",
+        "_loads_started",
         "_on_release",
         "_page_size",
         "_pages_submitted",
@@ -322,6 +358,8 @@ class Lifecycle:
         self._chunks: list[Ticket | _Settled] = []
         self._acked_seq = 0
         self._finish_reason: FinishReason | None = None
+        self._loads: dict[int, LoadTicket] = {}  # in flight, by seq
+        self._loads_started = 0
 
     # ---------------------------------------------------------------- reading
 
@@ -342,7 +380,7 @@ class Lifecycle:
 
     @property
     def inflight(self) -> int:
-        """Chunks submitted and not yet acked."""
+        """Chunks and loads started and not yet acked."""
         return self._inflight
 
     @property
@@ -374,6 +412,10 @@ class Lifecycle:
         """Tickets submitted and not yet acked, in page order."""
         return tuple(chunk for chunk in self._chunks if type(chunk) is not _Settled)  # type: ignore[misc]
 
+    def loads_in_flight(self) -> tuple[LoadTicket, ...]:
+        """Loads started and not yet acked, in seq order."""
+        return tuple(self._loads[seq] for seq in sorted(self._loads))
+
     def snapshot(self) -> LifecycleSnapshot:
         """Every observable field, for comparing whole states."""
         return LifecycleSnapshot(
@@ -385,6 +427,7 @@ class Lifecycle:
             tuple(t.seq for t in self.chunks_in_flight()),
             self.next_seq,
             self._finish_reason,
+            tuple(sorted(self._loads)),
         )
 
     def __repr__(self) -> str:
@@ -428,13 +471,15 @@ class Lifecycle:
         self._state = dest
         return ticket
 
-    def ack(self, ticket: Ticket) -> None:
+    def ack(self, ticket: Ticket | LoadTicket) -> None:
         """Settle ``ticket``'s chunk (its copy completed, or failed: either way it is over).
 
         Refused with :class:`ForeignAck` if the ticket is another Lifecycle's,
         :class:`DuplicateAck` if it was already acked, :class:`UnknownChunk` if
         this Lifecycle never issued it. May release the Lifecycle.
         """
+        if type(ticket) is LoadTicket:
+            return self._ack_load(ticket)
         chunks = self._chunks
         try:
             owner = ticket.lifecycle
@@ -461,6 +506,47 @@ class Lifecycle:
                 settled += 1
             self._acked_seq = settled
             self._last_hash = last
+        self._inflight = inflight - 1
+        self._state = dest
+        if dest is _FINISHED and inflight == 1:
+            self._release()
+
+    def load(self, keys: Sequence[str]) -> LoadTicket:
+        """Record a load of the pages stored under ``keys`` into device pages; return its ticket.
+
+        The load is in flight until its ticket is acked: the Lifecycle does not
+        release while it is, so the device pages it writes stay the request's.
+        """
+        if type(keys) is not list and type(keys) is not tuple:
+            _check_tokens(keys, self._refuse, _LOAD)
+        loaded = tuple(keys)
+        if not loaded or any(type(key) is not str for key in loaded):
+            raise self._refuse(InvalidChunk, _LOAD, "a load needs one or more str keys")
+        inflight = self._inflight
+        dest = _ON_LOAD.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
+        if dest is None:
+            raise self._refuse(InvalidTransition, _LOAD, "the table has no such transition")
+        seq = self._loads_started
+        ticket = _new_ticket(LoadTicket, (self, seq, loaded))
+        self._loads[seq] = ticket
+        self._loads_started = seq + 1
+        self._inflight = inflight + 1
+        self._state = dest
+        return ticket
+
+    def _ack_load(self, ticket: LoadTicket) -> None:
+        owner, seq = ticket.lifecycle, ticket.seq
+        if owner is not self:
+            raise self._refuse(ForeignAck, _ACK, f"load {seq} belongs to {owner!r}")
+        if self._loads.get(seq) != ticket:
+            if type(seq) is int and 0 <= seq < self._loads_started and seq not in self._loads:
+                raise self._refuse(DuplicateAck, _ACK, f"load {seq} was already acked")
+            raise self._refuse(UnknownChunk, _ACK, f"load {seq!r} was never started")
+        inflight = self._inflight
+        dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
+        if dest is None:  # unreachable while the table and the checks above agree
+            raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
+        del self._loads[seq]
         self._inflight = inflight - 1
         self._state = dest
         if dest is _FINISHED and inflight == 1:

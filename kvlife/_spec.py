@@ -136,6 +136,8 @@ class ReferenceLifecycle:
         self.prior_hash = prior_hash
         self.submitted: list[tuple[str, ...]] = []  # keys per chunk, by seq
         self.acked: list[bool] = []  # acked flag per chunk, by seq
+        self.loads: list[tuple[str, ...]] = []  # keys per load, by load seq
+        self.loads_acked: list[bool] = []  # acked flag per load, by load seq
         self.finish_reason: FinishReason | None = None
         self.releases = 0
         self._model = _MachineModel(self)
@@ -156,7 +158,7 @@ class ReferenceLifecycle:
 
     @property
     def inflight(self) -> int:
-        return self.acked.count(False)
+        return self.acked.count(False) + self.loads_acked.count(False)
 
     @property
     def tokens_submitted(self) -> int:
@@ -223,6 +225,27 @@ class ReferenceLifecycle:
         self._fire(Event.ACK)  # guards see the count before this ack
         self.acked[seq] = True
         self._fire_automatic()  # release sees the count after it
+
+    def load(self, keys: Sequence[str]) -> int:
+        """Record a load of ``keys``; return its load seq."""
+        if not keys or not all(isinstance(key, str) for key in keys):
+            raise self._error(InvalidChunk, Event.LOAD, "bad keys")
+        self._fire(Event.LOAD)
+        self.loads.append(tuple(keys))
+        self.loads_acked.append(False)
+        return len(self.loads) - 1
+
+    def ack_load(self, owner: ReferenceLifecycle, seq: int) -> None:
+        """Settle load ``seq`` of ``owner`` (refused unless ``owner`` is this one)."""
+        if owner is not self:
+            raise self._error(ForeignAck, Event.ACK, "foreign")
+        if not 0 <= seq < len(self.loads):
+            raise self._error(UnknownChunk, Event.ACK, "unknown")
+        if self.loads_acked[seq]:
+            raise self._error(DuplicateAck, Event.ACK, "duplicate")
+        self._fire(Event.ACK)
+        self.loads_acked[seq] = True
+        self._fire_automatic()
 
     def finish(self, reason: object = FinishReason.FINISHED) -> None:
         """End decoding with ``reason``."""

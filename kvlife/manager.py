@@ -42,7 +42,7 @@ from itertools import islice
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvlife._lifecycle import FinishReason, Lifecycle, State, Ticket
+from kvlife._lifecycle import FinishReason, Lifecycle, LoadTicket, State, Ticket
 from kvlife.engine.base import Ack, CopyFault
 from kvlife.errors import (
     ConfigError,
@@ -112,7 +112,7 @@ class ManagedLifecycle(Lifecycle):
         """Refused: use :meth:`OffloadManager.offload`."""
         raise ManagerError(f"{self!r}: submit through its manager (offload)")
 
-    def ack(self, ticket: Ticket) -> None:
+    def ack(self, ticket: Ticket | LoadTicket) -> None:
         """Refused: the manager applies acks in :meth:`OffloadManager.poll`."""
         raise ManagerError(f"{self!r}: acks reach it through its manager (poll)")
 

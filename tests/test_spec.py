@@ -29,6 +29,7 @@ from kvlife import (
     FinishReason,
     Lifecycle,
     LifecycleError,
+    LoadTicket,
     State,
     Ticket,
     Transition,
@@ -180,6 +181,9 @@ _OP_ARGS: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("foreign", st.none()),
     ("unknown", st.integers(-2, 2)),
     *[("finish", _reason)] * 2,
+    *[("load", st.lists(st.sampled_from(["ab", "cd", "ef"]), max_size=3))] * 2,
+    *[("ack_load", st.integers(0, 20))] * 2,
+    ("unknown_load", st.integers(-2, 2)),
 ]
 _op = st.integers(0, len(_OP_ARGS) - 1).flatmap(
     lambda i: st.tuples(st.just(_OP_ARGS[i][0]), _OP_ARGS[i][1])
@@ -197,6 +201,7 @@ def _ref_fields(ref: ReferenceLifecycle) -> tuple[object, ...]:
         in_flight,
         len(ref.submitted),
         ref.finish_reason,
+        tuple(seq for seq, acked in enumerate(ref.loads_acked) if not acked),
     )
 
 
@@ -211,6 +216,7 @@ def _fast_fields(lc: Lifecycle) -> tuple[object, ...]:
         snap.in_flight_seqs,
         snap.next_seq,
         snap.finish_reason,
+        snap.loads_in_flight,
     )
 
 
@@ -241,6 +247,7 @@ def run_differential(ops: list[tuple[str, Any]], prior: str | None) -> None:
         other_ticket = other.submit([1, 2])
         other_seq = other_ref.submit([1, 2])
         tickets: list[Ticket] = []
+        loads: list[LoadTicket] = []
         for step, (kind, arg) in enumerate(ops):
             if kind == "submit":
                 got: list[Ticket] = []
@@ -265,6 +272,25 @@ def run_differential(ops: list[tuple[str, Any]], prior: str | None) -> None:
                 forged = Ticket(fast, seq, 0, ("forged",))
                 fast_err = _outcome(lambda: fast.ack(forged))  # noqa: B023
                 ref_err = _outcome(lambda: ref.ack(ref, seq))  # noqa: B023
+            elif kind == "load":
+                started: list[LoadTicket] = []
+                fast_err = _outcome(lambda: started.append(fast.load(arg)))  # noqa: B023
+                ref_loads: list[int] = []
+                ref_err = _outcome(lambda: ref_loads.append(ref.load(arg)))  # noqa: B023
+                if started and ref_loads:
+                    assert started[0].seq == ref_loads[0]
+                    loads.append(started[0])
+            elif kind == "ack_load" and loads:
+                load = loads[arg % len(loads)]
+                fast_err = _outcome(lambda: fast.ack(load))  # noqa: B023
+                ref_err = _outcome(lambda: ref.ack_load(ref, load.seq))  # noqa: B023
+            elif kind in ("unknown_load", "ack_load"):
+                seq = len(ref.loads) + (arg if kind == "unknown_load" else 0)
+                if arg < 0:
+                    seq = arg
+                forged_load = LoadTicket(fast, seq, ("forged",))
+                fast_err = _outcome(lambda: fast.ack(forged_load))  # noqa: B023
+                ref_err = _outcome(lambda: ref.ack_load(ref, seq))  # noqa: B023
             else:
                 fast_err = _outcome(lambda: fast.finish(arg))  # noqa: B023
                 ref_err = _outcome(lambda: ref.finish(arg))  # noqa: B023
