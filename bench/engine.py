@@ -1,16 +1,19 @@
-"""Scattered-page offload throughput against a contiguous copy of the same bytes (CPU).
+"""Scattered-page offload and restore throughput against a contiguous copy of the same bytes (CPU).
 
 Gathers ``--pages`` random device pages of each KV layout into page-major host
-rows and compares the time with one contiguous ``copy_`` of the same number of
-bytes (the memory-bandwidth limit of this machine). Variants run interleaved,
-one of each per round; the figure is the ratio of medians (contiguous time /
-variant time: 1.0 means as fast as a plain copy). Buffers are filled before
-timing, so no variant reads never-touched (zero-page) memory.
+rows (store direction), restores them (host -> device, ``scatter``), and
+compares each time with one contiguous ``copy_`` of the same number of bytes
+(the memory-bandwidth limit of this machine). Variants run interleaved, one of
+each per round; the figure is the ratio of medians (contiguous time / variant
+time: 1.0 means as fast as a plain copy), with the min and max of the per-round
+ratios. Buffers are filled before timing, so no variant reads never-touched
+(zero-page) memory. Restores write back the rows gathered from the same pages,
+so every layout keeps its contents and is checked bit for bit at the end.
 
-Variants: the layouts' ``gather`` (layer-first, page-first, MLA), a naive
-layer-first copy (``index_select`` into a temporary, then ``index_copy_``),
-the CPU copy engine end to end (submit + drain into host pool pages), and
-layer-first ``scatter`` (restore) for reference.
+Variants: the layouts' ``gather`` and ``scatter`` (layer-first, page-first,
+MLA), a naive layer-first copy (``index_select`` into a temporary, then
+``index_copy_``), and the CPU copy engine end to end (submit + drain) for a
+store into host pool pages and for a load back out of them.
 
 Run: ``python bench/engine.py`` (about a minute); ``--help`` for the shape.
 The last line printed is one JSON object with the figures.
@@ -72,13 +75,19 @@ def main() -> None:
     src = torch.ones(n * numel, dtype=dtype)
     dst = torch.zeros(n * numel, dtype=dtype)
     mla_numel = n * mla.page_numel
-    restored = LayerFirstLayout(*shape, dtype=dtype)
-    fill(restored)
+    # Rows to restore: what each layout's pages hold, so a restore changes nothing.
+    lf_rows = torch.empty((n, numel), dtype=dtype)
+    pf_rows = torch.empty((n, numel), dtype=dtype)
+    mla_rows = torch.empty((n, mla.page_numel), dtype=dtype)
+    layer_first.gather(pages, lf_rows)
+    page_first.gather(pages, pf_rows)
+    mla.gather(pages, mla_rows)
 
     host = HostPagePool(n, numel, dtype, pin_memory=False)
-    host.tensor.fill_(1.0)
+    host.tensor.copy_(lf_rows)  # the engine's store and load rounds move the same bytes
     engine = CpuCopyEngine(layer_first, host)
     page_list = pages.tolist()
+    load_keys = [f"k{i}" for i in range(n)]
 
     def engine_round() -> float:
         lc = Lifecycle("bench", page_size=args.page_size)
@@ -90,6 +99,20 @@ def main() -> None:
         (ack,) = engine.drain()
         elapsed = time.perf_counter() - start
         assert ack.ok
+        host.free(host_pages, ticket)
+        return elapsed
+
+    def engine_load_round() -> float:
+        lc = Lifecycle("bench-load", page_size=args.page_size)
+        ticket = lc.load(load_keys)
+        host_pages = host.alloc(n, ticket)
+        assert host_pages is not None
+        start = time.perf_counter()
+        engine.submit(ticket, page_list, host_pages)
+        (ack,) = engine.drain()
+        elapsed = time.perf_counter() - start
+        assert ack.ok
+        lc.ack(ack.ticket)
         host.free(host_pages, ticket)
         return elapsed
 
@@ -112,7 +135,10 @@ def main() -> None:
         "mla": (mla_numel, lambda: mla.gather(pages, mla_out)),
         "naive_layer_first": (n * numel, naive),
         "engine_layer_first": (n * numel, engine_round),
-        "layer_first_scatter": (n * numel, lambda: restored.scatter(pages, out)),
+        "layer_first_restore": (n * numel, lambda: layer_first.scatter(pages, lf_rows)),
+        "page_first_restore": (n * numel, lambda: page_first.scatter(pages, pf_rows)),
+        "mla_restore": (mla_numel, lambda: mla.scatter(pages, mla_rows)),
+        "engine_layer_first_load": (n * numel, engine_load_round),
     }
     times: dict[str, list[float]] = {name: [] for name in timed}
     for round_ in range(args.rounds + 1):  # round 0 warms up and is not counted
@@ -123,7 +149,11 @@ def main() -> None:
             if round_:
                 times[name].append(elapsed)
 
-    # The gathers must be right, or their speed means nothing.
+    # The copies must be right, or their speed means nothing: every restore wrote
+    # back what the pages held, and every gather reads what the pages hold.
+    for layout, rows in ((layer_first, lf_rows), (page_first, pf_rows), (mla, mla_rows)):
+        for i in range(n):
+            assert torch.equal(rows[i], layout.read_page(page_list[i]))
     layer_first.gather(pages, out)
     for i in (0, n // 2, n - 1):
         assert torch.equal(out[i], layer_first.read_page(page_list[i]))
@@ -136,19 +166,31 @@ def main() -> None:
     median = {name: statistics.median(ts) for name, ts in times.items()}
     baseline = {name: "contiguous_mla" if "mla" in name else "contiguous" for name in timed}
     ratio = {name: median[baseline[name]] / median[name] for name in timed}
+    per_round = {
+        name: [b / t for b, t in zip(times[baseline[name]], ts, strict=True)]
+        for name, ts in times.items()
+    }
     print(
         f"{args.layers} layers, {args.heads} KV heads, head dim {args.head_dim}, "
         f"page size {args.page_size}, {dtype}, {n} of {device_pages} pages "
         f"({n * numel * itemsize / 2**20:.0f} MiB), {args.threads} thread(s), "
         f"median of {args.rounds} interleaved rounds"
     )
-    print(f"{'variant':<22}{'MiB':>7}{'median ms':>11}{'min':>9}{'max':>9}{'GB/s':>8}{'ratio':>8}")
+    print(
+        f"{'variant':<25}{'MiB':>6}{'median ms':>11}{'min':>8}{'max':>8}{'GB/s':>7}"
+        f"{'ratio':>7}{'ratio min..max':>16}"
+    )
     for name, ts in times.items():
         nbytes = timed[name][0] * itemsize
+        rs = per_round[name]
         print(
-            f"{name:<22}{nbytes / 2**20:>7.0f}{median[name] * 1e3:>11.1f}{min(ts) * 1e3:>9.1f}"
-            f"{max(ts) * 1e3:>9.1f}{nbytes / median[name] / 1e9:>8.2f}{ratio[name]:>8.2f}"
+            f"{name:<25}{nbytes / 2**20:>6.0f}{median[name] * 1e3:>11.1f}{min(ts) * 1e3:>8.1f}"
+            f"{max(ts) * 1e3:>8.1f}{nbytes / median[name] / 1e9:>7.2f}{ratio[name]:>7.2f}"
+            f"{min(rs):>10.2f}..{max(rs):.2f}"
         )
+    print("store (gather) and restore (scatter) ratios side by side:")
+    for kind in ("layer_first", "page_first", "mla"):
+        print(f"  {kind:<12} gather {ratio[kind]:.2f}   restore {ratio[kind + '_restore']:.2f}")
     figures = {
         "bench": "engine",
         "layer_first_ratio": round(ratio["layer_first"], 3),
@@ -156,7 +198,18 @@ def main() -> None:
         "mla_ratio": round(ratio["mla"], 3),
         "naive_layer_first_ratio": round(ratio["naive_layer_first"], 3),
         "engine_layer_first_ratio": round(ratio["engine_layer_first"], 3),
-        "layer_first_scatter_ratio": round(ratio["layer_first_scatter"], 3),
+        # Kept for earlier readers: the layer-first restore (``scatter``).
+        "layer_first_scatter_ratio": round(ratio["layer_first_restore"], 3),
+        **{
+            f"restore_ratio_{kind}{suffix}": round(value, 3)
+            for kind in ("layer_first", "page_first", "mla")
+            for suffix, value in (
+                ("", ratio[f"{kind}_restore"]),
+                ("_min", min(per_round[f"{kind}_restore"])),
+                ("_max", max(per_round[f"{kind}_restore"])),
+            )
+        },
+        "engine_layer_first_load_ratio": round(ratio["engine_layer_first_load"], 3),
         "contiguous_gbps": round(n * numel * itemsize / median["contiguous"] / 1e9, 2),
         "rounds": args.rounds,
         "threads": args.threads,

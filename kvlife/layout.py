@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from kvlife.errors import KVLifeError
@@ -31,6 +33,10 @@ __all__ = [
     "MLALayout",
     "PageFirstLayout",
 ]
+
+
+#: Consecutive device pages from this many up are restored with one ``copy_`` per buffer.
+_MIN_RUN = 4
 
 
 class LayoutError(KVLifeError, ValueError):
@@ -61,10 +67,12 @@ class KVLayout(ABC):
         self.dtype = dtype
         self.device = torch.device(device)
         self._rows: tuple[torch.Tensor, ...] = ()
+        self._np_rows: tuple[np.ndarray[Any, np.dtype[np.void]], ...] | None = None
         self._page_numel = 0
 
     def _set_rows(self, rows: Sequence[torch.Tensor]) -> None:
         self._rows = tuple(rows)
+        self._np_rows = None
         self._page_numel = sum(int(r.shape[1]) for r in self._rows)
 
     @abstractmethod
@@ -199,12 +207,110 @@ class KVLayout(ABC):
         self._check_rows("src", pages, src)
         if src.device != self.device:
             src = src.to(self.device, non_blocking=src.is_pinned())
-        pages = pages.to(self.device)
+        self._scatter_from(pages.to(self.device), src)
+
+    def scatter_runs(
+        self,
+        pages: torch.Tensor,
+        host: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+        *,
+        max_staging_bytes: int = 256 << 20,
+    ) -> None:
+        """Copy rows of ``host`` given as runs ``(offset, first row, length)`` into ``pages``.
+
+        The mirror of :meth:`gather_runs` (a load: host -> device): the chunk's
+        page ``offset + i`` is host row ``row + i``. Pages and runs must already
+        be checked (the engine does). Each run is one contiguous host slice;
+        on a CPU layout, device pages that are consecutive too are written with
+        one ``copy_`` per buffer, the others with one row-wise memcpy scatter per
+        buffer. A host tensor on another device is copied into device staging of
+        at most ``max_staging_bytes`` at a time (``non_blocking`` when pinned),
+        then ``index_copy_`` per buffer on the device.
+        """
+        if host.dtype != self.dtype or host.dim() != 2 or host.shape[1] != self._page_numel:
+            raise LayoutError(
+                f"host must be {self.dtype} [rows, {self._page_numel}], "
+                f"got {host.dtype} {tuple(host.shape)}"
+            )
+        if host.device == self.device:
+            for offset, row, length in runs:
+                self._scatter_from(pages[offset : offset + length], host[row : row + length])
+            return
+        window = max(1, max_staging_bytes // max(1, self.page_nbytes))
+        non_blocking = host.is_pinned()
+        n = pages.numel()
+        for lo in range(0, n, window):
+            hi = min(n, lo + window)
+            staging = torch.empty((hi - lo, self._page_numel), dtype=self.dtype, device=self.device)
+            for offset, row, length in runs:
+                a, b = max(offset, lo), min(offset + length, hi)
+                if a < b:
+                    staging[a - lo : b - lo].copy_(
+                        host[row + a - offset : row + b - offset], non_blocking=non_blocking
+                    )
+            self._scatter_from(pages[lo:hi], staging)
+
+    def _scatter_from(self, pages: torch.Tensor, src: torch.Tensor) -> None:
+        """Write rows ``src`` ``[n, page_numel]`` (on this device) into ``pages`` (checked)."""
+        rows = self._rows
+        if self.device.type != "cpu" or pages.numel() == 0:
+            # On a GPU index_copy_ runs at memory bandwidth.
+            start = 0
+            for row in rows:
+                end = start + row.shape[1]
+                row.index_copy_(0, pages, src[:, start:end])
+                start = end
+            return
+        # On a CPU index_copy_ copies element by element (about 0.3x a contiguous
+        # copy); whole rows are copied instead: consecutive device pages with one
+        # copy_ per buffer, scattered ones with numpy's fancy assignment over rows
+        # viewed as one opaque item each (a memcpy per row, the GIL released).
+        listed = pages.tolist()
+        n = len(listed)
+        short_from = -1  # start of the current stretch of scattered (short-run) pages
+        i = 0
+        while i <= n:
+            j = i + 1
+            while j < n and listed[j] == listed[j - 1] + 1:
+                j += 1
+            if i < n and j - i < _MIN_RUN:
+                if short_from < 0:
+                    short_from = i
+                i = j
+                continue
+            if short_from >= 0:
+                self._scatter_rows(pages[short_from:i], src[short_from:i])
+                short_from = -1
+            if i < n:
+                first, start = listed[i], 0
+                for row in rows:
+                    end = start + row.shape[1]
+                    row[first : first + j - i].copy_(src[i:j, start:end])
+                    start = end
+            i = j
+
+    def _scatter_rows(self, pages: torch.Tensor, src: torch.Tensor) -> None:
+        """CPU: one numpy fancy assignment per buffer, one memcpy per page row."""
+        targets = self._numpy_rows()
+        index = pages.numpy()
+        host = src.detach().view(torch.uint8).numpy()
+        itemsize = self.dtype.itemsize
         start = 0
-        for row in self._rows:
-            end = start + row.shape[1]
-            row.index_copy_(0, pages, src[:, start:end])
+        for row, target in zip(self._rows, targets, strict=True):
+            end = start + int(row.shape[1]) * itemsize
+            target[index] = host[:, start:end].view(target.dtype)[:, 0]
             start = end
+
+    def _numpy_rows(self) -> tuple[np.ndarray[Any, np.dtype[np.void]], ...]:
+        """Each page-row buffer as a 1-D numpy array of opaque row-sized items (cached)."""
+        if self._np_rows is None:
+            made = []
+            for row in self._rows:
+                as_bytes = row.detach().view(torch.uint8).numpy()
+                made.append(as_bytes.view(np.dtype((np.void, as_bytes.shape[1])))[:, 0])
+            self._np_rows = tuple(made)
+        return self._np_rows
 
     def read_page(self, page: int) -> torch.Tensor:
         """A flat copy of one page (for verification), on the layout's device."""

@@ -1,4 +1,5 @@
-"""Copy engines: device pages to host pages, asynchronously, one ack per chunk.
+"""Copy engines: device pages to host pages (stores) and back (loads), asynchronously,
+one ack per chunk.
 
 :class:`CpuCopyEngine` runs real worker threads over a CPU layout (for tests
 and the simulator); :class:`CudaCopyEngine` uses a side stream and
@@ -10,6 +11,7 @@ from kvlife.engine.base import (
     Completion,
     CopyEngine,
     CopyFault,
+    DevicePageBusy,
     DrainTimeout,
     DuplicatePage,
     EngineClosed,
@@ -37,6 +39,7 @@ __all__ = [
     "CpuCopyEngine",
     "CpuCopyEvent",
     "CudaCopyEngine",
+    "DevicePageBusy",
     "DrainTimeout",
     "DuplicatePage",
     "EngineClosed",

@@ -1,10 +1,16 @@
 """What every copy engine shares: the ack, the engine protocol, and chunk validation.
 
 A copy engine copies one *chunk* (some whole device pages of one Lifecycle)
-into host pages of a :class:`~kvlife.pool.HostPagePool`, asynchronously, and
-later reports its :class:`Ack`. The ack carries the chunk's
-:class:`~kvlife.Ticket`, and the ticket its Lifecycle: an engine never looks
-anything up by rid, so a late ack can only reach the life that submitted it.
+into host pages of a :class:`~kvlife.pool.HostPagePool` (a *store*, ticket
+:class:`~kvlife.Ticket`), or host pages back into device pages (a *load*,
+ticket :class:`~kvlife.LoadTicket`), asynchronously, and later reports its
+:class:`Ack`. The ack carries the chunk's ticket, and the ticket its
+Lifecycle: an engine never looks anything up by rid, so a late ack can only
+reach the life that submitted it.
+
+The runtime must not read (nor reuse) a load's device pages before its ack,
+nor reuse a store's device pages before its ack: the engine orders a copy
+after earlier work, never before later work.
 
 Engines are driven by one thread (the scheduler's): it submits, polls and
 drains. Engine primitives, one line each:
@@ -18,18 +24,25 @@ drains. Engine primitives, one line each:
 
 A chunk is refused with a typed :class:`EngineError`, before anything is
 copied or counted, when its lengths disagree with the ticket, a page index is
-out of range or repeated, or a host page is unallocated or already being
-written by another chunk in flight.
+out of range or repeated, or a page conflicts with a copy in flight:
+
+- a host page must be allocated; no host page is written by two chunks at
+  once, nor read by a load while a store writes it (:class:`HostPageBusy`);
+  loads may read one host page together (two requests sharing a prefix);
+- no device page is written by two loads at once, nor read by a store while a
+  load writes it, nor written by a load while a store reads it
+  (:class:`DevicePageBusy`); stores may read one device page together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvlife import errors
-from kvlife._lifecycle import Lifecycle, Ticket
+from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
 from kvlife.errors import KVLifeError
 
 if TYPE_CHECKING:
@@ -41,6 +54,7 @@ __all__ = [
     "Completion",
     "CopyEngine",
     "CopyFault",
+    "DevicePageBusy",
     "DrainTimeout",
     "DuplicatePage",
     "EngineClosed",
@@ -69,7 +83,7 @@ class EngineConfigError(EngineError, ValueError):
 
 
 class InvalidTicket(EngineError, TypeError):
-    """The ticket is not a :class:`~kvlife.Ticket`."""
+    """The ticket is neither a :class:`~kvlife.Ticket` nor a :class:`~kvlife.LoadTicket`."""
 
 
 class LengthMismatch(EngineError, ValueError):
@@ -94,7 +108,13 @@ class UnallocatedHostPage(EngineError, ValueError):
 
 
 class HostPageBusy(EngineError, ValueError):
-    """A host page is still being written by another chunk in flight."""
+    """A host page is still being written by a store in flight (or, for a store, read by a
+    load in flight)."""
+
+
+class DevicePageBusy(EngineError, ValueError):
+    """A device page is still being written by a load in flight (or, for a load, read by a
+    store in flight)."""
 
 
 class LayoutMismatch(EngineError, ValueError):
@@ -118,12 +138,15 @@ class Ack:
     """One chunk's completion: its ticket (hence its Lifecycle), its pages, success or error."""
 
     #: The chunk's ticket; ``ticket.lifecycle`` is the only Lifecycle this ack may move.
-    ticket: Ticket
-    #: Device pages the chunk read, in page order.
+    #: A :class:`~kvlife.LoadTicket` for a load (host -> device).
+    ticket: Ticket | LoadTicket
+    #: Device pages of the chunk in page order: read by a store, written by a load.
     device_pages: tuple[int, ...]
-    #: Host pages the chunk wrote (listed on failure too, so the caller can free them).
+    #: Host pages of the chunk: written by a store, read by a load (listed on failure too,
+    #: so the caller can free them).
     host_pages: tuple[int, ...]
-    #: ``None`` on success; the copy's error otherwise (host contents then undefined).
+    #: ``None`` on success; the copy's error otherwise (the contents of the pages the chunk
+    #: writes are then undefined: host pages for a store, device pages for a load).
     error: BaseException | None = None
     #: ``time.perf_counter()`` at submit.
     submitted_at: float = 0.0
@@ -145,6 +168,11 @@ class Ack:
         """Whether the copy succeeded."""
         return self.error is None
 
+    @property
+    def is_load(self) -> bool:
+        """Whether the chunk was a load (host -> device)."""
+        return type(self.ticket) is LoadTicket
+
 
 @runtime_checkable
 class Completion(Protocol):
@@ -161,14 +189,23 @@ class Completion(Protocol):
 
 @runtime_checkable
 class CopyEngine(Protocol):
-    """Copies chunks of device pages into host pages and reports one :class:`Ack` per chunk."""
+    """Copies chunks between device and host pages and reports one :class:`Ack` per chunk.
 
-    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+    A :class:`~kvlife.Ticket` copies device -> host (store), a
+    :class:`~kvlife.LoadTicket` host -> device (load).
+    """
+
+    def check(
+        self, device_pages: Sequence[int], host_pages: Sequence[int], *, load: bool = False
+    ) -> None:
         """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
         ...
 
     def submit(
-        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+        self,
+        ticket: Ticket | LoadTicket,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
     ) -> None:
         """Validate the chunk, then start copying it; refusals raise :class:`EngineError`."""
         ...
@@ -210,16 +247,29 @@ def _check_pages(side: str, pages: tuple[int, ...], limit: int) -> None:
         seen.add(p)
 
 
+_NONE: frozenset[int] = frozenset()
+
+
 def check_pages(
     device_pages: Sequence[int],
     host_pages: Sequence[int],
     layout: KVLayout,
     host: HostPagePool,
-    busy: set[int] | frozenset[int] = frozenset(),
+    busy: Container[int] = _NONE,
     *,
     closed: bool = False,
+    load: bool = False,
+    host_reading: Container[int] = _NONE,
+    device_writing: Container[int] = _NONE,
+    device_reading: Container[int] = _NONE,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Every page check a chunk must pass before any copy; returns the pages as tuples."""
+    """Every page check a chunk must pass before any copy; returns the pages as tuples.
+
+    ``busy``: host pages stores in flight write; ``host_reading``: host pages
+    loads in flight read; ``device_writing``: device pages loads in flight
+    write; ``device_reading``: device pages stores in flight read. ``load``
+    says which way this chunk copies.
+    """
     if closed:
         raise EngineClosed("the engine is closed; it takes no more chunks")
     dev, hst = tuple(device_pages), tuple(host_pages)
@@ -232,6 +282,13 @@ def check_pages(
             raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
         if p in busy:
             raise HostPageBusy(f"host page {p} is still being written by a chunk in flight")
+        if not load and p in host_reading:
+            raise HostPageBusy(f"host page {p} is still being read by a load in flight")
+    for p in dev:
+        if p in device_writing:
+            raise DevicePageBusy(f"device page {p} is still being written by a load in flight")
+        if load and p in device_reading:
+            raise DevicePageBusy(f"device page {p} is still being read by a store in flight")
     return dev, hst
 
 
@@ -241,33 +298,51 @@ def check_chunk(
     host_pages: Sequence[int],
     layout: KVLayout,
     host: HostPagePool,
-    busy: set[int] | frozenset[int] = frozenset(),
+    busy: Container[int] = _NONE,
     *,
     closed: bool = False,
+    host_reading: Container[int] = _NONE,
+    device_writing: Container[int] = _NONE,
+    device_reading: Container[int] = _NONE,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """:func:`check_pages`, and the ticket's page count must match; returns the pages."""
+    """:func:`check_pages` for the ticket's direction (a :class:`~kvlife.LoadTicket` loads),
+    and the ticket's page count must match; returns the pages."""
     if closed:
         raise EngineClosed("the engine is closed; it takes no more chunks")
-    if not isinstance(ticket, Ticket):
-        raise InvalidTicket(f"expected a Ticket, got {type(ticket).__name__}")
-    n = ticket.n_pages
+    kind = type(ticket)
+    if kind is not Ticket and kind is not LoadTicket:
+        raise InvalidTicket(f"expected a Ticket or a LoadTicket, got {kind.__name__}")
+    n = ticket.n_pages  # type: ignore[attr-defined]
     if len(device_pages) != n or len(host_pages) != n:
         raise LengthMismatch(
-            f"chunk {ticket.seq} has {n} pages but {len(device_pages)} device and "
-            f"{len(host_pages)} host pages"
+            f"{'load' if kind is LoadTicket else 'chunk'} {ticket.seq} has {n} pages but "  # type: ignore[attr-defined]
+            f"{len(device_pages)} device and {len(host_pages)} host pages"
         )
-    return check_pages(device_pages, host_pages, layout, host, busy)  # open: checked above
+    return check_pages(  # open: checked above
+        device_pages,
+        host_pages,
+        layout,
+        host,
+        busy,
+        load=kind is LoadTicket,
+        host_reading=host_reading,
+        device_writing=device_writing,
+        device_reading=device_reading,
+    )
 
 
 class PageCopyEngine:
-    """What every engine shares: its device layout and host pool, the host pages
-    being written, whether it is closed, and the checks a chunk must pass."""
+    """What every engine shares: its device layout and host pool, the pages copies in
+    flight write and read, whether it is closed, and the checks a chunk must pass."""
 
     def __init__(self, layout: KVLayout, host: HostPagePool) -> None:
         check_compatible(layout, host)
         self.layout = layout
         self.host = host
-        self._busy: set[int] = set()  # host pages a chunk in flight is writing
+        self._busy: set[int] = set()  # host pages a store in flight is writing
+        self._host_reading: Counter[int] = Counter()  # host pages loads in flight read
+        self._device_writing: set[int] = set()  # device pages a load in flight is writing
+        self._device_reading: Counter[int] = Counter()  # device pages stores in flight read
         self._closed = False
 
     @property
@@ -275,10 +350,22 @@ class PageCopyEngine:
         """Whether :meth:`close` was called."""
         return self._closed
 
-    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
+    def check(
+        self, device_pages: Sequence[int], host_pages: Sequence[int], *, load: bool = False
+    ) -> None:
+        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any
+        (``load``: for a load, host -> device)."""
         check_pages(
-            device_pages, host_pages, self.layout, self.host, self._busy, closed=self._closed
+            device_pages,
+            host_pages,
+            self.layout,
+            self.host,
+            self._busy,
+            closed=self._closed,
+            load=load,
+            host_reading=self._host_reading,
+            device_writing=self._device_writing,
+            device_reading=self._device_reading,
         )
 
     def _check_chunk(
@@ -292,7 +379,37 @@ class PageCopyEngine:
             self.host,
             self._busy,
             closed=self._closed,
+            host_reading=self._host_reading,
+            device_writing=self._device_writing,
+            device_reading=self._device_reading,
         )
+
+    def _claim(self, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Mark a checked chunk's pages as in use by a copy in flight."""
+        if load:
+            self._device_writing.update(device_pages)
+            self._host_reading.update(host_pages)
+        else:
+            self._busy.update(host_pages)
+            self._device_reading.update(device_pages)
+
+    def _unclaim(self, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Release what :meth:`_claim` marked, when the chunk is acked."""
+        if load:
+            self._device_writing.difference_update(device_pages)
+            _drop(self._host_reading, host_pages)
+        else:
+            self._busy.difference_update(host_pages)
+            _drop(self._device_reading, device_pages)
+
+
+def _drop(counter: Counter[int], pages: Sequence[int]) -> None:
+    for p in pages:
+        left = counter[p] - 1
+        if left > 0:
+            counter[p] = left
+        else:
+            del counter[p]
 
 
 def host_runs(host_pages: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -1,14 +1,18 @@
 """A torch CPU copy engine: real worker threads, so races in tests are real.
 
 The owning thread submits chunks; worker threads copy device pages (a CPU
-:class:`~kvlife.layout.KVLayout`) into host pool pages, then hand each finished
-chunk back through a queue and set its :class:`CpuCopyEvent`. ``poll`` and
+:class:`~kvlife.layout.KVLayout`) into host pool pages (a store,
+:class:`~kvlife.Ticket`) or host pool pages into device pages (a load,
+:class:`~kvlife.LoadTicket`), then hand each finished chunk back through a
+queue and set its :class:`CpuCopyEvent`. ``poll`` and
 ``drain`` collect finished chunks in completion order, on the owning thread,
 which alone changes the engine's counters: no lock on the hot path.
 
 A copy reads the device pages when it *runs*, not when it is submitted: a
 runtime that reuses device pages before the ack gets a wrong host copy, as on
-a GPU. Copy delays and fault injection make that and other interleavings
+a GPU; likewise a load writes the device pages when it runs, so a runtime
+that reads them before the ack reads stale KV. Copy delays and fault
+injection (loads and stores alike) make that and other interleavings
 reproducible: ``copy_delay`` and ``delay_jitter`` (seeded), ``fail_rate``
 (seeded), and for the next submitted chunks :meth:`CpuCopyEngine.fail_next`,
 :meth:`CpuCopyEngine.slow_next` and :meth:`CpuCopyEngine.hold_next` (the copy
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlife._lifecycle import Ticket
+from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import (
     Ack,
     CopyFault,
@@ -42,6 +46,10 @@ from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 
 __all__ = ["CpuCopyEngine", "CpuCopyEvent", "Gate"]
+
+
+def _what(load: bool) -> str:
+    return "load" if load else "chunk"
 
 
 class CpuCopyEvent:
@@ -92,7 +100,8 @@ class Gate:
 
 @dataclass(slots=True)
 class _Job:
-    ticket: Ticket
+    ticket: Ticket | LoadTicket
+    load: bool
     device_pages: tuple[int, ...]
     host_pages: tuple[int, ...]
     index: torch.Tensor
@@ -182,23 +191,36 @@ class CpuCopyEngine(PageCopyEngine):
         return self._inflight
 
     def submit(
-        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+        self,
+        ticket: Ticket | LoadTicket,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
     ) -> None:
-        """Validate the chunk, then queue its copy; refusals raise and change nothing."""
+        """Validate the chunk, then queue its copy; refusals raise and change nothing.
+
+        A :class:`~kvlife.Ticket` copies device -> host, a
+        :class:`~kvlife.LoadTicket` host -> device.
+        """
         self.submit_chunk(ticket, device_pages, host_pages)
 
     def submit_chunk(
-        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+        self,
+        ticket: Ticket | LoadTicket,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
     ) -> CpuCopyEvent:
         """:meth:`submit`, returning the chunk's completion event."""
         dev, hst = self._check_chunk(ticket, device_pages, host_pages)
+        load = type(ticket) is LoadTicket
         fault: BaseException | None = None
         if self._fail_next:
             fault = self._fail_next.popleft() or CopyFault(
-                f"injected copy fault in chunk {ticket.seq} of {ticket.lifecycle!r}"
+                f"injected copy fault in {_what(load)} {ticket.seq} of {ticket.lifecycle!r}"
             )
         elif self.fail_rate and self._rng.random() < self.fail_rate:
-            fault = CopyFault(f"random copy fault in chunk {ticket.seq} of {ticket.lifecycle!r}")
+            fault = CopyFault(
+                f"random copy fault in {_what(load)} {ticket.seq} of {ticket.lifecycle!r}"
+            )
         delay = self.copy_delay
         if self.delay_jitter:
             delay += self._rng.uniform(0.0, self.delay_jitter)
@@ -209,6 +231,7 @@ class CpuCopyEngine(PageCopyEngine):
             self._held.append(gate)
         job = _Job(
             ticket,
+            load,
             dev,
             hst,
             torch.tensor(dev, dtype=torch.int64),
@@ -218,7 +241,7 @@ class CpuCopyEngine(PageCopyEngine):
             fault,
             time.perf_counter(),
         )
-        self._busy.update(hst)
+        self._claim(load, dev, hst)
         self._inflight += 1
         self._jobs.put(job)
         return job.event
@@ -284,7 +307,7 @@ class CpuCopyEngine(PageCopyEngine):
     # ---------------------------------------------------------------- internals
 
     def _settle(self, job: _Job) -> Ack:
-        self._busy.difference_update(job.host_pages)
+        self._unclaim(job.load, job.device_pages, job.host_pages)
         if job.error is not None and job.fault is None:
             self.copy_errors += 1
             self.last_copy_error = job.error
@@ -316,6 +339,8 @@ class CpuCopyEngine(PageCopyEngine):
                 job.event._started = True
                 if job.fault is not None:
                     job.error = job.fault
+                elif job.load:
+                    layout.scatter_runs(job.index, host_tensor, job.runs)
                 else:
                     layout.gather_runs(job.index, host_tensor, job.runs)
             except Exception as exc:  # a copy error is reported in the ack, never lost

@@ -1,17 +1,24 @@
 """A torch CUDA copy engine: a side stream, pinned host pages, one event per chunk.
 
 At submit, the side stream waits on the current (compute) stream, so the copy
-sees every write the runtime enqueued before it; compute enqueued afterwards
-overlaps the copy. The chunk's pages are gathered on the device into a
-staging buffer (fast: device memory bandwidth), then copied with
-``non_blocking`` into runs of pinned host pages; one ``torch.cuda.Event`` is
-recorded after the chunk and ``poll`` asks it ``query()``. The device index
-tensor is made on the current stream and used on the side stream, so it is
-``record_stream``-ed there; the caching allocator then keeps it until the copy
-is done.
+sees every write the runtime enqueued before it (and a load writes only after
+every read enqueued before it); compute enqueued afterwards overlaps the copy.
+A store's pages are gathered on the device into a staging buffer (fast: device
+memory bandwidth), then copied with ``non_blocking`` into runs of pinned host
+pages. A load copies runs of pinned host pages with ``non_blocking`` into a
+device staging buffer, then ``index_copy_`` writes it into the device pages.
+One ``torch.cuda.Event`` is recorded after each chunk and ``poll`` asks it
+``query()``. The device index tensor is made on the current stream and used on
+the side stream, so it is ``record_stream``-ed there; the caching allocator
+then keeps it until the copy is done.
 
 As on every engine, the device pages must stay untouched until the ack: this
-engine makes the copy wait for earlier work, never later work.
+engine makes the copy wait for earlier work, never later work. For a load that
+means the runtime must not read the device pages (no attention kernel over
+them) before the load's ack, as vLLM waits for ``get_finished`` before it
+schedules the request; when the ack is returned, the current stream is also
+made to wait on the load's event, so compute enqueued after the ack is ordered
+after the load on the device as well.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlife._lifecycle import Ticket
+from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import (
     Ack,
     DrainTimeout,
@@ -45,7 +52,8 @@ def _index(device: torch.device | str) -> int:
 
 @dataclass(slots=True)
 class _Chunk:
-    ticket: Ticket
+    ticket: Ticket | LoadTicket
+    load: bool
     device_pages: tuple[int, ...]
     host_pages: tuple[int, ...]
     event: torch.cuda.Event
@@ -93,16 +101,28 @@ class CudaCopyEngine(PageCopyEngine):
         return len(self._pending) + len(self._ready)
 
     def submit(
-        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+        self,
+        ticket: Ticket | LoadTicket,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
     ) -> None:
-        """Validate the chunk, then enqueue its copy on the side stream."""
+        """Validate the chunk, then enqueue its copy on the side stream.
+
+        A :class:`~kvlife.Ticket` copies device -> host, a
+        :class:`~kvlife.LoadTicket` host -> device; the runtime must not read a
+        load's device pages before its ack.
+        """
         self.submit_chunk(ticket, device_pages, host_pages)
 
     def submit_chunk(
-        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+        self,
+        ticket: Ticket | LoadTicket,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
     ) -> torch.cuda.Event:
         """:meth:`submit`, returning the chunk's ``torch.cuda.Event``."""
         dev, hst = self._check_chunk(ticket, device_pages, host_pages)
+        load = type(ticket) is LoadTicket
         submitted_at = time.perf_counter()
         side = self.stream
         index = torch.empty(0, dtype=torch.int64)
@@ -113,8 +133,9 @@ class CudaCopyEngine(PageCopyEngine):
                 self.device, non_blocking=True
             )
             side.wait_stream(current)
+            copy = self.layout.scatter_runs if load else self.layout.gather_runs
             with torch.cuda.stream(side):
-                self.layout.gather_runs(
+                copy(
                     index,
                     self.host.tensor,
                     host_runs(hst),
@@ -123,14 +144,15 @@ class CudaCopyEngine(PageCopyEngine):
             index.record_stream(side)
         except Exception as exc:
             # Failed part-way (a staging buffer that cannot be allocated, say): some
-            # writes into the host pages may still be queued. The chunk stays in
-            # flight behind an event recorded after them, and is acked as failed
-            # only when they are done, so its host pages are never freed under them.
+            # writes into the host pages (device pages, for a load) may still be
+            # queued. The chunk stays in flight behind an event recorded after them,
+            # and is acked as failed only when they are done, so its pages are never
+            # freed or reused under them.
             error = exc
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(side)
-        self._pending.append(_Chunk(ticket, dev, hst, event, index, submitted_at, error))
-        self._busy.update(hst)
+        self._pending.append(_Chunk(ticket, load, dev, hst, event, index, submitted_at, error))
+        self._claim(load, dev, hst)
         return event
 
     def poll(self) -> list[Ack]:
@@ -179,7 +201,11 @@ class CudaCopyEngine(PageCopyEngine):
         self._closed = True
 
     def _settle(self, chunk: _Chunk, error: BaseException | None) -> Ack:
-        self._busy.difference_update(chunk.host_pages)
+        self._unclaim(chunk.load, chunk.device_pages, chunk.host_pages)
+        if chunk.load and error is None:
+            # The event has completed; this orders the compute stream after the load
+            # on the device too (free once complete), before the runtime reads the pages.
+            torch.cuda.current_stream(self.device).wait_event(chunk.event)
         return Ack(
             chunk.ticket,
             chunk.device_pages,
