@@ -37,6 +37,8 @@ __all__ = [
 
 #: Consecutive device pages from this many up are restored with one ``copy_`` per buffer.
 _MIN_RUN = 4
+#: Scattered page rows this large or larger are restored with one ``copy_`` each.
+_BIG_ROW_BYTES = 1 << 20
 
 
 class LayoutError(KVLifeError, ValueError):
@@ -291,11 +293,23 @@ class KVLayout(ABC):
             i = j
 
     def _scatter_rows(self, pages: torch.Tensor, src: torch.Tensor) -> None:
-        """CPU: one numpy fancy assignment per buffer, one memcpy per page row."""
+        """CPU: one numpy fancy assignment per buffer, one memcpy per page row.
+
+        Rows of ``_BIG_ROW_BYTES`` and more (a page-first page) are copied with one
+        ``copy_`` each instead: the call's cost is then lost in the copy's.
+        """
+        itemsize = self.dtype.itemsize
+        if all(int(row.shape[1]) * itemsize >= _BIG_ROW_BYTES for row in self._rows):
+            start = 0
+            for row in self._rows:
+                end = start + int(row.shape[1])
+                for i, page in enumerate(pages.tolist()):
+                    row[page].copy_(src[i, start:end])
+                start = end
+            return
         targets = self._numpy_rows()
         index = pages.numpy()
         host = src.detach().view(torch.uint8).numpy()
-        itemsize = self.dtype.itemsize
         start = 0
         for row, target in zip(self._rows, targets, strict=True):
             end = start + int(row.shape[1]) * itemsize

@@ -9,12 +9,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvlife import Lifecycle, State, Ticket
+from kvlife import Lifecycle, LoadTicket, State, Ticket
 from kvlife.engine import (
     Ack,
     CopyEngine,
     CopyFault,
     CpuCopyEngine,
+    DevicePageBusy,
     DrainTimeout,
     DuplicatePage,
     EngineClosed,
@@ -476,3 +477,260 @@ def test_slow_and_jittered_copies_still_copy_right(
     for a in acks:
         assert a.ok
         assert torch.equal(host.page(a.host_pages[0]), layout.read_page(a.device_pages[0]))
+
+
+# ---------------------------------------------------------------- loads (host -> device)
+
+
+def load(lc: Lifecycle, n_pages: int) -> LoadTicket:
+    """Start a load of ``n_pages`` pages of ``lc`` and return its ticket."""
+    return lc.load([f"key-{lc.rid}-{i}" for i in range(n_pages)])
+
+
+def device_state(layout: KVLayout) -> list[torch.Tensor]:
+    return [b.clone() for b in layout.buffers()]
+
+
+def device_unchanged(layout: KVLayout, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(bits(a), bits(b)) for a, b in zip(layout.buffers(), before, strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_store_then_load_into_other_device_pages_is_bit_exact(
+    engines: Callable[..., CpuCopyEngine], kind: str, dtype: torch.dtype
+) -> None:
+    """A chunk stored to scattered host pages, loaded back into other device pages: same bits."""
+    layout = make_layout(kind, dtype, num_pages=16)
+    fill_random_bits(layout, seed=13)
+    host = HostPagePool(10, layout.page_numel, dtype, pin_memory=False)
+    engine = engines(layout, host)
+    owner = object()
+    host.alloc(10, owner)
+    host.free([8, 2, 3, 4, 0, 9], owner)  # host runs: 8 | 2 3 4 | 0 | 9
+    lc = Lifecycle("r", page_size=PAGE)
+    stored_from = [6, 1, 3, 0, 7, 12]
+    ticket = chunk(lc, 6)
+    host_pages = host.alloc(6, ticket)
+    assert host_pages == [8, 2, 3, 4, 0, 9]
+    engine.submit(ticket, stored_from, host_pages)
+    (ack,) = engine.drain()
+    assert ack.ok and not ack.is_load
+    lc.ack(ack.ticket)
+    originals = {p: layout.read_page(p).clone() for p in range(16)}
+    loaded_into = [9, 10, 11, 13, 2, 15]  # consecutive stretch 9 10 11, then scattered
+    ticket_in = load(lc, 6)
+    engine.submit(ticket_in, loaded_into, host_pages)
+    (ack,) = engine.drain()
+    assert ack.ok and ack.is_load and ack.ticket is ticket_in and ack.lifecycle is lc
+    assert ack.device_pages == tuple(loaded_into) and ack.host_pages == tuple(host_pages)
+    lc.ack(ack.ticket)
+    assert lc.state is State.IDLE and lc.inflight == 0
+    for s, d in zip(stored_from, loaded_into, strict=True):
+        assert torch.equal(bits(layout.read_page(d)), bits(originals[s]))
+    for p in set(range(16)) - set(loaded_into):
+        assert torch.equal(bits(layout.read_page(p)), bits(originals[p]))  # untouched
+
+
+def test_a_load_writes_the_device_pages_when_it_runs_not_at_submit(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """Scenario: a runtime reads a load's device pages before the ack: stale KV.
+
+    The pages are right only once the ack has come, which is why the runtime
+    must wait for it (as vLLM waits for ``get_finished``).
+    """
+    layout, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    ticket = load(lc, 1)
+    (h,) = host.alloc(1, ticket) or []
+    host.tensor[h] = 5.0
+    stale = layout.read_page(3).clone()
+    gate = engine.hold_next()
+    done = engine.submit_chunk(ticket, [3], [h])
+    assert torch.equal(bits(layout.read_page(3)), bits(stale))  # read too early: stale
+    gate.open()
+    done.synchronize()
+    (ack,) = engine.drain()
+    assert ack.ok and torch.equal(layout.read_page(3), host.page(h))
+
+
+def test_a_failed_load_is_an_ack_with_its_error(engines: Callable[..., CpuCopyEngine]) -> None:
+    layout, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    before = device_state(layout)
+    boom = OSError("host tier unreadable")
+    engine.fail_next(1, boom)
+    t0 = load(lc, 2)
+    pages = host.alloc(2, t0)
+    assert pages is not None
+    engine.submit(t0, [4, 5], pages)
+    engine.fail_next()
+    t1 = load(lc, 1)
+    more = host.alloc(1, t1)
+    assert more is not None
+    engine.submit(t1, [6], more)
+    first, second = engine.drain()
+    assert first.ticket is t0 and first.is_load and first.error is boom
+    assert first.device_pages == (4, 5) and first.host_pages == tuple(pages)
+    assert second.ticket is t1 and isinstance(second.error, CopyFault)
+    assert "load 1" in str(second.error)
+    assert device_unchanged(layout, before) and engine.copy_errors == 0
+    for ack in (first, second):
+        ack.lifecycle.ack(ack.ticket)
+        host.free(ack.host_pages, ack.ticket)
+    assert lc.inflight == 0 and host.num_used == 0
+    # the pages are free again for the next load
+    t2 = load(lc, 2)
+    again = host.alloc(2, t2)
+    assert again is not None
+    engine.submit(t2, [4, 5], again)
+    (ack,) = engine.drain()
+    assert ack.ok and torch.equal(layout.read_page(4), host.page(again[0]))
+
+
+def test_a_load_fails_for_a_reason_of_its_own_and_is_counted(
+    engines: Callable[..., CpuCopyEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout, host, engine = setup(engines)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("scatter broke")
+
+    monkeypatch.setattr(layout, "scatter_runs", broken)
+    lc = Lifecycle("r", page_size=PAGE)
+    t = load(lc, 1)
+    pages = host.alloc(1, t)
+    assert pages is not None
+    engine.submit(t, [0], pages)
+    (ack,) = engine.drain()
+    assert isinstance(ack.error, RuntimeError) and ack.is_load
+    assert engine.copy_errors == 1 and engine.last_copy_error is ack.error
+
+
+def test_loads_and_stores_in_flight_at_once_copy_right(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """Two workers, stores and loads of two lifecycles interleaved, some held, all right."""
+    layout = make_layout("layer_first", num_pages=16)
+    fill_random_bits(layout, seed=21)
+    host = HostPagePool(16, layout.page_numel, layout.dtype, pin_memory=False)
+    engine = engines(layout, host, workers=2, delay_jitter=0.002, seed=3)
+    originals = {p: layout.read_page(p).clone() for p in range(16)}
+    a, b = Lifecycle("a", page_size=PAGE), Lifecycle("b", page_size=PAGE)
+    loaded_rows: dict[object, tuple[list[int], list[int]]] = {}
+    gate = engine.hold_next()
+    for lc, store_pages, load_pages in ((a, [0, 1, 2], [8, 9]), (b, [3, 4], [10, 11, 12])):
+        st = chunk(lc, len(store_pages))
+        sh = host.alloc(len(store_pages), st)
+        assert sh is not None
+        engine.submit(st, store_pages, sh)
+        lt = load(lc, len(load_pages))
+        lh = host.alloc(len(load_pages), lt)
+        assert lh is not None
+        for i, h in enumerate(lh):
+            host.tensor[h] = float(10 * len(loaded_rows) + i)
+        engine.submit(lt, load_pages, lh)
+        loaded_rows[lc.rid] = (load_pages, lh)
+        assert lc.inflight == 2
+    assert engine.inflight == 4
+    gate.open()
+    acks = engine.drain()
+    assert len(acks) == 4 and all(ack.ok for ack in acks)
+    assert sum(ack.is_load for ack in acks) == 2
+    for ack in acks:
+        if ack.is_load:
+            pages, rows = loaded_rows[ack.lifecycle.rid]
+            assert ack.device_pages == tuple(pages)
+            for d, h in zip(pages, rows, strict=True):
+                assert torch.equal(layout.read_page(d), host.page(h))
+        else:
+            for d, h in zip(ack.device_pages, ack.host_pages, strict=True):
+                assert torch.equal(bits(host.page(h)), bits(originals[d]))
+        ack.lifecycle.ack(ack.ticket)
+    assert a.inflight == b.inflight == 0 and engine.inflight == 0
+
+
+def test_two_loads_may_read_one_host_page(engines: Callable[..., CpuCopyEngine]) -> None:
+    """Two requests sharing a prefix load the same host page into their own device pages."""
+    layout, host, engine = setup(engines)
+    owner = object()
+    (h,) = host.alloc(1, owner) or []
+    host.tensor[h] = 4.0
+    gate = engine.hold_next()
+    t0 = load(Lifecycle("a", page_size=PAGE), 1)
+    t1 = load(Lifecycle("b", page_size=PAGE), 1)
+    engine.submit(t0, [1], [h])
+    engine.submit(t1, [2], [h])
+    with pytest.raises(HostPageBusy):  # but no store may write it while they read
+        engine.check([5], [h])
+    gate.open()
+    assert [ack.ok for ack in engine.drain()] == [True, True]
+    assert torch.equal(layout.read_page(1), host.page(h))
+    assert torch.equal(layout.read_page(2), host.page(h))
+    engine.check([5], [h])  # free to write again once both are acked
+
+
+def full_state(engine: CpuCopyEngine, host: HostPagePool, layout: KVLayout) -> tuple[object, ...]:
+    return (*engine_state(engine, host), device_state(layout))
+
+
+def same_full(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    return same(a[:4], b[:4]) and all(
+        torch.equal(bits(x), bits(y))
+        for x, y in zip(a[4], b[4], strict=True)  # type: ignore[call-overload]
+    )
+
+
+def test_every_load_refusal_leaves_engine_pool_and_device_unchanged(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """In flight and held: a store (device 0 1 -> host 0 1) and a load (host 2 -> device 2)."""
+    layout, host, engine = setup(engines)
+    lc = Lifecycle("r", page_size=PAGE)
+    gate = engine.hold_next()
+    store = chunk(lc, 2)
+    assert host.alloc(2, store) == [0, 1]
+    engine.submit(store, [0, 1], [0, 1])
+    reading = load(lc, 1)
+    assert host.alloc(1, reading) == [2]
+    engine.submit(reading, [2], [2])
+    ticket = load(lc, 2)
+    mine = host.alloc(2, ticket)
+    assert mine == [3, 4]
+    engine.fail_next()  # must still apply to the next *accepted* chunk
+    other_lc = Lifecycle("other", page_size=PAGE)
+    cases: list[tuple[object, object, object, type[EngineError]]] = [
+        (ticket, [5], mine, LengthMismatch),
+        (ticket, [5, 6], [3], LengthMismatch),
+        (ticket, [5, 6, 7], [3, 4, 5], LengthMismatch),
+        (ticket, [5, 8], mine, PageOutOfRange),
+        (ticket, [5, 6], [3, 8], PageOutOfRange),
+        (ticket, [5, 5], mine, DuplicatePage),
+        (ticket, [5, 6], [3, 3], DuplicatePage),
+        (ticket, [5, 6], [3, 5], UnallocatedHostPage),
+        (ticket, [5, 6], [1, 3], HostPageBusy),  # host page 1 is being written by the store
+        (ticket, [5, 2], mine, DevicePageBusy),  # device page 2 is being written by a load
+        (ticket, [1, 5], mine, DevicePageBusy),  # device page 1 is being read by the store
+        # a store may not read device pages a load writes, nor write host pages it reads
+        (chunk(other_lc, 1), [2], [3], DevicePageBusy),
+        (chunk(other_lc, 1), [6], [2], HostPageBusy),
+    ]
+    for t, dev, hst, error in cases:
+        before = full_state(engine, host, layout)
+        with pytest.raises(error):
+            engine.submit(t, dev, hst)  # type: ignore[arg-type]
+        if error is not LengthMismatch:
+            with pytest.raises(error):
+                engine.check(dev, hst, load=type(t) is LoadTicket)  # type: ignore[arg-type]
+        assert same_full(full_state(engine, host, layout), before)
+        assert engine.poll() == []
+    engine.check([5, 6], mine, load=True)
+    engine.submit(ticket, [5, 6], mine)
+    gate.open()
+    acks = engine.drain()
+    assert [(a.is_load, a.ok) for a in acks] == [(False, True), (True, True), (True, False)]
+    assert lc.inflight == 3  # the engine never touches the Lifecycle
+    # acked: every page is free for any direction again
+    engine.check([2], [2], load=True)
+    engine.check([1, 2], [2, 1])

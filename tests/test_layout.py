@@ -197,3 +197,114 @@ def test_bad_layout_arguments_are_refused(args: tuple[Any, ...]) -> None:
         LayerFirstLayout(*args)
     with pytest.raises(LayoutError):
         PageFirstLayout(*args)
+
+
+# ---------------------------------------------------------------- restore (host -> device)
+
+# The CPU restore takes one of three paths; each test runs through all of them:
+# row-wise numpy scatter (scattered pages), one copy_ per consecutive device run,
+# and one copy_ per big row (a page-first page of a real model).
+PATHS = ["rows", "runs", "big_rows"]
+
+
+def restore_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    import kvlife.layout as layout_module
+
+    if path == "runs":
+        monkeypatch.setattr(layout_module, "_MIN_RUN", 2)
+    elif path == "big_rows":
+        monkeypatch.setattr(layout_module, "_BIG_ROW_BYTES", 1)
+    else:
+        monkeypatch.setattr(layout_module, "_MIN_RUN", 1 << 30)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_scatter_runs_round_trip_is_bit_exact(
+    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype, path: str
+) -> None:
+    """Store pages to scattered host rows, restore them into other device pages: same bits.
+
+    Device pages mix consecutive stretches (2 3 4 5, 9 10) and lone pages;
+    host rows come in runs (offset, first row, length) as the engine makes them.
+    """
+    restore_path(monkeypatch, path)
+    src = make(kind, dtype, num_pages=12)
+    fill_random_bits(src, seed=4)
+    stored = torch.tensor([11, 0, 7, 3, 5, 1, 8, 6])
+    runs = [(0, 9, 3), (3, 2, 1), (4, 4, 4)]  # host rows 9 10 11 | 2 | 4 5 6 7
+    host = torch.zeros((13, src.page_numel), dtype=dtype)
+    src.gather_runs(stored, host, runs)
+    host_before = host.clone()
+    dst = make(kind, dtype, num_pages=12)
+    restored = torch.tensor([2, 3, 4, 5, 9, 10, 0, 7])
+    dst.scatter_runs(restored, host, runs)
+    for s, d in zip(stored.tolist(), restored.tolist(), strict=True):
+        assert torch.equal(bits(dst.read_page(d)), bits(src.read_page(s)))
+    for p in set(range(12)) - set(restored.tolist()):
+        assert dst.read_page(p).abs().sum() == 0  # pages not named stay untouched
+    assert torch.equal(bits(host), bits(host_before))  # a restore only reads the host
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_scatter_matches_index_copy(monkeypatch: pytest.MonkeyPatch, kind: str, path: str) -> None:
+    """The fast restore writes exactly what ``index_copy_`` per buffer would, random pages."""
+    restore_path(monkeypatch, path)
+    g = torch.Generator().manual_seed(9)
+    for trial in range(5):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        pages = torch.randperm(12, generator=g)[:n]
+        if trial % 2:
+            pages = pages.sort().values  # consecutive stretches
+        src = torch.randn((n, make(kind, torch.float32).page_numel), generator=g)
+        fast, reference = make(kind, torch.float32, 12), make(kind, torch.float32, 12)
+        fill_random_bits(fast, seed=trial)
+        fill_random_bits(reference, seed=trial)
+        fast.scatter(pages, src)
+        start = 0
+        for row in reference.page_rows():
+            end = start + row.shape[1]
+            row.index_copy_(0, pages, src[:, start:end])
+            start = end
+        assert all(
+            torch.equal(bits(a), bits(b))
+            for a, b in zip(fast.buffers(), reference.buffers(), strict=True)
+        )
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_scatter_into_a_runtimes_buffers_leaves_padding_slots_alone(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    restore_path(monkeypatch, path)
+    k = [torch.full((4 * 3 + 1, 2, 5), 7.0) for _ in range(2)]  # one padding slot
+    v = [torch.full((4 * 3 + 1, 2, 5), 7.0) for _ in range(2)]
+    layout = LayerFirstLayout.from_buffers(k, v, page_size=4)
+    rows = torch.arange(3 * layout.page_numel, dtype=torch.float32).view(3, -1)
+    layout.scatter(torch.tensor([2, 0, 1]), rows)
+    for i, p in enumerate((2, 0, 1)):
+        assert torch.equal(layout.read_page(p), rows[i])
+    assert all(bool(b[12].eq(7).all()) for b in (*k, *v))
+    mla_buffers = [torch.full((9, 1, 6), 7.0)]
+    mla = MLALayout.from_buffers(mla_buffers, page_size=4)
+    mla_rows = torch.arange(2 * mla.page_numel, dtype=torch.float32).view(2, -1)
+    mla.scatter(torch.tensor([1, 0]), mla_rows)
+    assert torch.equal(mla.read_page(1), mla_rows[0]) and bool(mla_buffers[0][8].eq(7).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_scatter_runs_is_refused_and_copies_nothing(kind: str) -> None:
+    layout = make(kind, torch.float32)
+    fill_random_bits(layout, seed=5)
+    before = snapshot(layout)
+    n = layout.page_numel
+    for host in (
+        torch.zeros((2, n + 1)),  # wrong width
+        torch.zeros((2, n), dtype=torch.float16),  # wrong dtype
+        torch.zeros(2 * n),  # not 2-D
+    ):
+        with pytest.raises(LayoutError):
+            layout.scatter_runs(torch.tensor([0, 1]), host, [(0, 0, 2)])
+        assert unchanged(layout, before)
