@@ -1,6 +1,6 @@
 """The offload manager on real parts: a torch KV pool, the threaded CPU engine, a store.
 
-Each "Scenario:" test reproduces one bug class of DESIGN.md with a copy delay,
+Each "Scenario:" test reproduces one bug class of docs/design.md with a copy delay,
 and checks the stored bytes, not only counters.
 """
 
