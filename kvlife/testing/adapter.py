@@ -40,7 +40,11 @@ rules and raises :class:`InvariantViolation` naming the rule:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -55,12 +59,16 @@ from kvlife.manager import ManagedLifecycle, OffloadManager
 from kvlife.pool import HostPagePool
 from kvlife.store.base import PageMismatch, Store, StoreResult, _check_put, check_key
 from kvlife.store.memory import MemoryStore
+from kvlife.testing.options import KitOptions, Progress, progress_of
 from kvlife.testing.scripted import ScriptedCopy, ScriptedEngine
 
 __all__ = [
+    "OPTIONAL_MEMBERS",
     "AdapterError",
+    "Close",
     "Complete",
     "DeviceFull",
+    "DevicePages",
     "Finish",
     "InlineStore",
     "InvariantViolation",
@@ -74,6 +82,7 @@ __all__ = [
     "RuntimeAdapter",
     "Start",
     "Step",
+    "page_bytes_of",
 ]
 
 
@@ -107,7 +116,14 @@ class Release:
 
 @runtime_checkable
 class RuntimeAdapter(Protocol):
-    """All the kit needs from a decode runtime's offload bookkeeping."""
+    """All the kit needs from a decode runtime's offload bookkeeping.
+
+    Two optional members (:data:`OPTIONAL_MEMBERS`): ``progress``, the runtime's progress
+    model (``"poll"``: its poll never blocks and applies the copies that completed, the
+    default; ``"drain"``: its poll waits for every queued copy), and
+    ``device_pages_allocated()`` (device pages lives hold now: 0 after close, or
+    ``device-leak``).
+    """
 
     #: Tokens per page.
     page_size: int
@@ -115,7 +131,16 @@ class RuntimeAdapter(Protocol):
     namespace: str | None
 
     def start(self, rid: str, prompt: Sequence[int]) -> object:
-        """Begin a request life with ``rid`` whose prefill computed ``prompt``; its handle."""
+        """Begin a new request life with ``rid`` whose prefill computed ``prompt``; its handle."""
+        ...
+
+    def resume(self, request: object, tokens: Sequence[int]) -> object:
+        """Resume the retracted request ``request`` (a handle :meth:`start` or :meth:`resume`
+        returned) as a new life whose prefill recomputes ``tokens``; the new life's handle.
+
+        Return ``request`` itself if your runtime resumes the same request object (SGLang
+        does): the kit then tells the lives apart by which one is running.
+        """
         ...
 
     def step(self, request: object, tokens: Sequence[int]) -> None:
@@ -165,6 +190,12 @@ class RuntimeAdapter(Protocol):
     def host_pages_allocated(self) -> int:
         """Host pages allocated now."""
         ...
+
+
+#: Optional adapter members, read with ``getattr`` (an adapter may leave them out):
+#: ``progress`` (default ``"poll"``) and ``device_pages_allocated() -> int`` (device pages
+#: held by lives now; checked to be 0 after close: the ``device-leak`` rule).
+OPTIONAL_MEMBERS = ("progress", "device_pages_allocated")
 
 
 # ----------------------------------------------------------------------------- kvlife's adapter
@@ -290,6 +321,8 @@ class ManagerAdapter:
     """
 
     namespace: str | None = None
+    #: kvlife's poll never blocks: it applies the acks of copies that completed.
+    progress: Progress = "poll"
 
     def __init__(
         self,
@@ -324,6 +357,11 @@ class ManagerAdapter:
         req.handle = self.manager.start(rid, req.tokens, self._on_release)
         self._requests[req.handle] = req
         return req
+
+    def resume(self, request: object, tokens: Sequence[int]) -> RuntimeRequest:
+        """A retracted request resumes: kvlife gives it a new life (a new Lifecycle)."""
+        old = self._request(request)
+        return self.start(old.rid, tokens)
 
     def step(self, request: object, tokens: Sequence[int]) -> None:
         """Append ``tokens``, write the pages that became whole, and offload what is due."""
@@ -389,6 +427,10 @@ class ManagerAdapter:
         """Host pages allocated now."""
         return self.host.num_used
 
+    def device_pages_allocated(self) -> int:
+        """Device pages lives hold now."""
+        return self.layout.num_pages - len(self._free_pages)
+
     # ---------------------------------------------------------------- device side
 
     def _request(self, request: object) -> RuntimeRequest:
@@ -434,6 +476,61 @@ def page_bytes_of(key: str, nbytes: int) -> bytes:
     return (digest * (nbytes // len(digest) + 1))[:nbytes]
 
 
+class DevicePages:
+    """The device-page accounting hook, for a runtime that frees its own pages (it has no
+    release callback): the adapter hands it to the runtime as its device allocator.
+
+    ``alloc(n, owner)`` gives pages (the most recently freed first); ``write(page, key)``
+    fills a page with :func:`page_bytes_of` its key; ``free(pages, owner)`` poisons the
+    pages, takes them back and records one :class:`Release` of ``owner`` (so free all of a
+    life's pages at once). The adapter's ``device_pages_allocated`` returns
+    :meth:`allocated`, its ``releases`` returns :attr:`releases`.
+    """
+
+    def __init__(
+        self,
+        layout: LayerFirstLayout,
+        copies_in_flight: Callable[[object], int] | None = None,
+    ) -> None:
+        self.layout = layout
+        self._free = list(range(layout.num_pages - 1, -1, -1))
+        self._owner: dict[int, object] = {}
+        self._in_flight = copies_in_flight
+        self._poison = torch.full((layout.page_numel,), -1, dtype=layout.dtype)
+        #: Every free, in order, as a :class:`Release`.
+        self.releases: list[Release] = []
+
+    def alloc(self, n: int, owner: object) -> list[int]:
+        """``n`` pages for ``owner``; :class:`DeviceFull` (nothing taken) if there are fewer."""
+        if n > len(self._free):
+            raise DeviceFull(f"no {n} free device pages for {owner!r}")
+        pages = [self._free.pop() for _ in range(n)]
+        for page in pages:
+            self._owner[page] = owner
+        return pages
+
+    def write(self, page: int, key: str) -> None:
+        """Write the bytes of the page whose key is ``key`` into device page ``page``."""
+        data = bytearray(page_bytes_of(key, self.layout.page_nbytes))
+        self.layout.write_page(page, torch.frombuffer(data, dtype=self.layout.dtype))
+
+    def free(self, pages: Sequence[int], owner: object) -> None:
+        """Take ``owner``'s ``pages`` back (poisoned, reused first) and record its release."""
+        for page in pages:
+            if self._owner.get(page) is not owner:
+                raise AdapterError(f"device page {page} is not held by {owner!r}")
+        inflight = self._in_flight(owner) if self._in_flight is not None else 0
+        self.releases.append(Release(owner, tuple(pages), inflight))
+        for page in reversed(pages):
+            del self._owner[page]
+            self.layout.write_page(page, self._poison)
+            self._free.append(page)
+
+    def allocated(self) -> int:
+        """Pages held now."""
+        return len(self._owner)
+
+
 # ----------------------------------------------------------------------------- events
 
 
@@ -472,7 +569,8 @@ class Finish:
 
 @dataclass(frozen=True)
 class Resume:
-    """Start a new life for retracted life ``life``: same rid, its tokens so far as the prompt."""
+    """Resume retracted life ``life`` as a new life (:meth:`RuntimeAdapter.resume`): same rid
+    (often the same request object), its tokens so far as the prompt."""
 
     life: int
 
@@ -502,8 +600,16 @@ class Poll:
         return "poll"
 
 
+@dataclass(frozen=True)
+class Close:
+    """The end of a run: finish every running life, complete every copy, poll, close, check."""
+
+    def __str__(self) -> str:
+        return "close"
+
+
 #: One event of a run, as data (the exhaustive checker's traces, the strategies' sequences).
-KitEvent = Start | Step | Finish | Resume | Complete | Poll
+KitEvent = Start | Step | Finish | Resume | Complete | Poll | Close
 
 
 # ----------------------------------------------------------------------------- the oracle
@@ -545,19 +651,60 @@ class Life:
         return f"life {self.index} (rid {self.rid})"
 
 
-class Oracle:
-    """The trusted model: drives an adapter and checks every rule after every event."""
+class _Stuck(BaseException):
+    """Raised by the deadline's alarm inside a runtime call that blocks too long."""
 
-    def __init__(self, adapter: RuntimeAdapter) -> None:
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Interrupt the block with :class:`_Stuck` after ``seconds`` (main thread, POSIX only;
+    elsewhere no deadline). An outer alarm (pytest-timeout's) is put back afterwards."""
+    if (
+        seconds is None
+        or not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise _Stuck
+
+    t0 = time.monotonic()
+    old_handler = signal.signal(signal.SIGALRM, on_alarm)
+    old_delay, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+        if old_delay:
+            left = old_delay - (time.monotonic() - t0)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
+
+
+class Oracle:
+    """The trusted model: drives an adapter and checks every rule after every event.
+
+    Under the adapter's ``progress`` model: with ``"drain"``, every copy in flight when a
+    poll starts is complete when it returns. A copy submitted while a life finishes (a
+    finish-time flush) belongs to that life. Every adapter call runs under
+    ``options.stuck_after``: a call still blocked then is a ``stuck-copy`` violation.
+    """
+
+    def __init__(self, adapter: RuntimeAdapter, options: KitOptions | None = None) -> None:
         self.adapter = adapter
+        self.options = options or KitOptions()
+        self.progress: Progress = progress_of(adapter)
         self.lives: list[Life] = []
         self.trace: list[KitEvent] = []
-        self._by_handle: dict[int, Life] = {}
+        self._by_handle: dict[int, list[Life]] = {}
         self._owner: dict[int, Life] = {}  # id(copy) -> life (the copy is kept in life.copies)
         self._completed: set[int] = set()
         self._allowed: set[str] = set()
         self._verified: set[str] = set()
         self._releases_seen = 0
+        self._flushing: Life | None = None
 
     # ---------------------------------------------------------------- queries
 
@@ -585,24 +732,44 @@ class Oracle:
 
     # ---------------------------------------------------------------- events
 
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            with _deadline(self.options.stuck_after):
+                return fn(*args)
+        except _Stuck:
+            raise InvariantViolation(
+                "stuck-copy",
+                f"{what} did not return within {self.options.stuck_after} s: it waits for a "
+                f"copy whose ack never comes (copies in flight: {self.in_flight()})",
+            ) from None
+
     def apply(self, event: KitEvent) -> None:
         """Run ``event`` on the adapter, update the model, check every rule."""
+        if isinstance(event, Close):
+            self.close()
+            return
         self.trace.append(event)
         if isinstance(event, Start):
             self._start(event.rid, event.prompt)
         elif isinstance(event, Resume):
             life = self.lives[event.life]
             life.resumed = True
-            self._start(life.rid, tuple(life.tokens))
+            self._start(life.rid, tuple(life.tokens), life)
         elif isinstance(event, Step):
             life = self.lives[event.life]
             life.tokens.extend(event.tokens)
             self._extend_keys(life)
-            self.adapter.step(life.handle, event.tokens)
+            self._call(str(event), self.adapter.step, life.handle, event.tokens)
         elif isinstance(event, Finish):
             life = self.lives[event.life]
+            self.check()  # copies submitted before the finish are not a flush
             life.reason = event.reason
-            self.adapter.finish(life.handle, event.reason)
+            self._flushing = life
+            try:
+                self._call(str(event), self.adapter.finish, life.handle, event.reason)
+                self._check_copies()  # a finish-time flush belongs to the finishing life
+            finally:
+                self._flushing = None
         elif isinstance(event, Complete):
             life = self.lives[event.life]
             self.check()  # registers the copies submitted so far
@@ -614,12 +781,21 @@ class Oracle:
                 )
             copy = life.copies[event.chunk]
             self._completed.add(id(copy))
-            self.adapter.complete(copy, event.ok)
+            self._call(str(event), self.adapter.complete, copy, event.ok)
             if event.poll:
-                self.adapter.poll()
+                self._poll()
         else:
-            self.adapter.poll()
+            self._poll()
         self.check()
+
+    def _poll(self) -> None:
+        if self.progress == "drain":
+            self.check()  # registers the copies queued before the poll
+            queued = self.in_flight()
+            self._call("poll", self.adapter.poll)
+            self._completed.update(id(c) for c in queued)  # the poll waited for each
+        else:
+            self._call("poll", self.adapter.poll)
 
     def complete(self, copy: object, ok: bool, poll: bool) -> None:
         """Complete one copy the adapter lists as in flight (the stateful machine's event)."""
@@ -627,13 +803,26 @@ class Oracle:
         life = self._owner[id(copy)]
         self.apply(Complete(life.index, life.copies.index(copy), ok, poll))
 
-    def _start(self, rid: str, prompt: tuple[int, ...]) -> None:
-        handle = self.adapter.start(rid, prompt)
-        if id(handle) in self._by_handle:
-            raise InvariantViolation("copy-owner", "start returned the handle of an older life")
+    def _start(self, rid: str, prompt: tuple[int, ...], resumed: Life | None = None) -> None:
+        if resumed is None:
+            handle = self._call(f"start rid={rid}", self.adapter.start, rid, prompt)
+        else:
+            resume = getattr(self.adapter, "resume", None)
+            if resume is None:  # an adapter from before resume was explicit
+                handle = self._call(f"start rid={rid}", self.adapter.start, rid, prompt)
+            else:
+                handle = self._call(f"resume life {resumed.index}", resume, resumed.handle, prompt)
+        same = self._by_handle.get(id(handle), [])
+        if any(
+            life.handle is handle and not (resumed is not None and life.handle is resumed.handle)
+            for life in same
+        ):
+            raise InvariantViolation(
+                "copy-owner", "start returned the handle of an older life (resume did not ask)"
+            )
         life = Life(len(self.lives), rid, handle, list(prompt))
         self.lives.append(life)
-        self._by_handle[id(handle)] = life
+        self._by_handle.setdefault(id(handle), []).append(life)
         self._extend_keys(life)
 
     def _extend_keys(self, life: Life) -> None:
@@ -654,21 +843,48 @@ class Oracle:
         """Finish every running life, complete every copy, poll, close; then the final rules."""
         for life in self.running():
             self.apply(Finish(life.index, FinishReason.FINISHED))
+        self.trace.append(Close())
         self.check()
-        for copy in self.in_flight():
-            self.complete(copy, ok=True, poll=False)
-        self.apply(Poll())
-        self.adapter.close()
+        if self.progress == "poll":
+            for copy in self.in_flight():
+                self._completed.add(id(copy))
+                self._call(f"complete {copy!r}", self.adapter.complete, copy, True)
+        self._poll()
+        self.check()
+        # A copy the kit completed may take a moment to leave a threaded engine's list.
+        deadline = time.monotonic() + (self.options.stuck_after or 0.0)
+        while self._listed_completed() and time.monotonic() < deadline:
+            time.sleep(0.002)
+            self._poll()
+            self.check()
+        self._call("close", self.adapter.close)
         self.check()
         left = self.adapter.copies_in_flight()
         if left:
-            raise InvariantViolation("copy-owner", f"copies still in flight after close: {left}")
+            raise InvariantViolation(
+                "stuck-copy",
+                f"copies still in flight after close (their ack never came within "
+                f"{self.options.stuck_after} s): {list(left)}",
+            )
         never = [life for life in self.lives if not life.released]
         if never:
             raise InvariantViolation("unreleased", f"never released (device pages leaked): {never}")
         used = self.adapter.host_pages_allocated()
         if used:
             raise InvariantViolation("host-leak", f"{used} host pages still allocated after close")
+        held = getattr(self.adapter, "device_pages_allocated", None)
+        if held is not None and held():
+            raise InvariantViolation(
+                "device-leak", f"{held()} device pages still held after every life was released"
+            )
+
+    def _listed_completed(self) -> bool:
+        return any(id(c) in self._completed for c in self.adapter.copies_in_flight())
+
+    def abandon(self) -> None:
+        """Close the adapter after a failure, bounded by the deadline; errors are dropped."""
+        with contextlib.suppress(Exception, _Stuck), _deadline(self.options.stuck_after):
+            self.adapter.close()
 
     # ---------------------------------------------------------------- the rules
 
@@ -678,26 +894,24 @@ class Oracle:
         self._check_releases()
         self._check_store()
 
-    def _life_of(self, handle: object, what: str) -> Life:
-        life = self._by_handle.get(id(handle))
-        if life is None or life.handle is not handle:
+    def _lives_of(self, handle: object, what: str) -> list[Life]:
+        lives = [life for life in self._by_handle.get(id(handle), []) if life.handle is handle]
+        if not lives:
             raise InvariantViolation("copy-owner", f"{what} names an unknown request {handle!r}")
-        return life
+        return lives
 
     def _check_copies(self) -> None:
         for copy in self.adapter.copies_in_flight():
             key = id(copy)
-            owner = self._owner.get(key)
-            if owner is not None:
-                if key in self._completed:
-                    raise InvariantViolation(
-                        "copy-owner", f"{copy!r} of {owner} was completed and is in flight again"
-                    )
-                continue
-            life = self._life_of(self.adapter.copy_request(copy), f"copy {copy!r}")
-            if life.released or not life.running:
+            if key in self._owner:
+                continue  # known; a completed one still listed is waited for at close
+            lives = self._lives_of(self.adapter.copy_request(copy), f"copy {copy!r}")
+            life = next((lf for lf in lives if lf.running), None)
+            if life is None and self._flushing in lives and not self._flushing.released:
+                life = self._flushing
+            if life is None:
                 raise InvariantViolation(
-                    "copy-owner", f"{copy!r} submitted for {life}, which already finished"
+                    "copy-owner", f"{copy!r} submitted for {lives[-1]}, which already finished"
                 )
             self._owner[key] = life
             life.copies.append(copy)
@@ -707,15 +921,19 @@ class Oracle:
         while self._releases_seen < len(releases):
             release = releases[self._releases_seen]
             self._releases_seen += 1
-            life = self._life_of(release.request, "a release")
-            if life.released:
-                raise InvariantViolation("release-once", f"{life} released twice")
-            if life.running:
+            lives = self._lives_of(release.request, "a release")
+            waiting = [lf for lf in lives if not lf.released]
+            if not waiting:
+                raise InvariantViolation("release-once", f"{lives[-1]} released twice")
+            ended = [lf for lf in waiting if not lf.running]
+            if not ended:
                 raise InvariantViolation(
                     "release-once",
-                    f"{life} released before it finished (an ack moved a life it does not "
-                    "belong to?)",
+                    f"{waiting[0]} released before it finished (an ack moved a life it does "
+                    "not belong to?)",
                 )
+            # Lives sharing one request object: the release is of one that may be released.
+            life = next((lf for lf in ended if not self.in_flight(lf)), ended[0])
             pending = self.in_flight(life)
             if release.copies_in_flight or pending:
                 raise InvariantViolation(

@@ -1,0 +1,79 @@
+"""One set of options for both drivers: :func:`~kvlife.testing.run_kit` and
+:func:`~kvlife.testing.check_exhaustively` (and ``kvlife check``), same defaults in both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvlife._lifecycle import FinishReason
+from kvlife.errors import KVLifeError
+
+__all__ = ["PROGRESS_MODELS", "KitOptions", "KitOptionsError", "Progress", "progress_of"]
+
+#: How a runtime's progress check (its poll) treats copies still queued:
+#: ``"poll"``: non-blocking, it applies only the copies that already completed (the kit
+#: completes copies one by one, in any order); ``"drain"``: it waits for every queued copy
+#: (SGLang's ``check_offload_progress``), so every copy in flight completes during the poll.
+Progress = Literal["poll", "drain"]
+PROGRESS_MODELS: tuple[Progress, ...] = ("poll", "drain")
+
+
+class KitOptionsError(KVLifeError, ValueError):
+    """An option out of range (a non-positive stuck-copy deadline, an unknown progress model)."""
+
+
+@dataclass(frozen=True)
+class KitOptions:
+    """What the kit may do to a runtime. The defaults are the adversarial ones.
+
+    Turn off what your runtime does not have: ``failures=False`` for a runtime with no
+    per-copy failure path (SGLang's decode offload), ``retractions=False`` (and so no
+    resumes) for one that never preempts.
+    """
+
+    #: Copies may fail (one completion in four, in :func:`run_kit`; every completion is
+    #: also tried as a failure in :func:`check_exhaustively`). Only under the ``"poll"``
+    #: progress model: a draining poll completes every copy successfully.
+    failures: bool = True
+    #: Lives may be aborted.
+    aborts: bool = True
+    #: Lives may be retracted (preempted).
+    retractions: bool = True
+    #: A retracted life may be resumed (:meth:`RuntimeAdapter.resume`).
+    resumes: bool = True
+    #: Seconds a runtime call (a draining poll, close) may block, and a completed copy may
+    #: stay listed in flight, before the kit reports ``stuck-copy``; ``None``: wait forever.
+    stuck_after: float | None = 10.0
+
+    def __post_init__(self) -> None:
+        if self.stuck_after is not None and not 0 < self.stuck_after < 3600:
+            raise KitOptionsError(f"stuck_after must be in (0, 3600) s, got {self.stuck_after}")
+
+    @property
+    def reasons(self) -> tuple[FinishReason, ...]:
+        """The finish reasons the kit uses."""
+        out = [FinishReason.FINISHED]
+        if self.aborts:
+            out.append(FinishReason.ABORTED)
+        if self.retractions:
+            out.append(FinishReason.RETRACTED)
+        return tuple(out)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict, for JSON."""
+        return {
+            "failures": self.failures,
+            "aborts": self.aborts,
+            "retractions": self.retractions,
+            "resumes": self.resumes,
+            "stuck_after": self.stuck_after,
+        }
+
+
+def progress_of(adapter: object) -> Progress:
+    """The adapter's declared progress model (``progress`` attribute; default ``"poll"``)."""
+    model = getattr(adapter, "progress", "poll")
+    if model not in PROGRESS_MODELS:
+        raise KitOptionsError(f"adapter.progress must be 'poll' or 'drain', got {model!r}")
+    return model
