@@ -272,6 +272,7 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     kv_llm: LLM, model_dir: str, store_dir: str, baseline: Any, tmp_path: Path
 ) -> None:
     manager, worker = _roles()
+    assert _generate(kv_llm, PROMPTS) == baseline["main"]  # stored here, if not before
     worker.flush(timeout=60)
     assert worker.stats["disk_pages_written"] >= manager.counts.stored
     _shutdown(kv_llm)  # every lifecycle left is finished and released at shutdown

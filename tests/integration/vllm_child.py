@@ -9,6 +9,7 @@ accounting to report_dir).
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -46,9 +47,10 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    llm.llm_engine.engine_core.shutdown()
     with open(args["out"], "w") as f:
         json.dump(tokens, f)
+    del llm, outputs  # the engine shuts down: each role writes its report
+    gc.collect()
 
 
 if __name__ == "__main__":
