@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from kvlife._lifecycle import Lifecycle, Ticket
+from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
 from kvlife.engine.base import Ack
 from kvlife.errors import KVLifeError
 
@@ -142,7 +142,7 @@ def chunk_fingerprint(fp: int, n_pages: int, last_key: str) -> int:
     return (fp + word + 1) * _MULT % _MOD
 
 
-def _describe(ticket: Ticket) -> str:
+def _describe(ticket: Ticket | LoadTicket) -> str:
     key = ticket.keys[-1] if ticket.keys else ""
     return (
         f"rid={ticket.lifecycle.rid!r} seq={ticket.seq} pages={ticket.n_pages} last key {key[:16]}"
