@@ -1,0 +1,432 @@
+"""MooncakeStore against a real Mooncake cluster: a master and a memory pool on loopback.
+
+Every test talks to real processes (``mooncake_master``, ``mooncake_client``)
+started on free 127.0.0.1 ports and stopped by PID; the failure tests kill them
+with SIGKILL mid-run. Skipped, with the reason, where the ``mooncake`` extra (or
+``libibverbs.so.1``) is missing: ``.ci/mooncake.sh`` installs both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvlife.store.base import InjectedStoreFailure, InvalidKey, PageMismatch, frame_page
+
+try:
+    from kvlife.store.mooncake import (
+        MooncakeError,
+        MooncakeNotInstalled,
+        MooncakeStore,
+        MooncakeUnavailable,
+        load_client_class,
+    )
+    from kvlife.store.mooncake_local import LocalMooncake
+
+    load_client_class()
+except MooncakeNotInstalled as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"mooncake is not installed ({exc}); run .ci/mooncake.sh", allow_module_level=True)
+
+os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalMooncake]:
+    with LocalMooncake(pool_size="256MB") as c:
+        yield c
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[LocalMooncake]:
+    """A cluster of the test's own, for tests that kill its processes."""
+    with LocalMooncake(pool_size="128MB") as c:
+        yield c
+
+
+_n = 0
+
+
+def fresh_namespace() -> str:
+    global _n
+    _n += 1
+    return f"t{os.getpid()}-{_n}-{time.monotonic_ns() % 10**9}"
+
+
+def key(i: int, salt: int = 0) -> str:
+    return f"{salt:08x}{i:08x}"
+
+
+def pages_for(n: int, numel: int = 1024, tag: int = 0) -> torch.Tensor:
+    return (torch.arange(n * numel, dtype=torch.float32) + tag * 1e6).reshape(n, numel)
+
+
+def as_bytes(row: torch.Tensor) -> bytes:
+    return row.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture
+def store(cluster: LocalMooncake) -> Iterator[MooncakeStore]:
+    s = MooncakeStore(cluster.master, cluster.metadata, fresh_namespace())
+    yield s
+    s.close()
+
+
+def put_one(store: MooncakeStore, keys: list[str], pages: torch.Tensor, timeout: float = 30):
+    store.put("t", keys, pages)
+    (result,) = store.drain(timeout)
+    return result
+
+
+# ---------------------------------------------------------------- the protocol
+
+
+def test_roundtrip_batch_get_contains_keys(store: MooncakeStore) -> None:
+    keys = [key(i, 1) for i in range(16)]
+    pages = pages_for(16)
+    result = put_one(store, keys, pages)
+    assert result.ok, result.error
+    got = store.get_batch([*keys, key(99, 1)])
+    assert got[-1] is None
+    for i, data in enumerate(got[:-1]):
+        assert data == as_bytes(pages[i])
+    assert store.get(keys[3]) == as_bytes(pages[3])
+    assert store.contains(keys[0]) and not store.contains(key(98, 1))
+    assert sorted(store.keys()) == sorted(keys)
+    s = store.stats()
+    assert (s.puts_ok, s.pages_written, s.bytes_written) == (1, 16, 16 * 4096)
+
+
+def test_put_is_asynchronous_and_results_come_by_poll(cluster: LocalMooncake) -> None:
+    """A 64 MiB put returns at once; its result appears only at a later poll/drain."""
+    s = MooncakeStore(cluster.master, cluster.metadata, fresh_namespace())
+    try:
+        pages = pages_for(256, numel=64 * 1024)  # 256 x 256 KiB
+        keys = [key(i, 2) for i in range(256)]
+        t0 = time.perf_counter()
+        s.put("big", keys, pages)
+        call = time.perf_counter() - t0
+        assert s.poll() == [] and s.pending == 1
+        assert call < 0.02, f"put blocked the caller {call * 1e3:.1f} ms"
+        (result,) = s.drain(60)
+        assert result.ok and result.token == "big" and s.pending == 0
+        pages.fill_(-1.0)  # the caller may reuse its pages once it holds the result
+        assert s.get(keys[200]) == as_bytes(pages_for(256, numel=64 * 1024)[200])
+    finally:
+        s.close()
+
+
+def test_namespaces_keep_pages_apart(cluster: LocalMooncake) -> None:
+    a = MooncakeStore(cluster.master, cluster.metadata, fresh_namespace())
+    b = MooncakeStore(cluster.master, cluster.metadata, fresh_namespace())
+    try:
+        k = key(1, 3)
+        assert put_one(a, [k], pages_for(1, tag=1)).ok
+        assert put_one(b, [k], pages_for(1, tag=2)).ok  # no mismatch: another namespace
+        assert a.get(k) == as_bytes(pages_for(1, tag=1)[0])
+        assert b.get(k) == as_bytes(pages_for(1, tag=2)[0])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_first_value_wins_same_bytes_dedup_other_bytes_mismatch(store: MooncakeStore) -> None:
+    keys = [key(i, 4) for i in range(4)]
+    assert put_one(store, keys, pages_for(4)).ok
+    again = put_one(store, keys, pages_for(4))
+    assert again.ok and store.stats().pages_deduplicated == 4
+    new_key = key(9, 4)
+    other = put_one(store, [new_key, keys[2]], pages_for(2, tag=5))
+    assert isinstance(other.error, PageMismatch) and other.error.key == keys[2]
+    assert store.get(keys[2]) == as_bytes(pages_for(4)[2])  # the stored page is kept
+    assert store.get(new_key) is None  # the failed put wrote nothing
+    assert store.stats().page_mismatches == 1
+
+
+def test_invalid_keys_and_puts_are_refused_before_anything(store: MooncakeStore) -> None:
+    with pytest.raises(InvalidKey):
+        store.get("../x")
+    with pytest.raises(InvalidKey):
+        store.put("t", ["Z1"], pages_for(1))
+    assert store.pending == 0
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated", "flipped", "other_key", "extended", "header_only"],
+)
+def test_damaged_page_is_a_counted_miss_and_the_next_put_replaces_it(
+    store: MooncakeStore, damage: str
+) -> None:
+    k, other = key(1, 6), key(2, 6)
+    payload = as_bytes(pages_for(1, tag=6)[0])
+    whole = frame_page(k, payload) + payload
+    bad = {
+        "truncated": whole[:-100],
+        "flipped": whole[:-1] + bytes([whole[-1] ^ 1]),
+        "other_key": frame_page(other, payload) + payload,
+        "extended": whole + b"\0",
+        "header_only": frame_page(k, payload),
+    }[damage]
+    assert store.client.put(store.object_key(k), bad) == 0
+    assert store.get(k) is None
+    assert not store.contains(k)
+    assert store.stats().pages_corrupt == 2
+    result = put_one(store, [k], pages_for(1, tag=6))
+    assert result.ok, result.error  # not a mismatch: the bad page is replaced
+    assert store.get(k) == payload
+
+
+def test_large_page_read_by_a_new_reader(cluster: LocalMooncake, store: MooncakeStore) -> None:
+    """A reader that never wrote does not know the page size: reads still whole pages."""
+    keys = [key(i, 7) for i in range(3)]
+    pages = pages_for(3, numel=256 * 1024)  # 1 MiB pages
+    assert put_one(store, keys, pages).ok
+    reader = MooncakeStore(cluster.master, cluster.metadata, store.namespace)
+    try:
+        assert reader.get_batch(keys) == [as_bytes(p) for p in pages]
+    finally:
+        reader.close()
+
+
+def test_injected_faults_roll_back_every_page(store: MooncakeStore) -> None:
+    """Faults at every step (before lookup, before writing, after writing): nothing visible."""
+    store.fail_rate = 1.0
+    for i in range(9):
+        store.put(i, [key(i, 8), key(100 + i, 8)], pages_for(2, tag=i))
+    results = store.drain(60)
+    assert len(results) == 9
+    assert all(isinstance(r.error, InjectedStoreFailure) for r in results)
+    assert store.get_batch([k for r in results for k in r.keys]) == [None] * 18
+    store.fail_rate = 0.0
+    assert put_one(store, [key(0, 8)], pages_for(1, tag=0)).ok
+
+
+def test_evicted_pages_are_misses_not_errors(tmp_path: object) -> None:
+    with LocalMooncake(pool_size="32MB") as small:
+        s = MooncakeStore(small.master, small.metadata, fresh_namespace())
+        try:
+            for batch in range(12):  # 12 x 4 MiB into a 32 MiB pool
+                keys = [key(batch * 16 + i, 9) for i in range(16)]
+                s.put(batch, keys, pages_for(16, numel=64 * 1024, tag=batch))
+            results = s.drain(60)
+            assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+            got = s.get_batch([key(i, 9) for i in range(12 * 16)])
+            assert got[0] is None, "the oldest page should have been evicted"
+            assert got[-1] == as_bytes(pages_for(16, numel=64 * 1024, tag=11)[15])
+            assert s.stats().pages_corrupt == 0
+        finally:
+            s.close()
+
+
+def test_two_processes_share_pages(cluster: LocalMooncake, store: MooncakeStore) -> None:
+    """Another process writes; this one reads its pages, and dedups a put of the same bytes."""
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from kvlife.store.mooncake import MooncakeStore
+        s = MooncakeStore({cluster.master!r}, {cluster.metadata!r}, {store.namespace!r})
+        pages = (torch.arange(8 * 1024, dtype=torch.float32) + 7e6).reshape(8, 1024)
+        s.put(0, [f"{{i:016x}}" for i in range(8)], pages)
+        (r,) = s.drain(30)
+        assert r.ok, r.error
+        s.close()
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True)
+    keys = [f"{i:016x}" for i in range(8)]
+    pages = pages_for(8, tag=7)
+    assert store.get_batch(keys) == [as_bytes(p) for p in pages]
+    assert put_one(store, keys, pages).ok
+    assert store.stats().pages_deduplicated == 8 and store.stats().pages_written == 0
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_no_master_is_a_typed_error_within_seconds() -> None:
+    from kvlife.store.mooncake_local import free_port
+
+    t0 = time.monotonic()
+    with pytest.raises(MooncakeUnavailable):
+        MooncakeStore(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metadata")
+    assert time.monotonic() - t0 < 30
+
+
+def test_not_installed_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(MooncakeNotInstalled, match="kvlife\\[mooncake\\]"):
+        MooncakeStore("127.0.0.1:1", "http://127.0.0.1:2/metadata")
+
+
+def _wait_ok(store: MooncakeStore, k: str, pages: torch.Tensor, within: float) -> float:
+    """Put until one succeeds; the seconds it took (fails the test past ``within``)."""
+    t0 = time.monotonic()
+    while True:
+        result = put_one(store, [k], pages)
+        if result.ok:
+            return time.monotonic() - t0
+        assert isinstance(result.error, MooncakeError), result.error
+        assert time.monotonic() - t0 < within, f"not usable again after {within} s"
+        time.sleep(0.2)
+
+
+def test_master_killed_mid_run_then_restarted(own_cluster: LocalMooncake) -> None:
+    s = MooncakeStore(own_cluster.master, own_cluster.metadata, fresh_namespace())
+    try:
+        stored = [key(i, 10) for i in range(4)]
+        assert put_one(s, stored, pages_for(4)).ok
+        for i in range(20):  # puts in flight when the master dies
+            s.put(i, [key(100 + i, 10)], pages_for(1, tag=i))
+        own_cluster.kill_master()
+        t0 = time.monotonic()
+        for i in range(20, 40):
+            s.put(i, [key(100 + i, 10)], pages_for(1, tag=i))
+        results = s.drain(30)  # nothing hangs: every result within one failing call or so
+        took = time.monotonic() - t0
+        assert len(results) == 40 and took < 15, took
+        failed = [r for r in results if not r.ok]
+        assert failed and all(isinstance(r.error, MooncakeUnavailable) for r in failed)
+        assert results[-1].error is not None
+        with pytest.raises(MooncakeUnavailable):
+            s.get(stored[0])  # a failure, not a miss
+        own_cluster.start_master()  # the same ports; it starts empty, the pool re-registers
+        took = _wait_ok(s, key(999, 10), pages_for(1, tag=99), within=40)
+        assert s.get(key(999, 10)) == as_bytes(pages_for(1, tag=99)[0])
+        assert s.get(stored[0]) is None  # gone with the old master: a miss
+        print(f"usable again {took:.1f} s after the restart")
+    finally:
+        s.close()
+
+
+def test_pool_killed_mid_run_then_restarted(own_cluster: LocalMooncake) -> None:
+    s = MooncakeStore(own_cluster.master, own_cluster.metadata, fresh_namespace())
+    try:
+        stored = key(1, 11)
+        assert put_one(s, [stored], pages_for(1)).ok
+        for i in range(10):
+            s.put(i, [key(100 + i, 11)], pages_for(4, tag=i)[:1])
+        own_cluster.kill_pool()
+        t0 = time.monotonic()
+        for i in range(10, 30):
+            s.put(i, [key(100 + i, 11)], pages_for(1, tag=i))
+        results = s.drain(30)
+        assert len(results) == 30 and time.monotonic() - t0 < 15
+        failed = [r for r in results if not r.ok]
+        assert failed and all(isinstance(r.error, MooncakeUnavailable) for r in failed)
+        assert results[-1].error is not None
+        # The pool's pages are gone: a miss, or (while the master still lists them) a
+        # failure; never stale bytes.
+        with contextlib.suppress(MooncakeUnavailable):
+            assert s.get(stored) is None
+        own_cluster.start_pool()
+        _wait_ok(s, key(999, 11), pages_for(1, tag=9), within=40)
+        assert s.get(key(999, 11)) == as_bytes(pages_for(1, tag=9)[0])
+    finally:
+        s.close()
+
+
+def test_manager_frees_host_pages_when_the_master_dies(own_cluster: LocalMooncake) -> None:
+    """The offload manager on a Mooncake store: store failures free host pages, nothing hangs."""
+    from kvlife.engine.cpu import CpuCopyEngine
+    from kvlife.layout import LayerFirstLayout
+    from kvlife.manager import OffloadManager
+    from kvlife.pool import HostPagePool
+
+    layout = LayerFirstLayout(2, 64, 4, 2, 4, dtype=torch.float32)
+    host = HostPagePool(32, layout.page_numel, torch.float32)
+    engine = CpuCopyEngine(layout, host, copy_delay=0.0)
+    store = MooncakeStore(own_cluster.master, own_cluster.metadata, fresh_namespace())
+    manager = OffloadManager(engine, host, store, page_size=4)
+    released: list[object] = []
+    try:
+        for r in range(6):
+            if r == 3:
+                own_cluster.kill_master()
+            tokens = [(r * 7919 + i) % 50_000 for i in range(4 * 3 + 1)]
+            lc = manager.start(f"r{r}", [], lambda lc, pages: released.append(pages))
+            pages = [r * 3, r * 3 + 1, r * 3 + 2]
+            for p in pages:
+                layout.write_page(p, torch.full((layout.page_numel,), float(r * 10 + p)))
+            manager.offload(lc, tokens, pages)
+            manager.finish(lc)
+            manager.poll()
+        t0 = time.monotonic()
+        manager.close(timeout=60)
+        assert time.monotonic() - t0 < 30
+        m = manager.metrics()
+        assert host.num_used == 0 and len(released) == 6
+        assert m.store_failures >= 1, m
+    finally:
+        engine.close()
+        store.close()
+
+
+# ---------------------------------------------------------------- kvlife simulate
+
+
+def _simulate(cluster: LocalMooncake, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "kvlife", "simulate", "--store", "mooncake", "--json"]
+    cmd += ["--mooncake-master", cluster.master, "--mooncake-metadata", cluster.metadata]
+    return subprocess.Popen(
+        [*cmd, "--requests", "200", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def test_simulate_two_processes_share_pages(own_cluster: LocalMooncake) -> None:
+    """Two simulate runs at once on one cluster, then a third: every page verified."""
+    import json
+
+    reports = []
+    for proc in [_simulate(own_cluster), _simulate(own_cluster)]:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        reports.append(json.loads(out))
+    third = _simulate(own_cluster)
+    out, _ = third.communicate(timeout=120)
+    assert third.returncode == 0, out
+    reports.append(json.loads(out))
+    for r in reports:
+        assert r["ok"] and r["pages_stored"] > 0 and r["store_failures"] == 0
+        assert r["pages_verified"] == r["pages_stored"] and r["pages_missing"] == 0
+    # The third run found every page it offloaded already stored by the first two.
+    assert reports[2]["pages_written"] == 0 and reports[2]["pages_found_stored"] > 0
+    assert reports[0]["pages_written"] + reports[1]["pages_written"] >= reports[2]["pages_stored"]
+
+
+def test_simulate_keeps_running_when_the_master_dies(own_cluster: LocalMooncake) -> None:
+    """The master killed mid-run and restarted: store failures counted, nothing leaks."""
+    import threading
+
+    from kvlife.sim.runtime import SimConfig, run_simulation
+
+    cfg = SimConfig(
+        requests=600,
+        store="mooncake",
+        mooncake_master=own_cluster.master,
+        mooncake_metadata=own_cluster.metadata,
+        copy_delay=0.004,
+    )
+    reports = []
+    runner = threading.Thread(target=lambda: reports.append(run_simulation(cfg)))
+    runner.start()
+    time.sleep(0.5)
+    own_cluster.kill_master()
+    time.sleep(1.0)
+    own_cluster.start_master()
+    runner.join(120)
+    assert not runner.is_alive(), "the simulation hung"
+    (report,) = reports
+    assert report.ok, report.violations
+    assert report.store_failures > 0
+    assert report.leaked_host_pages == 0 and report.leaked_device_pages == 0
