@@ -1,13 +1,17 @@
-"""One prepared check of the CUDA copy engine on a lent GPU: correctness, D2H GB/s, overlap.
+"""One prepared check of the CUDA copy engine on a lent GPU: correctness, D2H/H2D GB/s, overlap.
 
 Three parts, under five minutes in all (a deadline skips what is left):
 
 1. correctness: every layout x dtype, scattered host pages, small staging
    windows, and a copy submitted right behind a write on a busy compute
-   stream; bit-exact against the device pages;
-2. D2H throughput: random pages of a realistic model shape through the engine
-   (submit + drain) against a pinned contiguous ``copy_`` of the same bytes,
-   interleaved, median of 9 rounds;
+   stream; bit-exact against the device pages; then a load (``LoadTicket``,
+   host -> device) of those host pages into other device pages, submitted
+   behind a write into one of them on a busy compute stream, read back on the
+   compute stream after the ack: bit-exact against the stored pages;
+2. D2H and H2D throughput: random pages of a realistic model shape through the
+   engine (submit + drain; stores and loads) against a pinned contiguous
+   ``copy_`` of the same bytes in the same direction, interleaved, median of 9
+   rounds;
 3. overlap: a chunk copy alongside matmuls on the compute stream;
    ``overlap = (t_copy + t_compute - t_both) / min(t_copy, t_compute)``
    (1.0: fully hidden, 0.0: serialised).
@@ -99,6 +103,20 @@ def check_correctness() -> tuple[bool, list[str]]:
             engine.submit(ticket, [7], extra)
             (ack,) = engine.drain()
             ok = ok and ack.ok and torch.equal(host.page(extra[0]), new.cpu())
+            # A load of the stored host pages into other device pages, one of them
+            # still being written on a busy compute stream at submit.
+            stored = {d: layout.read_page(d).clone() for d in device_pages}
+            targets = [1, 3, 4, 6, 50, 51, 52, 60]
+            load = Lifecycle("gpu-check-load", page_size=page).load([f"k{i}" for i in range(8)])
+            torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
+            layout.write_page(targets[0], new)
+            engine.submit(load, targets, host_pages)
+            (ack,) = engine.drain()
+            ok = ok and ack.ok and ack.is_load
+            ok = ok and all(
+                torch.equal(layout.read_page(t).view(BITS[dtype]), stored[d].view(BITS[dtype]))
+                for d, t in zip(device_pages, targets, strict=True)
+            )
             if not ok:
                 failures.append(f"{kind}/{dtype}")
     return not failures, failures
@@ -152,6 +170,30 @@ def main() -> int:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    src_h2d = torch.ones(n * numel, dtype=torch.bfloat16, pin_memory=True)
+    dst_h2d = torch.zeros(n * numel, dtype=torch.bfloat16, device="cuda")
+
+    def contiguous_h2d() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst_h2d.copy_(src_h2d, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def restore(name: str) -> float:
+        engine = engines[name]
+        ticket = Lifecycle("gpu-check-load", page_size=page).load([f"k{i}" for i in range(n)])
+        host_pages = host.alloc(n, ticket)
+        assert host_pages is not None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.submit(ticket, pages, host_pages)
+        (ack,) = engine.drain()
+        elapsed = time.perf_counter() - start
+        assert ack.ok
+        host.free(host_pages, ticket)
+        return elapsed
+
     def offload(name: str) -> float:
         engine = engines[name]
         ticket = ticket_for(n, page)
@@ -170,6 +212,9 @@ def main() -> int:
         "contiguous": contiguous,
         "layer_first": lambda: offload("layer_first"),
         "page_first": lambda: offload("page_first"),
+        "contiguous_h2d": contiguous_h2d,
+        "layer_first_load": lambda: restore("layer_first"),
+        "page_first_load": lambda: restore("page_first"),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(10):  # round 0 warms up
@@ -181,13 +226,25 @@ def main() -> int:
                 times[name].append(elapsed)
     if all(times.values()):
         base = statistics.median(times["contiguous"])
-        print(f"D2H of {n} random pages ({nbytes / 2**20:.0f} MiB), median/min/max ms, GB/s, ratio")
+        base_h2d = statistics.median(times["contiguous_h2d"])
+        print(
+            f"D2H (stores) and H2D (loads) of {n} random pages ({nbytes / 2**20:.0f} MiB), "
+            "median/min/max ms, GB/s, ratio to a contiguous copy the same way"
+        )
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"  {name:<12}{median_ms(ts)} {nbytes / med / 1e9:8.2f} {base / med:6.2f}")
-            figures[f"{name}_d2h_gbps"] = round(nbytes / med / 1e9, 2)
-            if name != "contiguous":
-                figures[f"{name}_ratio"] = round(base / med, 3)
+            h2d = name.endswith(("_h2d", "_load"))
+            ratio = (base_h2d if h2d else base) / med
+            print(f"  {name:<18}{median_ms(ts)} {nbytes / med / 1e9:8.2f} {ratio:6.2f}")
+            if h2d:
+                key = name.removesuffix("_h2d").removesuffix("_load")
+                figures[f"{key}_h2d_gbps"] = round(nbytes / med / 1e9, 2)
+                if name != "contiguous_h2d":
+                    figures[f"{key}_load_ratio"] = round(ratio, 3)
+            else:
+                figures[f"{name}_d2h_gbps"] = round(nbytes / med / 1e9, 2)
+                if name != "contiguous":
+                    figures[f"{name}_ratio"] = round(ratio, 3)
 
     # 3. overlap with a busy compute stream
     if left() > 60:

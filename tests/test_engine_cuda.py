@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvlife import Lifecycle, Ticket
+from kvlife import Lifecycle, LoadTicket, Ticket
 from kvlife.engine import (
     CopyEngine,
     CudaCopyEngine,
+    DevicePageBusy,
     DuplicatePage,
     EngineClosed,
     EngineConfigError,
@@ -229,4 +230,119 @@ def test_defect18_a_chunk_failing_part_way_is_acked_only_after_its_queued_writes
         engine.check([2], [pages[0]])
     (ack,) = engine.drain()
     assert isinstance(ack.error, torch.cuda.OutOfMemoryError) and ack.host_pages == tuple(pages)
+    assert engine.inflight == 0
+
+
+# ---------------------------------------------------------------- loads (host -> device)
+
+
+def load(lc: Lifecycle, n_pages: int) -> LoadTicket:
+    return lc.load([f"key-{i}" for i in range(n_pages)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_store_then_load_into_other_device_pages_is_bit_exact(
+    kind: str, dtype: torch.dtype
+) -> None:
+    layout, host, engine = setup(kind, dtype, max_staging_bytes=2 * make_layout(kind).page_nbytes)
+    owner = object()
+    host.alloc(8, owner)
+    host.free([6, 2, 3, 4, 0], owner)  # host runs: 6 | 2 3 4 | 0
+    lc = Lifecycle("r", page_size=PAGE)
+    ticket = chunk(lc, 5)
+    host_pages = host.alloc(5, ticket)
+    assert host_pages == [6, 2, 3, 4, 0]
+    stored_from = [7, 5, 3, 1, 0]
+    engine.submit(ticket, stored_from, host_pages)
+    (ack,) = engine.drain()
+    lc.ack(ack.ticket)
+    originals = {p: layout.read_page(p).clone() for p in range(8)}
+    loaded_into = [2, 4, 6, 1, 3]
+    ticket_in = load(lc, 5)
+    engine.submit(ticket_in, loaded_into, host_pages)
+    (ack,) = engine.drain()
+    assert ack.ok and ack.is_load and ack.ticket is ticket_in
+    lc.ack(ack.ticket)
+    for s, d in zip(stored_from, loaded_into, strict=True):
+        assert torch.equal(bits(layout.read_page(d)), bits(originals[s]))
+    for p in set(range(8)) - set(loaded_into):
+        assert torch.equal(bits(layout.read_page(p)), bits(originals[p]))
+
+
+def test_load_is_ordered_after_work_enqueued_before_submit_and_before_reads_after_ack() -> None:
+    """Scenario: the compute stream still writes a device page when a load into it is
+    submitted; the load must land after that write, and a read enqueued on the compute
+    stream after the ack must see the loaded bytes."""
+    layout, host, engine = setup()
+    lc = Lifecycle("r", page_size=PAGE)
+    ticket = load(lc, 1)
+    pages = host.alloc(1, ticket)
+    assert pages is not None
+    host.tensor[pages[0]] = 6.0
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+    layout.write_page(2, torch.full((layout.page_numel,), 1.0, device="cuda"))  # behind sleep
+    engine.submit(ticket, [2], pages)
+    (ack,) = engine.drain()
+    assert ack.ok
+    seen = layout.read_page(2).sum()  # enqueued on the compute stream after the ack
+    assert float(seen) == 6.0 * layout.page_numel
+
+
+def test_load_refusals_change_nothing() -> None:
+    layout, host, engine = setup()
+    lc = Lifecycle("r", page_size=PAGE)
+    first = load(lc, 2)
+    busy = host.alloc(2, first)
+    assert busy == [0, 1]
+    torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
+    engine.submit(first, [0, 1], busy)
+    ticket = load(lc, 2)
+    mine = host.alloc(2, ticket)
+    assert mine == [2, 3]
+    before = {p: layout.read_page(p).clone() for p in range(2, 8)}  # not the in-flight load's
+    for t, dev, hst, error in (
+        (ticket, [2], mine, LengthMismatch),
+        (ticket, [1, 2], mine, DevicePageBusy),
+        (ticket, [2, 3], [2, 4], UnallocatedHostPage),
+        (
+            chunk(Lifecycle("other", page_size=PAGE), 1),
+            [0],
+            [2],
+            DevicePageBusy,
+        ),  # a store may not read a page being loaded
+    ):
+        inflight, used = engine.inflight, host.num_used
+        with pytest.raises(error):
+            engine.submit(t, dev, hst)
+        assert (engine.inflight, host.num_used) == (inflight, used)
+    engine.drain()
+    assert all(torch.equal(bits(layout.read_page(p)), bits(v)) for p, v in before.items())
+    engine.check([0, 1], mine, load=True)  # acked: free again
+
+
+def test_a_load_failing_part_way_is_acked_only_after_its_queued_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout, host, engine = setup(max_staging_bytes=make_layout("layer_first").page_nbytes)
+    real = layout.scatter_runs
+
+    def fails_after_first_window(*args: Any, **kwargs: Any) -> None:
+        runs = args[2]
+        real(args[0][:1], args[1], [(0, runs[0][1], 1)], **kwargs)
+        raise torch.cuda.OutOfMemoryError("staging buffer")
+
+    monkeypatch.setattr(layout, "scatter_runs", fails_after_first_window)
+    lc = Lifecycle("r", page_size=PAGE)
+    ticket = load(lc, 2)
+    pages = host.alloc(2, ticket)
+    assert pages is not None
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+    engine.submit(ticket, [0, 1], pages)
+    assert engine.poll() == [] and engine.inflight == 1
+    with pytest.raises(DevicePageBusy):
+        engine.check([0], [pages[0]], load=True)
+    (ack,) = engine.drain()
+    assert isinstance(ack.error, torch.cuda.OutOfMemoryError) and ack.is_load
     assert engine.inflight == 0
