@@ -216,15 +216,7 @@ class ReferenceLifecycle:
 
     def ack(self, owner: ReferenceLifecycle, seq: int) -> None:
         """Settle chunk ``seq`` of ``owner`` (refused unless ``owner`` is this one)."""
-        if owner is not self:
-            raise self._error(ForeignAck, Event.ACK, "foreign")
-        if not 0 <= seq < len(self.submitted):
-            raise self._error(UnknownChunk, Event.ACK, "unknown")
-        if self.acked[seq]:
-            raise self._error(DuplicateAck, Event.ACK, "duplicate")
-        self._fire(Event.ACK)  # guards see the count before this ack
-        self.acked[seq] = True
-        self._fire_automatic()  # release sees the count after it
+        self._settle(owner, seq, self.acked)
 
     def load(self, keys: Sequence[str]) -> int:
         """Record a load of ``keys``; return its load seq."""
@@ -237,15 +229,18 @@ class ReferenceLifecycle:
 
     def ack_load(self, owner: ReferenceLifecycle, seq: int) -> None:
         """Settle load ``seq`` of ``owner`` (refused unless ``owner`` is this one)."""
+        self._settle(owner, seq, self.loads_acked)
+
+    def _settle(self, owner: ReferenceLifecycle, seq: int, acked: list[bool]) -> None:
         if owner is not self:
             raise self._error(ForeignAck, Event.ACK, "foreign")
-        if not 0 <= seq < len(self.loads):
+        if not 0 <= seq < len(acked):
             raise self._error(UnknownChunk, Event.ACK, "unknown")
-        if self.loads_acked[seq]:
+        if acked[seq]:
             raise self._error(DuplicateAck, Event.ACK, "duplicate")
-        self._fire(Event.ACK)
-        self.loads_acked[seq] = True
-        self._fire_automatic()
+        self._fire(Event.ACK)  # guards see the count before this ack
+        acked[seq] = True
+        self._fire_automatic()  # release sees the count after it
 
     def finish(self, reason: object = FinishReason.FINISHED) -> None:
         """End decoding with ``reason``."""
