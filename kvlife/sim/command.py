@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
-from kvlife.sim.runtime import DTYPES, LAYOUTS, SimConfig, SimReport, run_simulation
+from kvlife.sim.runtime import DTYPES, LAYOUTS, STORES, SimConfig, SimReport, run_simulation
+
+# Mooncake's (and SGLang's) variables naming a cluster; the same names as kvlife.store.mooncake.
+ENV_MASTER = "MOONCAKE_MASTER"
+ENV_METADATA = "MOONCAKE_TE_META_DATA_SERVER"
 
 __all__ = ["register"]
 
@@ -55,8 +60,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="run a simulated decode runtime on the CPU and verify every stored page",
         description=(
             "Decode requests through kvlife with real parts (torch KV pool, threaded copy "
-            "engine, directory store), then re-derive every stored page from its key and "
-            "account for every device and host page. Exit 1 on any corruption, leak or "
+            "engine, a directory or Mooncake store), then re-derive every stored page from its "
+            "key and account for every device and host page. Exit 1 on any corruption, leak or "
             "violated invariant."
         ),
     )
@@ -77,7 +82,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
     p.add_argument("--host-pages", type=int, default=d.host_pages, help="host pool size in pages")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        default=d.store,
+        help="the store tier: a directory, or a Mooncake cluster (--mooncake-master, ...)",
+    )
     p.add_argument("--store-dir", default=None, help="store directory (default: a temporary one)")
+    p.add_argument(
+        "--mooncake-master",
+        default=os.environ.get(ENV_MASTER),
+        metavar="HOST:PORT",
+        help=f"the Mooncake master (--store mooncake; default: ${ENV_MASTER})",
+    )
+    p.add_argument(
+        "--mooncake-metadata",
+        default=os.environ.get(ENV_METADATA),
+        metavar="URL",
+        help=f"the Mooncake metadata server, http://HOST:PORT/metadata (default: ${ENV_METADATA})",
+    )
     p.add_argument("--copy-delay", type=float, default=d.copy_delay, help="seconds, +- jitter")
     p.add_argument("--copy-fail-rate", type=_rate, default=d.copy_fail_rate)
     p.add_argument("--store-fail-rate", type=_rate, default=d.store_fail_rate)

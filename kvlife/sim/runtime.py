@@ -42,6 +42,7 @@ from kvlife.hashing import sglang_page_hashes
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.manager import OffloadManager
 from kvlife.pool import HostPagePool
+from kvlife.store.base import QueuedStore, StoreError
 from kvlife.store.directory import LocalDirectoryStore
 
 __all__ = [
@@ -63,6 +64,7 @@ POISON = -7.0
 STALL_S = 2.0  # seconds with nothing decoding before a run is declared stalled
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LAYOUTS = ("layer-first", "page-first", "mla")
+STORES = ("directory", "mooncake")
 MAX_COPY_DELAY_S = 10.0  # a copy slower than this is no simulated copy: a run would never end
 TOKEN_BYTES = 40  # a token id in a Python list: the pointer and the int
 
@@ -116,6 +118,11 @@ class SimConfig:
     #: This process's rank in a tensor-parallel group: its KV shard's values and
     #: its store namespace differ per rank (keys do not: all ranks share the chain).
     rank: int = 0
+    #: The store tier: a directory (``store_dir``) or a Mooncake cluster.
+    store: str = "directory"
+    #: The Mooncake master's HOST:PORT and metadata URL (``store="mooncake"``).
+    mooncake_master: str | None = None
+    mooncake_metadata: str | None = None
 
     @property
     def page_numel(self) -> int:
@@ -152,6 +159,14 @@ class SimConfig:
             raise SimConfigError(f"stride {self.stride} is shorter than a page of {self.page_size}")
         if self.layout not in LAYOUTS:
             raise SimConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.store not in STORES:
+            raise SimConfigError(f"store must be one of {STORES}, got {self.store!r}")
+        if self.store == "mooncake" and not (self.mooncake_master and self.mooncake_metadata):
+            raise SimConfigError(
+                "store mooncake needs the master's HOST:PORT and the metadata URL "
+                "(--mooncake-master, --mooncake-metadata, or MOONCAKE_MASTER and "
+                "MOONCAKE_TE_META_DATA_SERVER)"
+            )
         if self.dtype not in DTYPES:
             raise SimConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.copy_delay <= MAX_COPY_DELAY_S:
@@ -186,6 +201,14 @@ class SimReport:
     chunks_offloaded: int = 0
     pages_stored: int = 0
     pages_verified: int = 0
+    #: Pages this run's puts found already stored with the same bytes (by an
+    #: earlier run, another process sharing the store, or itself).
+    pages_found_stored: int = 0
+    #: Pages this run's puts wrote to the store (not found there already).
+    pages_written: int = 0
+    #: Pages a store that may lose them (Mooncake: evicted, or gone with a killed
+    #: master or pool) no longer had, or could not be read back, at the end.
+    pages_missing: int = 0
     corrupted_pages: int = 0
     misfiled_pages: int = 0
     leaked_host_pages: int = 0
@@ -325,11 +348,11 @@ class Simulation:
         cfg.check()
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self._own_dir = not cfg.store_dir
-        self.store_dir = make_store_dir(cfg.store_dir)
-        self.store = LocalDirectoryStore(
-            self.store_dir, f"sim/rank{cfg.rank}", fail_rate=cfg.store_fail_rate, seed=cfg.seed
-        )
+        self._own_dir = cfg.store == "directory" and not cfg.store_dir
+        self.store_dir = make_store_dir(cfg.store_dir) if cfg.store == "directory" else ""
+        self.store = make_store(cfg, self.store_dir)
+        #: Whether stored pages may vanish without a fault of kvlife's (a cache tier).
+        self._may_lose = cfg.store == "mooncake"
         #: Keys stored before this run (a reused store directory): not this run's to verify.
         self.keys_before = set(self.store.keys())
         #: Keys this run added to the store, found by :meth:`run`.
@@ -394,6 +417,8 @@ class Simulation:
         finally:
             self.engine.close()
             self.store.close()
+            self.report.pages_found_stored = self.store.stats().pages_deduplicated
+            self.report.pages_written = self.store.stats().pages_written
             if self._own_dir:
                 shutil.rmtree(self.store_dir, ignore_errors=True)
         return self.report
@@ -534,22 +559,54 @@ class Simulation:
             )
 
     def _verify(self) -> None:
-        rep = self.report
-        numel, dtype = self.layout.page_numel, self.layout.dtype
         self.stored_keys = sorted(set(self.store.keys()) - self.keys_before)
-        for key in self.stored_keys:
-            rep.pages_stored += 1
-            data = self.store.get(key)
-            if key not in self.expected_keys:
-                rep.misfiled_pages += 1
+        get_batch = getattr(self.store, "get_batch", None)  # one round trip per 256 pages
+        for start in range(0, len(self.stored_keys), 256):
+            batch = self.stored_keys[start : start + 256]
+            try:
+                found = get_batch(batch) if get_batch else [self.store.get(k) for k in batch]
+            except StoreError:
+                if not self._may_lose:
+                    raise
+                self.report.pages_missing += len(batch)  # the cluster cannot answer now
                 continue
-            expected = page_values(key, numel, dtype, self.cfg.rank).view(torch.uint8)
-            if data is None or not torch.equal(
-                torch.frombuffer(bytearray(data), dtype=torch.uint8), expected
-            ):
-                rep.corrupted_pages += 1
-            else:
-                rep.pages_verified += 1
+            for key, data in zip(batch, found, strict=True):
+                self._check_page(key, data)
+
+    def _check_page(self, key: str, data: bytes | None) -> None:
+        """Count one stored page: verified, corrupted (or missing), or misfiled."""
+        rep = self.report
+        rep.pages_stored += 1
+        if key not in self.expected_keys:
+            rep.misfiled_pages += 1
+            return
+        numel, dtype = self.layout.page_numel, self.layout.dtype
+        expected = page_values(key, numel, dtype, self.cfg.rank).view(torch.uint8)
+        if data is None and self._may_lose:
+            rep.pages_missing += 1
+        elif data is None or not torch.equal(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8), expected
+        ):
+            rep.corrupted_pages += 1
+        else:
+            rep.pages_verified += 1
+
+
+def make_store(cfg: SimConfig, store_dir: str) -> QueuedStore:
+    """The store tier of ``cfg``: rank ``r``'s pages under the namespace ``sim/rank<r>``."""
+    namespace = f"sim/rank{cfg.rank}"
+    if cfg.store == "mooncake":
+        from kvlife.store.mooncake import MooncakeStore
+
+        assert cfg.mooncake_master and cfg.mooncake_metadata  # SimConfig.check
+        return MooncakeStore(
+            cfg.mooncake_master,
+            cfg.mooncake_metadata,
+            namespace,
+            fail_rate=cfg.store_fail_rate,
+            seed=cfg.seed,
+        )
+    return LocalDirectoryStore(store_dir, namespace, fail_rate=cfg.store_fail_rate, seed=cfg.seed)
 
 
 def run_simulation(
