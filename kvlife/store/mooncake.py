@@ -73,7 +73,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -342,14 +342,14 @@ class MooncakeStore(QueuedStore):
         names = [self.object_key(k) for k in keys]
         if not names:
             return []
-        with self._read_lock:
-            stored = self._read(names, self._read_buffer, "get")
         out: list[bytes | None] = []
-        for key, data in zip(keys, stored, strict=True):
-            payload = None if data is None else unframe_page(key, data)
-            if data is not None and payload is None:
-                self._count_corrupt()
-            out.append(payload)
+        with self._read_lock:  # verified in the read buffer: one copy, of the payload only
+            stored = self._read(names, self._read_buffer, "get", copy=False)
+            for key, data in zip(keys, stored, strict=True):
+                payload = None if data is None else unframe_page(key, cast(bytes, data))
+                if data is not None and payload is None:
+                    self._count_corrupt()
+                out.append(None if payload is None else bytes(payload))
         return out
 
     def keys(self) -> Iterator[str]:
@@ -357,16 +357,23 @@ class MooncakeStore(QueuedStore):
         with self._known_lock:
             return iter(sorted(self._known))
 
-    def _read(self, names: list[str], buffer: _Buffer, call: str) -> list[bytes | None]:
-        """The stored objects ``names`` (None where absent); raises on any other failure."""
+    def _read(
+        self, names: list[str], buffer: _Buffer, call: str, *, copy: bool = True
+    ) -> list[bytes | memoryview | None]:
+        """The stored objects ``names`` (None where absent); raises on any other failure.
+
+        With ``copy=False`` an object is a view of ``buffer``, valid until its next use.
+        """
         slot = max(self._slot, 4096)
         buffer.ensure(slot * len(names))
         ptrs = [buffer.ptr + i * slot for i in range(len(names))]
         codes = self._client.batch_get_into(names, ptrs, [slot] * len(names))
-        out: list[bytes | None] = []
+        out: list[bytes | memoryview | None] = []
+        view = buffer.array.data
         for i, (name, code) in enumerate(zip(names, codes, strict=True)):
             if code >= 0:
-                out.append(buffer.array[i * slot : i * slot + code].tobytes())
+                data = view[i * slot : i * slot + code]
+                out.append(data.tobytes() if copy else data)
             elif code == OBJECT_NOT_FOUND:
                 out.append(None)
             elif code == INVALID_PARAMS:  # bigger than the slot: ask its size, read it alone
@@ -436,7 +443,7 @@ class MooncakeStore(QueuedStore):
             held = self._read([names[i] for i in existing], self._put_buffer, "put")
             bad: list[int] = []
             for i, data in zip(existing, held, strict=True):
-                payload = None if data is None else unframe_page(keys[i], data)
+                payload = None if data is None else unframe_page(keys[i], cast(bytes, data))
                 if payload is None:
                     if data is not None:  # a stored object failing verification
                         self._count_corrupt()
