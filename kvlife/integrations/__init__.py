@@ -6,4 +6,6 @@ itself never needs the runtime installed.
 
 - :mod:`kvlife.integrations.vllm`: ``KVLifeOffloadingSpec``, a vLLM KV
   offloading backend (``pip install kvlife[vllm]``; see ``docs/vllm.md``).
+- :mod:`kvlife.integrations.sglang`: ``KVLifeHiCacheStorage``, an SGLang HiCache
+  storage backend on any kvlife store (see ``docs/store-tier.md``).
 """
