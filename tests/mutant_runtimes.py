@@ -7,17 +7,30 @@ adapter factory. The testing kit and the exhaustive checker must catch every one
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from kvlife import FinishReason, State
+from kvlife import FinishReason, Lifecycle, State, Ticket
 from kvlife.engine.base import Ack
+from kvlife.engine.cpu import CpuCopyEngine
+from kvlife.hashing import page_hashes
+from kvlife.layout import LayerFirstLayout
 from kvlife.manager import ManagedLifecycle, OffloadManager, ReleaseHandler
+from kvlife.pool import HostPagePool
 from kvlife.store.base import Store
-from kvlife.testing import ManagerAdapter
+from kvlife.testing import (
+    DevicePages,
+    InlineStore,
+    ManagerAdapter,
+    Release,
+    ScriptedEngine,
+    page_bytes_of,
+)
+from kvlife.testing.adapter import AdapterError
 
 
 class RidKeyedProgress(OffloadManager):
@@ -149,4 +162,431 @@ MUTANTS: dict[str, Callable[[], ManagerAdapter]] = {
     "host-double-free": _adapter(DoubleHostFree),
     "ack-order-chain": _adapter(AckOrderChain),
     "late-ack-to-newest": _adapter(NewestByRid),
+}
+
+
+# ----------------------------------------------------------------------------- SGLang's shape
+#
+# A CPU port of SGLang's decode offload manager (DecodeKVCacheOffloadManager) in its fixed,
+# object-keyed form: a per-life record hangs off the request object; each step offloads
+# whole strides; finish flushes what is left (the last, shorter stride) and the life is
+# released after that copy's ack; the progress check waits for every queued copy (a poll
+# that drains); a retracted request resumes as the same request object with a fresh record;
+# there is no per-copy failure path. The runtime frees its own device pages (no release
+# callback): the adapter hands it a DevicePages allocator, which records each free.
+
+_CARRIER = Lifecycle("sglang-port", page_size=1)  # the engines carry Tickets; this runtime
+# keeps its own bookkeeping and uses the ticket's seq as its ack id.
+
+
+class Req:
+    """SGLang's Req, reduced: rid, tokens so far, the current life's device pages."""
+
+    def __init__(self, rid: str, tokens: Sequence[int]) -> None:
+        self.rid = rid
+        self.tokens = list(tokens)
+        self.pages: list[int] = []
+        self.keys: list[str] = []
+        self.written = 0
+        self.offload: OffloadRecord | None = None
+
+    def __repr__(self) -> str:
+        return f"<Req rid={self.rid!r} tokens={len(self.tokens)} id=0x{id(self):x}>"
+
+
+class OffloadRecord:
+    """One life's offload bookkeeping (object-keyed: it belongs to one life of one Req)."""
+
+    def __init__(self, req: Req, done_pages: int, prior: str | None) -> None:
+        self.req = req
+        self.pages = req.pages  # this life's device pages (the Req gets new ones on resume)
+        self.done_pages = done_pages
+        self.prior = prior
+        self.inflight = 0
+        self.finished = False
+        self.released = False
+
+
+class OngoingCopy:
+    """One queued device -> host copy: its ack id, life, host pages and keys."""
+
+    def __init__(
+        self, ack_id: int, life: OffloadRecord, host: list[int], keys: list[str], flush: bool
+    ) -> None:
+        self.ack_id, self.life, self.host, self.keys, self.flush = ack_id, life, host, keys, flush
+
+    def __repr__(self) -> str:
+        return f"<copy ack={self.ack_id} rid={self.life.req.rid!r} pages={len(self.keys)}>"
+
+
+class DecodeOffloadManager:
+    """The port. ``stride`` is in pages. ``offload_kv_cache`` returns False when the host
+    pool is full (the step retries at the next one)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        host: HostPagePool,
+        store: Any,
+        device: DevicePages,
+        *,
+        page_size: int,
+        stride: int = 2,
+    ) -> None:
+        self.engine, self.host, self.store, self.device = engine, host, store, device
+        self.page_size, self.stride = page_size, stride
+        self.ongoing: dict[int, OngoingCopy] = {}
+        self.next_ack = 0
+
+    def admit(self, req: Req) -> OffloadRecord:
+        """A new life (a new request, or a retracted one resumed): a fresh record."""
+        prefill = (len(req.tokens) - 1) // self.page_size
+        req.offload = OffloadRecord(req, prefill, req.keys[prefill - 1] if prefill else None)
+        return req.offload
+
+    def offload_kv_cache(self, req: Req, final: bool = False) -> bool:
+        life = req.offload
+        assert life is not None
+        whole = (len(req.tokens) - 1) // self.page_size
+        n = whole - life.done_pages
+        if not final:
+            n = n // self.stride * self.stride
+        if n <= 0:
+            return True
+        host = self.host.alloc(n, owner=self)
+        if host is None:
+            return False  # host pool full: retry at the next step
+        first = life.done_pages
+        keys = self.keys_for(req, first, n, life.prior)
+        self.submit(life, first, n, host, keys, final)
+        return True
+
+    def keys_for(self, req: Req, first: int, n: int, prior: str | None) -> list[str]:
+        ps = self.page_size
+        return page_hashes(req.tokens[first * ps : (first + n) * ps], ps, prior)
+
+    def submit(
+        self, life: OffloadRecord, first: int, n: int, host: list[int], keys: list[str], flush: bool
+    ) -> None:
+        ack_id = self.next_ack
+        self.next_ack += 1
+        ticket = Ticket(_CARRIER, ack_id, first, tuple(keys))
+        self.engine.submit(ticket, self.source_pages(life, first, n), host)
+        self.ongoing[ack_id] = OngoingCopy(ack_id, life, host, keys, flush)
+        life.inflight += 1
+        life.done_pages = first + n
+        life.prior = keys[-1]
+
+    def source_pages(self, life: OffloadRecord, first: int, n: int) -> list[int]:
+        return life.pages[first : first + n]
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """Flush the last stride, then release once its ack comes (at once if none)."""
+        life = req.offload
+        assert life is not None
+        self.offload_kv_cache(req, final=True)
+        life.finished = True
+        if life.inflight == 0:
+            self.release(life)
+
+    def check_offload_progress(self) -> None:
+        """SGLang's progress check: wait for every queued copy, then apply their acks."""
+        for ack in self.engine.drain():
+            self.on_ack(ack)
+        for result in self.store.poll():
+            self.host.free(list(result.token), owner=self)
+
+    def on_ack(self, ack: Any) -> None:
+        copy = self.ongoing.pop(ack.ticket.seq)
+        life = self.life_of(copy)
+        rows = self.host.tensor[list(copy.host)]
+        self.store.put(tuple(copy.host), copy.keys, rows)  # no per-copy failure path
+        life.inflight -= 1
+        if life.finished and life.inflight == 0:
+            self.release(life)
+
+    def life_of(self, copy: OngoingCopy) -> OffloadRecord:
+        return copy.life
+
+    def release(self, life: OffloadRecord) -> None:
+        if not life.released:
+            life.released = True
+            self.device.free(life.pages, owner=life.req)
+
+    def close(self) -> None:
+        self.check_offload_progress()
+        for result in self.store.drain():
+            self.host.free(list(result.token), owner=self)
+
+
+class SGLangAdapter:
+    """The kit's adapter for the port: no workarounds, the runtime as it is."""
+
+    namespace: str | None = None
+    progress = "drain"
+
+    def __init__(
+        self,
+        manager: type[DecodeOffloadManager] = DecodeOffloadManager,
+        *,
+        page_size: int = 2,
+        stride: int = 2,
+        host_pages: int = 6,
+        device_pages: int = 96,
+        threaded: bool = False,
+    ) -> None:
+        self.page_size = page_size
+        self.layout = LayerFirstLayout(1, device_pages, page_size, 1, 2, dtype=torch.int32)
+        self.host = HostPagePool(host_pages, self.layout.page_numel, torch.int32, pin_memory=False)
+        self.engine: Any = (
+            CpuCopyEngine(self.layout, self.host)
+            if threaded
+            else ScriptedEngine(self.layout, self.host)
+        )
+        self.store = InlineStore()
+        self.device = DevicePages(self.layout)
+        self.mgr = manager(
+            self.engine, self.host, self.store, self.device, page_size=page_size, stride=stride
+        )
+        self._closed = False
+
+    def start(self, rid: str, prompt: Sequence[int]) -> Req:
+        req = Req(rid, prompt)
+        self._grow(req)
+        self.mgr.admit(req)
+        return req
+
+    def resume(self, request: object, tokens: Sequence[int]) -> Req:
+        assert isinstance(request, Req)
+        request.tokens, request.pages, request.written = list(tokens), [], 0
+        self._grow(request)
+        self.mgr.admit(request)
+        return request  # SGLang resumes the same request object
+
+    def step(self, request: object, tokens: Sequence[int]) -> None:
+        assert isinstance(request, Req)
+        request.tokens.extend(tokens)
+        self._grow(request)
+        self.mgr.offload_kv_cache(request)
+
+    def finish(self, request: object, reason: FinishReason) -> None:
+        assert isinstance(request, Req)
+        self.mgr.finish(request, reason)
+
+    def copies_in_flight(self) -> list[OngoingCopy]:
+        return list(self.mgr.ongoing.values())
+
+    def copy_request(self, copy: object) -> Req:
+        assert isinstance(copy, OngoingCopy)
+        return copy.life.req
+
+    def complete(self, copy: object, ok: bool = True) -> None:
+        raise AdapterError("this runtime's copies complete in its progress check (drain)")
+
+    def poll(self) -> None:
+        self.mgr.check_offload_progress()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.mgr.close()
+            finally:
+                self.engine.close()
+
+    def releases(self) -> list[Release]:
+        return self.device.releases
+
+    def stored_keys(self) -> Iterable[str]:
+        return self.store.keys()
+
+    def stored_page(self, key: str) -> bytes | None:
+        return self.store.get(key)
+
+    def page_bytes(self, key: str) -> bytes:
+        return page_bytes_of(key, self.layout.page_nbytes)
+
+    def host_pages_allocated(self) -> int:
+        return self.host.num_used
+
+    def device_pages_allocated(self) -> int:
+        return self.device.allocated()
+
+    def host_pages_free(self) -> int:
+        return self.host.num_free
+
+    def _grow(self, req: Req) -> None:
+        ps = self.page_size
+        need = -(-len(req.tokens) // ps) - len(req.pages)
+        if need > 0:
+            req.pages.extend(self.device.alloc(need, owner=req))
+        whole = (len(req.tokens) - 1) // ps
+        if whole > len(req.keys):
+            prior = req.keys[-1] if req.keys else None
+            req.keys.extend(page_hashes(req.tokens[len(req.keys) * ps : whole * ps], ps, prior))
+        while req.written < whole:
+            self.device.write(req.pages[req.written], req.keys[req.written])
+            req.written += 1
+
+
+# ---- seeded bugs in the port, one per shape
+
+
+class RidKeyedAcks(DecodeOffloadManager):
+    """(A) The ack finds its life by rid: a late ack lands on the request that reused it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.by_rid: dict[str, OffloadRecord] = {}
+
+    def admit(self, req: Req) -> OffloadRecord:
+        life = super().admit(req)
+        self.by_rid[req.rid] = life
+        return life
+
+    def life_of(self, copy: OngoingCopy) -> OffloadRecord:
+        return self.by_rid[copy.life.req.rid]  # the bug
+
+
+class FreeAtRetract(DecodeOffloadManager):
+    """(B) A retraction frees the device pages at once, while the flush copy still reads them."""
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        super().finish(req, reason)
+        if reason is FinishReason.RETRACTED and req.offload is not None:
+            self.release(req.offload)  # the bug
+
+
+class FlushCountedAtSubmit(DecodeOffloadManager):
+    """(C) The finish-time flush is counted done when submitted: released before its ack."""
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        life = req.offload
+        assert life is not None
+        before = life.inflight
+        self.offload_kv_cache(req, final=True)
+        life.finished = True
+        if before == 0:  # the bug: the flush just submitted is not counted
+            self.release(life)
+
+
+class LostFlushAck(DecodeOffloadManager):
+    """(D) A flush copy's completion is lost, and the progress check waits for it forever."""
+
+    def check_offload_progress(self) -> None:
+        for ack in self.engine.drain():
+            if self.ongoing[ack.ticket.seq].flush:
+                continue  # the bug: dropped, yet still counted as outstanding
+            self.on_ack(ack)
+        while any(c.flush for c in self.ongoing.values()):
+            time.sleep(0.001)  # SGLang's synchronize loop, on an event that never fires
+        for result in self.store.poll():
+            self.host.free(list(result.token), owner=self)
+
+
+class ResumeReusesRecord(DecodeOffloadManager):
+    """(E) A resumed request reuses its record in place: the retracted life's flush still in
+    flight is counted in the new life, and the old life's device pages are never freed."""
+
+    def admit(self, req: Req) -> OffloadRecord:
+        old = req.offload
+        if old is None:
+            return super().admit(req)
+        prefill = (len(req.tokens) - 1) // self.page_size
+        old.pages, old.done_pages = req.pages, prefill  # the bug: same record, new life
+        old.prior = req.keys[prefill - 1] if prefill else None
+        old.finished = old.released = False
+        return old
+
+
+class SharedStaging(DecodeOffloadManager):
+    """(F) Each copy reads a fixed staging buffer, which the next offload overwrites while
+    the copy still reads it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.staging = self.device.reserve(8)
+
+    def source_pages(self, life: OffloadRecord, first: int, n: int) -> list[int]:
+        layout = self.device.layout
+        for i, page in enumerate(life.pages[first : first + n]):
+            layout.write_page(self.staging[i], layout.read_page(page))  # the bug: one buffer
+        return self.staging[:n]
+
+
+class UnchainedKeys(DecodeOffloadManager):
+    """(G) Each page keyed by its own tokens: two different prefixes map to one key."""
+
+    def keys_for(self, req: Req, first: int, n: int, prior: str | None) -> list[str]:
+        ps = self.page_size
+        return [
+            page_hashes(req.tokens[p * ps : (p + 1) * ps], ps, None)[0]  # the bug: no prior
+            for p in range(first, first + n)
+        ]
+
+
+class SlotCounter(DecodeOffloadManager):
+    """(I) Progress kept per request slot, and a slot's counter not reset when a new request
+    takes the slot: it offloads from the previous occupant's position."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.slot_done: dict[int, int] = {}
+        self.free_slots = [0, 1, 2, 3, 4, 5, 6, 7]
+        self.slot_of: dict[int, int] = {}
+
+    def admit(self, req: Req) -> OffloadRecord:
+        life = super().admit(req)
+        slot = self.free_slots.pop(0)
+        self.slot_of[id(life)] = slot
+        life.done_pages = self.slot_done.setdefault(slot, life.done_pages)  # the bug
+        return life
+
+    def submit(self, life: OffloadRecord, *args: Any) -> None:
+        super().submit(life, *args)
+        self.slot_done[self.slot_of[id(life)]] = life.done_pages
+
+    def release(self, life: OffloadRecord) -> None:
+        if not life.released:
+            self.free_slots.insert(0, self.slot_of[id(life)])
+        super().release(life)
+
+
+class DropFailedAck(OffloadManager):
+    """(D) A failed copy's ack is dropped: its life never drains, its host pages leak."""
+
+    def _apply_ack(self, ack: Ack) -> None:
+        if ack.ok:
+            super()._apply_ack(ack)
+
+
+def _sglang(manager: type[DecodeOffloadManager]) -> Callable[[], SGLangAdapter]:
+    def factory() -> SGLangAdapter:
+        return SGLangAdapter(manager)
+
+    factory.__name__ = f"sglang_adapter_of_{manager.__name__}"
+    return factory
+
+
+def sglang_runtime() -> SGLangAdapter:
+    """The correct port (``kvlife check --runtime mutant_runtimes:sglang_runtime``)."""
+    return SGLangAdapter()
+
+
+#: Seeded bugs by shape: name -> (shape, adapter factory).
+SHAPED: dict[str, tuple[str, Callable[[], Any]]] = {
+    "sglang-rid-keyed-acks": ("A", _sglang(RidKeyedAcks)),
+    "late-ack-to-newest": ("A", MUTANTS["late-ack-to-newest"]),
+    "sglang-free-at-retract": ("B", _sglang(FreeAtRetract)),
+    "release-in-flight": ("B", MUTANTS["release-in-flight"]),
+    "sglang-flush-counted-at-submit": ("C", _sglang(FlushCountedAtSubmit)),
+    "sglang-lost-flush-ack": ("D", _sglang(LostFlushAck)),
+    "drop-failed-ack": ("D", _adapter(DropFailedAck)),
+    "sglang-resume-reuses-record": ("E", _sglang(ResumeReusesRecord)),
+    "sglang-shared-staging": ("F", _sglang(SharedStaging)),
+    "sglang-unchained-keys": ("G", _sglang(UnchainedKeys)),
+    "ack-order-chain": ("G", MUTANTS["ack-order-chain"]),
+    "sglang-slot-counter": ("I", _sglang(SlotCounter)),
+    "host-double-free": ("I", MUTANTS["host-double-free"]),
+    "state-keyed-by-rid": ("A", MUTANTS["state-keyed-by-rid"]),
 }

@@ -7,7 +7,11 @@ Three parts, for engineers who test their own runtime:
 * :func:`run_kit` / :class:`RuntimeMachine` -- the hypothesis state machine:
   reused rids, late and out-of-order completions, aborts, retractions, resumes;
 * :func:`check_exhaustively` -- every interleaving of a small configuration
-  (the ``kvlife check`` command).
+  (the ``kvlife check`` command, ``--runtime module:factory`` for yours).
+
+Both take one :class:`KitOptions` (same defaults) and report a failure as one
+readable trace (:class:`KitFailure`, :class:`Violation`), replayable with
+:func:`replay_trace`.
 
 The hypothesis parts are imported on first use, so ``kvlife check`` runs
 without hypothesis installed.
@@ -18,7 +22,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvlife.testing.adapter import (
+    Close,
     Complete,
+    DevicePages,
     Finish,
     InlineStore,
     InvariantViolation,
@@ -31,24 +37,42 @@ from kvlife.testing.adapter import (
     RuntimeAdapter,
     Start,
     Step,
+    page_bytes_of,
 )
-from kvlife.testing.exhaustive import CheckReport, check_exhaustively
+from kvlife.testing.exhaustive import (
+    CheckConfig,
+    CheckConfigError,
+    CheckReport,
+    Violation,
+    check_exhaustively,
+)
+from kvlife.testing.options import KitOptions, KitOptionsError, Progress
+from kvlife.testing.report import KitFailure, format_trace, replay_trace
 from kvlife.testing.scripted import CopyNotInFlight, ScriptedCopy, ScriptedEngine
 
 if TYPE_CHECKING:
-    from kvlife.testing.stateful import RuntimeMachine, run_kit
+    from kvlife.testing.stateful import KIT_SETTINGS, RuntimeMachine, run_kit
 
 __all__ = [
+    "KIT_SETTINGS",
+    "CheckConfig",
+    "CheckConfigError",
     "CheckReport",
+    "Close",
     "Complete",
     "CopyNotInFlight",
+    "DevicePages",
     "Finish",
     "InlineStore",
     "InvariantViolation",
     "KitEvent",
+    "KitFailure",
+    "KitOptions",
+    "KitOptionsError",
     "ManagerAdapter",
     "Oracle",
     "Poll",
+    "Progress",
     "Release",
     "Resume",
     "RuntimeAdapter",
@@ -57,11 +81,15 @@ __all__ = [
     "ScriptedEngine",
     "Start",
     "Step",
+    "Violation",
     "check_exhaustively",
+    "format_trace",
+    "page_bytes_of",
+    "replay_trace",
     "run_kit",
 ]
 
-_LAZY = {"RuntimeMachine", "run_kit"}
+_LAZY = {"KIT_SETTINGS", "RuntimeMachine", "run_kit"}
 
 
 def __getattr__(name: str) -> Any:

@@ -193,9 +193,11 @@ class RuntimeAdapter(Protocol):
 
 
 #: Optional adapter members, read with ``getattr`` (an adapter may leave them out):
-#: ``progress`` (default ``"poll"``) and ``device_pages_allocated() -> int`` (device pages
-#: held by lives now; checked to be 0 after close: the ``device-leak`` rule).
-OPTIONAL_MEMBERS = ("progress", "device_pages_allocated")
+#: ``progress`` (default ``"poll"``), ``device_pages_allocated() -> int`` (device pages
+#: held by lives now; checked to be 0 after close: the ``device-leak`` rule) and
+#: ``host_pages_free() -> int`` (lets the exhaustive checker tell a chunk deferred because
+#: the host pool was full from one the runtime skipped).
+OPTIONAL_MEMBERS = ("progress", "device_pages_allocated", "host_pages_free")
 
 
 # ----------------------------------------------------------------------------- kvlife's adapter
@@ -431,6 +433,10 @@ class ManagerAdapter:
         """Device pages lives hold now."""
         return self.layout.num_pages - len(self._free_pages)
 
+    def host_pages_free(self) -> int:
+        """Host pages free now (a due chunk may wait for one)."""
+        return self.host.num_free
+
     # ---------------------------------------------------------------- device side
 
     def _request(self, request: object) -> RuntimeRequest:
@@ -526,8 +532,15 @@ class DevicePages:
             self.layout.write_page(page, self._poison)
             self._free.append(page)
 
+    def reserve(self, n: int) -> list[int]:
+        """Take ``n`` pages out of the pool for good (a runtime's own staging buffer): never
+        handed to a life, not counted by :meth:`allocated`."""
+        if n > len(self._free):
+            raise DeviceFull(f"no {n} free device pages to reserve")
+        return [self._free.pop() for _ in range(n)]
+
     def allocated(self) -> int:
-        """Pages held now."""
+        """Pages held by owners now."""
         return len(self._owner)
 
 
@@ -667,15 +680,19 @@ def _deadline(seconds: float | None) -> Iterator[None]:
         yield
         return
 
+    done = False
+
     def on_alarm(signum: int, frame: object) -> None:
-        raise _Stuck
+        if not done:
+            raise _Stuck  # again every 50 ms, in case a callback swallowed it
 
     t0 = time.monotonic()
     old_handler = signal.signal(signal.SIGALRM, on_alarm)
-    old_delay, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    old_delay, _ = signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
     try:
         yield
     finally:
+        done = True
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
         if old_delay:
@@ -705,6 +722,8 @@ class Oracle:
         self._verified: set[str] = set()
         self._releases_seen = 0
         self._flushing: Life | None = None
+        #: A call did not return within the deadline: the adapter is left as it is.
+        self.stuck = False
 
     # ---------------------------------------------------------------- queries
 
@@ -737,6 +756,7 @@ class Oracle:
             with _deadline(self.options.stuck_after):
                 return fn(*args)
         except _Stuck:
+            self.stuck = True
             raise InvariantViolation(
                 "stuck-copy",
                 f"{what} did not return within {self.options.stuck_after} s: it waits for a "
@@ -882,7 +902,10 @@ class Oracle:
         return any(id(c) in self._completed for c in self.adapter.copies_in_flight())
 
     def abandon(self) -> None:
-        """Close the adapter after a failure, bounded by the deadline; errors are dropped."""
+        """Close the adapter after a failure, bounded by the deadline; errors are dropped.
+        An adapter that was stuck is not called again."""
+        if self.stuck:
+            return
         with contextlib.suppress(Exception, _Stuck), _deadline(self.options.stuck_after):
             self.adapter.close()
 

@@ -2,13 +2,23 @@
 
 The configuration: ``requests`` request lives that share one rid, started one
 after the other (a life starts once the one before it *finished*, while that
-one's copies may still be in flight: the reused-rid case); each decodes up to
-``chunks`` steps of one page, and each step makes exactly one chunk due;
-finishes with any of ``reasons`` at any point (before its first step, between
-any two, after the last); every submitted chunk is completed, successfully
-(and, with ``failures``, also failed), in any order relative to everything
-else. The scheduler polls after each completion. After the last event the
-run is closed and checked (everything released once, no host page left).
+one's copies may still be in flight: the reused-rid case; after a retraction,
+with the options' ``resumes``, the next life may instead be its resume); each
+decodes up to ``chunks`` steps of one page, and each step makes one chunk due;
+finishes with any of the options' reasons at any point (before its first step,
+between any two, after the last). Under the adapter's ``"poll"`` progress model
+every submitted chunk is completed, successfully (and, with ``failures``, also
+failed), in any order relative to everything else, and the scheduler polls after
+each completion; under ``"drain"`` a poll (which completes every copy queued) may
+come between any two events. After the last event the run is closed and checked
+(everything released once, no host or device page left).
+
+A runtime whose host pool is full defers a due chunk to a later step: an
+interleaving that completes a chunk the runtime has not submitted is *deferred*
+(not run further, not a violation) and counted in :attr:`CheckReport.deferred`.
+With :attr:`CheckConfig.host_pages_needed` host pages (every chunk of every life
+in flight, plus the one page a store write holds until the next poll) nothing is
+deferred.
 
 The enumeration is a depth-first walk over a model of what may happen next;
 each complete interleaving is replayed on a fresh adapter (by default a
@@ -25,13 +35,14 @@ import contextlib
 import multiprocessing
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
 from kvlife._lifecycle import FinishReason
 from kvlife.errors import KVLifeError
 from kvlife.testing.adapter import (
+    Close,
     Complete,
     Finish,
     InlineStore,
@@ -39,10 +50,14 @@ from kvlife.testing.adapter import (
     KitEvent,
     ManagerAdapter,
     Oracle,
+    Poll,
+    Resume,
     RuntimeAdapter,
     Start,
     Step,
 )
+from kvlife.testing.options import KitOptions, Progress, progress_of
+from kvlife.testing.report import format_trace
 
 __all__ = [
     "CheckConfig",
@@ -63,26 +78,36 @@ class CheckConfigError(KVLifeError, ValueError):
 
 @dataclass(frozen=True)
 class CheckConfig:
-    """The bounds of one exhaustive check."""
+    """The bounds of one exhaustive check, and the kit's options (same defaults as
+    :func:`~kvlife.testing.run_kit`)."""
 
     #: Request lives sharing one rid, started one after the other.
     requests: int = 2
     #: Most chunks (one-page decode steps) each life offloads.
-    chunks: int = 3
-    #: Finish reasons tried at each finish.
-    reasons: tuple[FinishReason, ...] = tuple(FinishReason)
-    #: Whether each completion is also tried as a failed copy.
-    failures: bool = False
-    #: Tokens per page.
+    chunks: int = 2
+    #: Tokens per page (an adapter's own ``page_size`` wins).
     page_size: int = 2
+    #: Failures, aborts, retractions, resumes, the stuck-copy deadline.
+    options: KitOptions = field(default_factory=KitOptions)
 
     def __post_init__(self) -> None:
         if not 1 <= self.requests <= 4 or not 0 <= self.chunks <= 6:
             raise CheckConfigError("requests must be in [1, 4] and chunks in [0, 6]")
-        if not self.reasons or not all(isinstance(r, FinishReason) for r in self.reasons):
-            raise CheckConfigError(f"reasons must be FinishReasons, got {self.reasons!r}")
         if self.page_size < 1:
             raise CheckConfigError(f"page_size must be positive, got {self.page_size}")
+        if not isinstance(self.options, KitOptions):
+            raise CheckConfigError(f"options must be KitOptions, got {self.options!r}")
+
+    @property
+    def reasons(self) -> tuple[FinishReason, ...]:
+        """The finish reasons tried at each finish."""
+        return self.options.reasons
+
+    @property
+    def host_pages_needed(self) -> int:
+        """Host pages with which a runtime that submits each due chunk at once never defers
+        one: every chunk of every life in flight, plus a page a store write still holds."""
+        return self.requests * self.chunks + 1
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict, for JSON."""
@@ -90,8 +115,8 @@ class CheckConfig:
             "requests": self.requests,
             "chunks": self.chunks,
             "reasons": [r.value for r in self.reasons],
-            "failures": self.failures,
             "page_size": self.page_size,
+            **self.options.as_dict(),
         }
 
 
@@ -102,6 +127,14 @@ class Violation:
     rule: str
     message: str
     trace: list[str]
+    #: The trace as events, for :func:`~kvlife.testing.replay_trace`.
+    events: list[KitEvent] = field(default_factory=list, repr=False)
+
+    def __str__(self) -> str:
+        head = self.message
+        if not head.startswith(f"[{self.rule}]"):
+            head = f"[{self.rule}] {head}"
+        return f"{head}\n{format_trace(self.trace)}"
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict, for JSON."""
@@ -119,6 +152,11 @@ class CheckReport:
     total: int = 0
     #: Interleavings (or prefixes) that broke a rule.
     violating: int = 0
+    #: Interleavings (or prefixes) that completed a chunk the runtime had deferred (its host
+    #: pool was full); 0 with ``config.host_pages_needed`` host pages.
+    deferred: int = 0
+    #: The adapter's progress model the walk used.
+    progress: Progress = "poll"
     #: The shortest trace of each broken rule, shortest first.
     violations: list[Violation] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -134,15 +172,19 @@ class CheckReport:
             "interleavings": self.interleavings,
             "total": self.total,
             "violating": self.violating,
+            "deferred": self.deferred,
+            "progress": self.progress,
             "violations": [v.as_dict() for v in self.violations],
             "elapsed_s": round(self.elapsed_s, 3),
             "config": self.config.as_dict(),
         }
 
 
-# Per life: (started, chunks submitted, finished, completed chunks as a bit mask).
-_Life = tuple[bool, int, bool, int]
+# Per life: (started, chunks submitted, finished (0 no, 1 yes, 2 retracted), completed
+# chunks as a bit mask; under "drain" bit _SETTLED: polled since it finished).
+_Life = tuple[bool, int, int, int]
 _State = tuple[_Life, ...]
+_SETTLED = 1 << 7
 
 
 def _prompt(cfg: CheckConfig) -> tuple[int, ...]:
@@ -150,75 +192,118 @@ def _prompt(cfg: CheckConfig) -> tuple[int, ...]:
     return tuple(range(1, cfg.page_size + 2))
 
 
-def _moves(cfg: CheckConfig, state: _State) -> Iterator[tuple[KitEvent, _State]]:
+def _moves(
+    cfg: CheckConfig, state: _State, progress: Progress = "poll"
+) -> Iterator[tuple[KitEvent, _State]]:
     """Every event that may happen next, with the state after it, in a fixed order."""
-    outcomes = (True, False) if cfg.failures else (True,)
+    opts = cfg.options
+    outcomes = (True, False) if opts.failures and progress == "poll" else (True,)
     for i, (started, k, finished, done) in enumerate(state):
 
         def now(life: _Life, i: int = i) -> _State:
             return (*state[:i], life, *state[i + 1 :])
 
         if not started:
-            if i == 0 or state[i - 1][2]:
-                yield Start(RID, _prompt(cfg)), now((True, 0, False, 0))
+            before = state[i - 1][2] if i else 1
+            if before:
+                yield Start(RID, _prompt(cfg)), now((True, 0, 0, 0))
+            if before == 2 and opts.resumes:
+                yield Resume(i - 1), now((True, 0, 0, 0))
             continue
         if not finished:
             if k < cfg.chunks:
                 first = 100 * (i + 1) + k * cfg.page_size
                 tokens = tuple(range(first, first + cfg.page_size))
-                yield Step(i, tokens), now((True, k + 1, False, done))
+                yield Step(i, tokens), now((True, k + 1, 0, done))
             for reason in cfg.reasons:
-                yield Finish(i, reason), now((True, k, True, done))
-        for j in range(k):
-            if not done >> j & 1:
-                for ok in outcomes:
-                    yield Complete(i, j, ok), now((True, k, finished, done | 1 << j))
+                fin = 2 if reason is FinishReason.RETRACTED else 1
+                yield Finish(i, reason), now((True, k, fin, done & ~_SETTLED))
+        if progress == "poll":
+            for j in range(k):
+                if not done >> j & 1:
+                    for ok in outcomes:
+                        yield Complete(i, j, ok), now((True, k, finished, done | 1 << j))
+    if progress == "drain":
+        after = tuple(
+            (s, k, f, (1 << k) - 1 | (_SETTLED if f else 0)) if s else (s, k, f, d)
+            for s, k, f, d in state
+        )
+        if after != state:
+            yield Poll(), after
 
 
 def _initial(cfg: CheckConfig) -> _State:
-    return tuple((False, 0, False, 0) for _ in range(cfg.requests))
+    return tuple((False, 0, 0, 0) for _ in range(cfg.requests))
 
 
-def count_interleavings(cfg: CheckConfig) -> int:
-    """How many complete interleavings ``cfg`` has (counted, not run)."""
+def count_interleavings(cfg: CheckConfig, progress: Progress = "poll") -> int:
+    """How many complete interleavings ``cfg`` has under ``progress`` (counted, not run)."""
 
     @cache
     def count(state: _State) -> int:
         total = 0
-        for _, after in _moves(cfg, state):
+        for _, after in _moves(cfg, state, progress):
             total += count(after)
         return total or 1
 
     return count(_initial(cfg))
 
 
-def _run(adapter: RuntimeAdapter, trace: Sequence[KitEvent]) -> tuple[int, str, str] | None:
-    """Replay ``trace`` and close; ``(index of the breaking event, rule, message)`` or None."""
-    oracle = Oracle(adapter)
+#: What :func:`_run` found: (index of the breaking event, rule, message), or a deferral.
+_DEFERRED = "deferred"
+
+
+def _run(
+    adapter: RuntimeAdapter, trace: Sequence[KitEvent], options: KitOptions
+) -> tuple[int, str, str] | None:
+    """Replay ``trace`` and close; ``(index of the breaking event, rule, message)`` or None.
+
+    A completion of a chunk the runtime has not submitted (it deferred it: host pool
+    full) comes back with the rule :data:`_DEFERRED`.
+    """
+    oracle = Oracle(adapter, options)
+    free = getattr(adapter, "host_pages_free", None)
+    full: set[int] = set()  # lives that had a step while the host pool was full
     index = 0
+    closed = False
     try:
-        for index, event in enumerate(trace):  # noqa: B007 (index is read after a raise)
+        for index, event in enumerate(trace):
+            if isinstance(event, Complete):
+                oracle.check()  # registers the copies submitted so far
+                missing = event.chunk >= len(oracle.lives[event.life].copies)
+                if missing and (free is None or event.life in full):
+                    return index, _DEFERRED, f"chunk {event.chunk} deferred"
+            if isinstance(event, Step) and free is not None and free() == 0:
+                full.add(event.life)
             oracle.apply(event)
         index = len(trace)
         oracle.close()
+        closed = True
     except InvariantViolation as exc:
         return index, exc.rule, str(exc)
     except Exception as exc:  # the runtime raised: a double free, a refused event, ...
         return index, type(exc).__name__, f"{type(exc).__name__}: {exc}"
     finally:
-        with contextlib.suppress(Exception):  # a failure here is already reported
-            adapter.close()
+        if not closed:
+            oracle.abandon()  # a failure here is already reported
     return None
 
 
 class _Explorer:
     """A depth-first walk of one subtree: runs its leaves, keeps counts and shortest traces."""
 
-    def __init__(self, cfg: CheckConfig, adapter_factory: Callable[[], RuntimeAdapter]) -> None:
+    def __init__(
+        self,
+        cfg: CheckConfig,
+        adapter_factory: Callable[[], RuntimeAdapter],
+        progress: Progress = "poll",
+    ) -> None:
         self.cfg = cfg
         self.adapter_factory = adapter_factory
+        self.model = progress
         self.interleavings = 0
         self.violating = 0
+        self.deferred = 0
         self.shortest: dict[str, Violation] = {}
         self.prefix: list[KitEvent] = []
         self.progress: Callable[[int], None] | None = None
@@ -227,7 +312,7 @@ class _Explorer:
         """Walk the subtree; return the prefix length to unwind to (a large number: none)."""
         prefix = self.prefix
         moved = False
-        for event, after in _moves(self.cfg, state):
+        for event, after in _moves(self.cfg, state, self.model):
             moved = True
             prefix.append(event)
             unwind = self.explore(after)
@@ -239,15 +324,18 @@ class _Explorer:
         self.interleavings += 1
         if self.progress is not None:
             self.progress(1)
-        found = _run(self.adapter_factory(), prefix)
+        found = _run(self.adapter_factory(), prefix, self.cfg.options)
         if found is None:
             return _NO_UNWIND
         index, rule, message = found
+        if rule == _DEFERRED:
+            self.deferred += 1
+            return index + 1  # every interleaving with this prefix completes that chunk too
         self.violating += 1
-        steps = [str(e) for e in prefix[: index + 1]]
+        events = [*prefix[: index + 1]]
         if index == len(prefix):
-            steps.append("close")
-        self.keep(Violation(rule, message, steps))
+            events.append(Close())
+        self.keep(Violation(rule, message, [str(e) for e in events], events))
         return index + 1  # every interleaving with this prefix breaks the same way
 
     def keep(self, violation: Violation) -> None:
@@ -258,31 +346,33 @@ class _Explorer:
 
     def subtree(
         self, task: tuple[tuple[KitEvent, ...], _State]
-    ) -> tuple[int, int, list[Violation]]:
+    ) -> tuple[int, int, int, list[Violation]]:
         """Explore one subtree from a frontier prefix (a worker's task)."""
-        self.interleavings = self.violating = 0
+        self.interleavings = self.violating = self.deferred = 0
         self.shortest = {}
         self.prefix = list(task[0])
         self.explore(task[1])
-        return self.interleavings, self.violating, list(self.shortest.values())
+        return self.interleavings, self.violating, self.deferred, list(self.shortest.values())
 
 
 _NO_UNWIND = 1 << 30
 _WORKER: _Explorer | None = None
 
 
-def _work(task: tuple[tuple[KitEvent, ...], _State]) -> tuple[int, int, list[Violation]]:
+def _work(task: tuple[tuple[KitEvent, ...], _State]) -> tuple[int, int, int, list[Violation]]:
     assert _WORKER is not None
     return _WORKER.subtree(task)
 
 
-def _frontier(cfg: CheckConfig, width: int) -> list[tuple[tuple[KitEvent, ...], _State]]:
+def _frontier(
+    cfg: CheckConfig, width: int, progress: Progress
+) -> list[tuple[tuple[KitEvent, ...], _State]]:
     """Prefixes (in walk order) whose subtrees partition the whole tree, at least ``width``."""
     level: list[tuple[tuple[KitEvent, ...], _State]] = [((), _initial(cfg))]
     while len(level) < width:
         deeper: list[tuple[tuple[KitEvent, ...], _State]] = []
         for prefix, state in level:
-            moves = list(_moves(cfg, state))
+            moves = list(_moves(cfg, state, progress))
             if not moves:
                 deeper.append((prefix, state))
             deeper.extend(((*prefix, event), after) for event, after in moves)
@@ -296,7 +386,7 @@ def _default_factory(cfg: CheckConfig) -> Callable[[], RuntimeAdapter]:
     def factory() -> RuntimeAdapter:
         return ManagerAdapter(
             page_size=cfg.page_size,
-            host_pages=cfg.requests * cfg.chunks + 1,
+            host_pages=cfg.host_pages_needed,
             device_pages=cfg.requests * (cfg.chunks + 2),
             store=InlineStore(),
         )
@@ -313,22 +403,33 @@ def check_exhaustively(
 ) -> CheckReport:
     """Run every interleaving of ``cfg`` on fresh adapters; report the count and violations.
 
-    ``jobs`` > 1 splits the walk into subtrees run by forked worker processes
+    The adapter's ``progress`` model and ``page_size`` are read from one adapter made
+    first. ``jobs`` > 1 splits the walk into subtrees run by forked worker processes
     (where the platform can fork); a violation then prunes only inside its subtree.
     """
     global _WORKER
     cfg = cfg or CheckConfig()
-    explorer = _Explorer(cfg, adapter_factory or _default_factory(cfg))
-    report = CheckReport(cfg, total=count_interleavings(cfg))
+    factory = adapter_factory or _default_factory(cfg)
+    probe = factory()
+    try:
+        model = progress_of(probe)
+        if probe.page_size != cfg.page_size:
+            cfg = replace(cfg, page_size=probe.page_size)
+    finally:
+        with contextlib.suppress(Exception):
+            probe.close()
+    explorer = _Explorer(cfg, factory, model)
+    report = CheckReport(cfg, total=count_interleavings(cfg, model), progress=model)
     t0 = time.perf_counter()
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
-        tasks = _frontier(cfg, jobs * 16)
+        tasks = _frontier(cfg, jobs * 16, model)
         _WORKER = explorer
         try:
             with multiprocessing.get_context("fork").Pool(jobs, _quiet_worker) as pool:
-                for runs, violating, found in pool.imap(_work, tasks):
+                for runs, violating, deferred, found in pool.imap(_work, tasks):
                     report.interleavings += runs
                     report.violating += violating
+                    report.deferred += deferred
                     for violation in found:
                         explorer.keep(violation)
                     if progress is not None:
@@ -339,6 +440,7 @@ def check_exhaustively(
         explorer.progress = progress
         explorer.explore(_initial(cfg))
         report.interleavings, report.violating = explorer.interleavings, explorer.violating
+        report.deferred = explorer.deferred
     report.elapsed_s = time.perf_counter() - t0
     report.violations = sorted(explorer.shortest.values(), key=lambda v: (len(v.trace), v.rule))
     return report

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,10 @@ class ScriptedCopy:
             f"<copy #{self.number} rid={self.ticket.lifecycle.rid!r} seq={self.ticket.seq} "
             f"device={list(self.device_pages)} host={list(self.host_pages)}>"
         )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Print as :meth:`__repr__` in hypothesis' reports, not field by field."""
+        printer.text(repr(self))
 
 
 class ScriptedEngine(PageCopyEngine):

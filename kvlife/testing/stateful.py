@@ -15,12 +15,14 @@ Importing this module defines no test. Run it from a test with one line::
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from hypothesis.errors import HypothesisException
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     precondition,
@@ -30,13 +32,9 @@ from hypothesis.stateful import (
 
 from kvlife._lifecycle import FinishReason
 from kvlife.testing.adapter import Finish, Oracle, Poll, Resume, RuntimeAdapter, Start, Step
-from kvlife.testing.strategies import (
-    RIDS,
-    copy_outcomes,
-    decode_tokens,
-    finish_reasons,
-    prompts,
-)
+from kvlife.testing.options import KitOptions
+from kvlife.testing.report import KitFailure, rule_of
+from kvlife.testing.strategies import RIDS, copy_outcomes, decode_tokens, prompts
 
 __all__ = ["KIT_SETTINGS", "RuntimeMachine", "run_kit"]
 
@@ -56,13 +54,16 @@ class RuntimeMachine(RuleBasedStateMachine):
         self,
         adapter_factory: Callable[[], RuntimeAdapter],
         *,
+        options: KitOptions | None = None,
         rids: tuple[str, ...] = RIDS,
         max_unreleased: int = 6,
         max_tokens: int = 24,
     ) -> None:
         super().__init__()
+        self.options = options or KitOptions()
         self.adapter = adapter_factory()
-        self.oracle = Oracle(self.adapter)
+        self.oracle = Oracle(self.adapter, self.options)
+        self._closed = False
         self.rids = rids
         self.max_unreleased = max_unreleased
         self.max_tokens = max_tokens
@@ -108,15 +109,18 @@ class RuntimeMachine(RuleBasedStateMachine):
                 self._run(partial(self.oracle.apply, Step(life.index, tokens)))
 
     @precondition(lambda self: bool(self.oracle.running()))
-    @rule(data=st.data(), reason=finish_reasons())
-    def finish(self, data: st.DataObject, reason: FinishReason) -> None:
-        """A running life finishes, is aborted, or is retracted."""
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        """A running life finishes, is aborted, or is retracted (as the options allow)."""
         life = data.draw(st.sampled_from(self.oracle.running()), label="life")
+        reason: FinishReason = data.draw(st.sampled_from(self.options.reasons), label="reason")
         self._run(lambda: self.oracle.apply(Finish(life.index, reason)))
 
     @precondition(
         lambda self: (
-            bool(self.oracle.resumable()) and self.oracle.unreleased() < self.max_unreleased
+            self.options.resumes
+            and bool(self.oracle.resumable())
+            and self.oracle.unreleased() < self.max_unreleased
         )
     )
     @rule(data=st.data())
@@ -125,10 +129,13 @@ class RuntimeMachine(RuleBasedStateMachine):
         life = data.draw(st.sampled_from(self.oracle.resumable()), label="retracted")
         self._run(lambda: self.oracle.apply(Resume(life.index)))
 
-    @precondition(lambda self: bool(self.oracle.in_flight()))
-    @rule(data=st.data(), ok=copy_outcomes(), poll=st.booleans())
-    def complete(self, data: st.DataObject, ok: bool, poll: bool) -> None:
-        """A copy completes: the oldest, the newest, a finished life's (late), or any."""
+    @precondition(lambda self: self.oracle.progress == "poll" and bool(self.oracle.in_flight()))
+    @rule(data=st.data(), poll=st.booleans())
+    def complete(self, data: st.DataObject, poll: bool) -> None:
+        """A copy completes: the oldest, the newest, a finished life's (late), or any; it
+        fails one time in four if the options allow failures. (Under the ``"drain"``
+        progress model copies complete only in polls.)"""
+        ok = data.draw(copy_outcomes() if self.options.failures else st.just(True), label="ok")
         waiting = self.oracle.in_flight()
         late = [c for c in waiting if not self.oracle_owner(c).running]
         choices = [st.just(waiting[0]), st.just(waiting[-1]), st.sampled_from(waiting)]
@@ -150,19 +157,57 @@ class RuntimeMachine(RuleBasedStateMachine):
         """Finish, drain and close; then every life released once and no host page left."""
         try:
             if self._clean:
+                self._clean = False
                 self.oracle.close()
+                self._closed = True
         finally:
-            self.adapter.close()
+            if not self._closed:
+                self.oracle.abandon()
 
 
 def run_kit(
     adapter_factory: Callable[[], RuntimeAdapter],
     settings: settings | None = None,
-    **options: Any,
+    *,
+    options: KitOptions | None = None,
+    seed: int | None = None,
+    **machine_options: Any,
 ) -> None:
-    """Run :class:`RuntimeMachine` against ``adapter_factory`` as one test (call it from pytest)."""
-    run_state_machine_as_test(
+    """Run :class:`RuntimeMachine` against ``adapter_factory`` as one test.
+
+    ``settings`` default to :data:`KIT_SETTINGS` (derive yours from it to keep its health
+    checks: ``settings(KIT_SETTINGS, max_examples=500)``); ``options`` to
+    :class:`KitOptions`'s defaults, the same as :func:`check_exhaustively`'s. A failure is
+    raised as one :class:`~kvlife.testing.KitFailure` (an ``InvariantViolation``; never an
+    ExceptionGroup: the first bug found is the one reported) whose message is the broken
+    rule and the shrunk run, event by event, with the seed: ``run_kit(..., seed=N)``
+    reruns it, ``replay_trace(factory, failure.events)`` replays it.
+    """
+    chosen = settings or KIT_SETTINGS
+    chosen = type(chosen)(chosen, report_multiple_bugs=False)
+    kit_options = options or KitOptions()
+    if seed is None and not chosen.derandomize:
+        seed = random.getrandbits(32)
+    last: list[RuntimeMachine] = []
+
+    def machine() -> RuntimeMachine:
+        made = RuntimeMachine(adapter_factory, options=kit_options, **machine_options)
+        last[:] = [made]
+        return made
+
+    if seed is not None:
+        machine._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]  # as @seed does
+    try:
         # Any factory of machines works; the stub names the class form only.
-        lambda: RuntimeMachine(adapter_factory, **options),  # type: ignore[arg-type]
-        settings=settings or KIT_SETTINGS,
-    )
+        run_state_machine_as_test(machine, settings=chosen)  # type: ignore[arg-type]
+    except HypothesisException:
+        raise  # a health check or a flaky test: not a finding about the runtime
+    except Exception as exc:
+        events = last[0].oracle.trace if last else []
+        rule = rule_of(exc)
+        text = str(exc)
+        detail = text[len(rule) + 3 :] if text.startswith(f"[{rule}] ") else f"{rule}: {text}"
+        how = "replay: kvlife.testing.replay_trace(adapter_factory, failure.events)"
+        if seed is not None:
+            how += f"; rerun: run_kit(adapter_factory, ..., seed={seed})"
+        raise KitFailure(rule, detail, events, seed=seed, how=how) from exc

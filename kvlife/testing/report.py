@@ -1,0 +1,76 @@
+"""One readable failure: the broken rule, the shortest run found, and how to replay it.
+
+Both drivers report through :class:`KitFailure`, an :class:`InvariantViolation` (so
+``except InvariantViolation`` and ``pytest.raises(AssertionError)`` catch it, under pytest
+or from a script): never an ExceptionGroup, and the trace is in the message itself, not in
+``__notes__``. :func:`replay_trace` runs a trace again on a fresh adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+from kvlife.testing.adapter import Close, InvariantViolation, KitEvent, Oracle, RuntimeAdapter
+from kvlife.testing.options import KitOptions
+
+__all__ = ["KitFailure", "format_trace", "replay_trace", "rule_of"]
+
+
+def rule_of(exc: BaseException) -> str:
+    """The rule an exception broke: an :class:`InvariantViolation`'s rule, else its type name
+    (a runtime that raised: ``DoubleFree``, ``InvalidStep``, ...)."""
+    return exc.rule if isinstance(exc, InvariantViolation) else type(exc).__name__
+
+
+def format_trace(trace: Sequence[object]) -> str:
+    """``trace`` as numbered lines."""
+    return "\n".join(f"  {i:2d}. {step}" for i, step in enumerate(trace, 1))
+
+
+class KitFailure(InvariantViolation):
+    """The runtime broke a rule (or raised): the rule, the run that shows it, the seed."""
+
+    def __init__(
+        self,
+        rule: str,
+        message: str,
+        events: Sequence[KitEvent],
+        *,
+        seed: int | None = None,
+        how: str = "",
+    ) -> None:
+        self.events = list(events)
+        self.trace = [str(e) for e in self.events]
+        self.seed = seed
+        self.detail = message
+        seeded = f", seed {seed}" if seed is not None else ""
+        text = (
+            f"{message}\nshortest failing run found ({len(self.trace)} events{seeded}):\n"
+            f"{format_trace(self.trace)}"
+        )
+        if how:
+            text += f"\n{how}"
+        super().__init__(rule, text)
+
+
+def replay_trace(
+    adapter_factory: Callable[[], RuntimeAdapter],
+    events: Sequence[KitEvent],
+    options: KitOptions | None = None,
+) -> Oracle:
+    """Run ``events`` (a failure's ``events``) on a fresh adapter under the oracle; the
+    oracle. Raises what the run raises; ends with a close if the trace does."""
+    oracle = Oracle(adapter_factory(), options)
+    done = False
+    try:
+        for event in events:
+            oracle.apply(event)
+            if isinstance(event, Close):
+                done = True
+                break
+        return oracle
+    finally:
+        if not done:
+            with contextlib.suppress(Exception):
+                oracle.abandon()
