@@ -52,14 +52,23 @@ only, so where the bytes live depends on the process layout:
   each worker process holds a pool of the same capacity; page ``i`` on the
   scheduler side names row ``i`` of the worker's tensor.
 
-The worker copies between vLLM's per-layer int8 block views
-(``CanonicalKVCaches``) and the host rows with ``index_select`` /
-``index_copy_``, synchronously inside ``submit_store`` / ``submit_load``: a
-job is complete when its submit returns, so ``wait`` has nothing left to wait
-for and ``get_finished`` reports each job's one result. (kvlife's copy engines
-are not used here: their tickets carry the Lifecycle and their pool checks
-page ownership, and in multiprocess mode both live in the scheduler process,
-not in the worker that copies.)
+The worker copies through a kvlife copy engine
+(:class:`~kvlife.engine.CpuCopyEngine` on vLLM's CPU build, its worker thread
+copying while vLLM computes; :class:`~kvlife.engine.CudaCopyEngine`, one event
+per chunk, when the KV cache is on a CUDA device) over a
+:class:`BlockViewsLayout`: vLLM's per-layer int8 block views
+(``CanonicalKVCaches``), block ``b`` being row ``b`` of every view, and the
+host rows. Each job gets a worker-side :class:`~kvlife.Lifecycle` (the job is
+the worker's unit of identity; the scheduler-side per-request Lifecycle is
+separate): ``submit_store`` submits the job's chunk (a ``Ticket``),
+``submit_load`` its load (a ``LoadTicket``) to the engine and finishes the
+job's Lifecycle; ``get_finished`` polls the engine, acks each ack's ticket to
+its Lifecycle, and the Lifecycle's one release is the job's one
+``TransferResult``. ``wait(job_ids)`` blocks on those jobs' completion events
+(their results still come from ``get_finished``); ``shutdown`` drains and
+closes the engine. In multiprocess mode the worker owns every page of its pool
+(the scheduler process allocates the indices); in single-process mode the
+engine checks each page against the manager's allocation.
 
 *Persistent tier* (``store_dir``): a :class:`~kvlife.store.LocalDirectoryStore`
 in a namespace derived from the model identity, the KV cache shape and dtype,
@@ -69,7 +78,9 @@ host copy (asynchronously, from a private copy of the rows, so eviction never
 races the write). The manager, on a host miss, asks the store whether a whole,
 verified page exists (``contains``); if so ``lookup`` is a ``HIT`` and the
 load spec marks the block "from store": the worker reads the page (verified
-again) straight into the device blocks. Disk loads are not promoted to the
+again) straight into the device blocks, itself, not through the engine (the
+engine copies between device pages and host pool pages, and a disk page is not
+in the host pool). Disk loads are not promoted to the
 host tier. A restarted vLLM with the same ``store_dir`` (and the same block
 hash seed: vLLM's default, or the same ``PYTHONHASHSEED``) finds its
 predecessor's pages. A page that fails verification is a miss at lookup; one
@@ -89,13 +100,12 @@ import os
 import time
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-import numpy as np
 import torch
 
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
@@ -122,8 +132,19 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife import FinishReason, Lifecycle, LoadTicket, Ticket
+from kvlife.engine import (
+    Ack,
+    Completion,
+    CpuCopyEngine,
+    CudaCopyEngine,
+    DevicePageBusy,
+    EngineError,
+    HostPageBusy,
+    UnallocatedHostPage,
+)
 from kvlife.errors import ConfigError, KVLifeError, LifecycleError
 from kvlife.hashing import given_keys
+from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 from kvlife.store.base import StoreError
 from kvlife.store.directory import LocalDirectoryStore
@@ -598,11 +619,66 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 # ----------------------------------------------------------------------------- worker side
 
 
+class BlockViewsLayout(KVLayout):
+    """vLLM's KV cache as a kvlife layout: block ``b`` is row ``b`` of every view.
+
+    ``views`` are vLLM's per-layer ``(num_blocks, page_bytes)`` int8 block views
+    (``CanonicalKVCaches``), aliasing its KV tensors: no copy. A kvlife page is
+    one vLLM block, its bytes layer after layer, so a host page is one
+    ``HostPagePool`` row of ``sum(page_bytes)``. The views may be strided
+    (a block stride larger than its page); each page row must be contiguous.
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], tokens_per_block: int = 1) -> None:
+        if not views:
+            raise ConfigError("kvlife: vLLM gave no KV cache views")
+        first = views[0]
+        for view in views:
+            if view.dtype != torch.int8 or view.dim() != 2 or view.stride(1) != 1:
+                raise ConfigError(
+                    f"kvlife: expected 2-D int8 block views with contiguous rows, got "
+                    f"{view.dtype} {tuple(view.shape)} stride {view.stride()}"
+                )
+            if view.shape[0] != first.shape[0] or view.device != first.device:
+                raise ConfigError("kvlife: every block view must have one block count and device")
+        super().__init__(
+            num_pages=int(first.shape[0]),
+            page_size=tokens_per_block,
+            dtype=torch.int8,
+            device=first.device,
+        )
+        self.views = tuple(views)
+        self._set_rows(self.views)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """vLLM's block views, one per layer (or per tensor layers share)."""
+        return self.views
+
+
+@dataclass(slots=True)
+class _WorkerJob:
+    """One vLLM transfer job on the worker: its own Lifecycle, one result when it releases."""
+
+    job_id: int
+    load: bool
+    blocks: int
+    started: float
+    event: Completion | None = None
+    copy_done: float = 0.0
+
+
 class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
-    """Copies blocks between vLLM's KV cache views and the host tier (and the store).
+    """Copies blocks between vLLM's KV cache and the host tier through a kvlife copy engine.
 
     ``pool.tensor`` row ``p`` holds host page ``p``: the bytes of one block,
-    layer after layer. Copies run synchronously in ``submit_*``.
+    layer after layer. Each vLLM job gets a worker-side
+    :class:`~kvlife.Lifecycle` (the job is the worker's unit of identity):
+    its store chunk (a :class:`~kvlife.Ticket`) or its load
+    (a :class:`~kvlife.LoadTicket`) is submitted to the engine
+    (:class:`~kvlife.engine.CpuCopyEngine` on vLLM's CPU build,
+    :class:`~kvlife.engine.CudaCopyEngine` on a CUDA device), the engine's ack
+    acks that ticket, and the Lifecycle, finished at submit, releases exactly
+    once: that release is the job's one :class:`TransferResult`.
     """
 
     def __init__(
@@ -613,28 +689,33 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         store: LocalDirectoryStore | None = None,
         report_dir: str | None = None,
         pool_key: str | None = None,
+        tokens_per_block: int = 1,
     ) -> None:
         refs = kv_caches.group_data_refs[0]
         indices = list(dict.fromkeys(ref.tensor_idx for ref in refs))
-        self._views: list[torch.Tensor] = [kv_caches.tensors[i].tensor for i in indices]
-        self._slices: list[tuple[int, int]] = []
-        offset = 0
-        for view in self._views:
-            if view.dtype != torch.int8 or view.dim() != 2:
-                raise ConfigError(f"expected 2-D int8 block views, got {view.dtype} {view.shape}")
-            self._slices.append((offset, offset + int(view.shape[1])))
-            offset += int(view.shape[1])
-        if pool.page_numel != offset or pool.dtype != torch.int8:
+        layout = BlockViewsLayout([kv_caches.tensors[i].tensor for i in indices], tokens_per_block)
+        if pool.page_numel != layout.page_numel or pool.dtype != torch.int8:
             raise ConfigError(
-                f"host pages of {pool.page_numel} {pool.dtype} cannot hold a block of {offset} B"
+                f"host pages of {pool.page_numel} {pool.dtype} cannot hold a block of "
+                f"{layout.page_numel} B"
             )
-        self.row_bytes = offset
+        self.layout = layout
+        self.row_bytes = layout.page_numel
+        self.engine: CpuCopyEngine | CudaCopyEngine
+        if layout.device.type == "cuda":
+            self.engine = CudaCopyEngine(layout, pool)
+        else:
+            self.engine = CpuCopyEngine(layout, pool)
         self._pool = pool
         self._store = store
         self._report_dir = report_dir
         self._pool_key = pool_key
+        self._pages_claimed = False
+        self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
+        self._by_life: dict[Lifecycle, _WorkerJob] = {}  # the same jobs, by their Lifecycle
         self._finished: list[TransferResult] = []
         self._logged: set[str] = set()
+        self._shut = False
         self.stats: Counter[str] = Counter()
         self.seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
         _LIVE_WORKERS.add(self)
@@ -644,72 +725,148 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         """The host tier this worker copies into and out of."""
         return self._pool
 
+    @property
+    def inflight(self) -> int:
+        """Jobs submitted whose result was not yet handed to vLLM's ``get_finished``."""
+        return len(self._jobs)
+
     def _error_once(self, kind: str, message: str) -> None:
         self.stats[kind] += 1
         if kind not in self._logged:
             self._logged.add(kind)
             logger.error("kvlife worker: %s (%s); counted, logged once", kind, message)
 
-    @staticmethod
-    def _index(ids: Any) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+    def _claim_pages(self) -> None:
+        """Before the first copy: if no manager in this process took the pool (vLLM's
+        multiprocess mode), the scheduler allocates the page indices elsewhere and this
+        worker owns every page of its pool (the engine copies only allocated pages)."""
+        self._pages_claimed = True
+        key = self._pool_key
+        if key is not None and _SHARED_POOLS.get(key) is self._pool:
+            del _SHARED_POOLS[key]
+            if self._pool.num_free:
+                self._pool.alloc(self._pool.num_free, self)
+
+    # ---------------------------------------------------------------- jobs
+
+    def _start(self, job_id: int, load: bool, blocks: int) -> tuple[_WorkerJob, Lifecycle]:
+        if not self._pages_claimed:
+            self._claim_pages()
+        job = _WorkerJob(job_id, load, blocks, time.perf_counter())
+        lifecycle = Lifecycle(
+            job_id, page_size=1, hasher=given_keys, on_release=partial(self._released, job)
+        )
+        self._jobs[job_id] = job
+        self._by_life[lifecycle] = job
+        return job, lifecycle
+
+    def _submit(
+        self,
+        job: _WorkerJob,
+        ticket: Ticket | LoadTicket,
+        device_pages: list[int],
+        host_pages: list[int],
+    ) -> None:
+        """Hand one chunk to the engine; a chunk it refuses is acked here, counted."""
+        engine = self.engine
+        try:
+            try:
+                job.event = engine.submit_chunk(ticket, device_pages, host_pages)
+            except (HostPageBusy, DevicePageBusy):
+                # A page still in use by an earlier copy (only after a reset or an abort):
+                # wait for the copies in flight, in order, then submit again.
+                self.stats["engine_busy_waits"] += 1
+                self._collect(engine.drain())
+                job.event = engine.submit_chunk(ticket, device_pages, host_pages)
+        except UnallocatedHostPage as exc:
+            # The manager freed the pages (vLLM reset the offloaded cache) before vLLM
+            # submitted this stale job; its result is ignored, nothing reads the pages.
+            self.stats["stale_jobs_skipped"] += 1
+            logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
+            ticket.lifecycle.ack(ticket)
+        except EngineError as exc:
+            self._error_once("copy_refused", repr(exc))
+            ticket.lifecycle.ack(ticket)
+
+    def _released(self, job: _WorkerJob, lifecycle: Lifecycle) -> None:
+        """The job's Lifecycle released: every copy of the job is over. Its one result."""
+        del self._jobs[job.job_id]
+        del self._by_life[lifecycle]
+        done = job.copy_done or time.perf_counter()
+        elapsed = done - job.started
+        kind = "load" if job.load else "store"
+        self.stats["loaded_blocks" if job.load else "stored_blocks"] += job.blocks
+        self.seconds[kind] += elapsed
+        self._finished.append(
+            TransferResult(job.job_id, True, job.blocks * self.row_bytes, elapsed)
+        )
+
+    def _collect(self, acks: Iterable[Ack]) -> None:
+        """Ack each engine ack to its job's Lifecycle (never looked up by job id)."""
+        for ack in acks:
+            job = self._by_life.get(ack.lifecycle)
+            if job is None:  # unreachable: every ticket the engine holds is a job's
+                self._error_once("unknown_acks", repr(ack.ticket))
+                continue
+            job.copy_done = ack.completed_at
+            if ack.error is not None:
+                # vLLM 0.32 cannot take a failed transfer (it asserts): count and log.
+                self._error_once("copy_failures", repr(ack.error))
+            elif not ack.is_load and self._store is not None:
+                try:  # a private copy: the host pages may be evicted before the write ends
+                    host = self._pool.tensor
+                    rows = host.index_select(0, torch.tensor(ack.host_pages, dtype=torch.int64))
+                    self._store.put(job.job_id, ack.ticket.keys, rows)
+                except StoreError as exc:
+                    self._error_once("store_put_refused", repr(exc))
+            ack.lifecycle.ack(ack.ticket)
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, **kwargs: Any
     ) -> bool:
-        start = time.perf_counter()
         spec = cast(HostBlocksSpec, dst_spec)
-        device = self._index(src_spec.block_ids)
-        host_ids = self._index(spec.block_ids)
-        host = self._pool.tensor
-        for view, (lo, hi) in zip(self._views, self._slices, strict=True):
-            host[:, lo:hi].index_copy_(0, host_ids, view.index_select(0, device))
-        if self._store is not None and len(spec.keys):
-            try:  # a private copy: the host pages may be evicted before the write ends
-                self._store.put(job_id, spec.keys, host.index_select(0, host_ids))
-            except StoreError as exc:
-                self._error_once("store_put_refused", repr(exc))
-        nbytes = len(host_ids) * self.row_bytes
-        elapsed = time.perf_counter() - start
-        self.stats["stored_blocks"] += len(host_ids)
-        self.seconds["store"] += elapsed
-        self._finished.append(TransferResult(job_id, True, nbytes, elapsed))
+        host_pages = spec.block_ids.tolist()
+        job, lifecycle = self._start(job_id, False, len(host_pages))
+        if host_pages:
+            ticket = _start_store(lifecycle, spec.keys)
+            self._submit(job, ticket, src_spec.block_ids.tolist(), host_pages)
+        lifecycle.finish(FinishReason.FINISHED)
         return True
-
-    def _rows_for_load(self, spec: HostBlocksSpec) -> torch.Tensor:
-        """The bytes of each block a load writes, one row per block, in job order."""
-        host_ids = np.asarray(spec.block_ids, dtype=np.int64)
-        rows = torch.empty((len(host_ids), self.row_bytes), dtype=torch.int8)
-        on_host = np.flatnonzero(host_ids >= 0)
-        if len(on_host) == len(host_ids):
-            return self._pool.tensor.index_select(0, torch.from_numpy(host_ids))
-        if len(on_host):
-            rows[torch.from_numpy(on_host)] = self._pool.tensor.index_select(
-                0, torch.from_numpy(host_ids[on_host])
-            )
-        for i in np.flatnonzero(host_ids < 0).tolist():
-            payload = self._store.get(spec.keys[i]) if self._store is not None else None
-            self.stats["disk_reads"] += 1
-            if payload is None or len(payload) != self.row_bytes:
-                self._error_once("disk_load_errors", f"page {spec.keys[i][:16]} unreadable")
-                rows[i].zero_()
-            else:
-                rows[i] = torch.frombuffer(bytearray(payload), dtype=torch.int8)
-        return rows
 
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, **kwargs: Any
     ) -> bool:
-        start = time.perf_counter()
-        rows = self._rows_for_load(cast(HostBlocksSpec, src_spec))
-        device = self._index(dst_spec.block_ids)
-        for view, (lo, hi) in zip(self._views, self._slices, strict=True):
-            view.index_copy_(0, device, rows[:, lo:hi])
-        elapsed = time.perf_counter() - start
-        self.stats["loaded_blocks"] += len(device)
-        self.seconds["load"] += elapsed
-        self._finished.append(TransferResult(job_id, True, len(device) * self.row_bytes, elapsed))
+        spec = cast(HostBlocksSpec, src_spec)
+        host_ids: list[int] = spec.block_ids.tolist()
+        device_ids: list[int] = dst_spec.block_ids.tolist()
+        job, lifecycle = self._start(job_id, True, len(device_ids))
+        on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
+        if len(on_host) < len(host_ids):
+            disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
+            ticket = lifecycle.load([spec.keys[i] for i in disk])
+            self._load_from_store(spec.keys, disk, device_ids)
+            lifecycle.ack(ticket)
+        if on_host:
+            ticket = lifecycle.load([spec.keys[i] for i in on_host])
+            self._submit(
+                job, ticket, [device_ids[i] for i in on_host], [host_ids[i] for i in on_host]
+            )
+        lifecycle.finish(FinishReason.FINISHED)
         return True
+
+    def _load_from_store(self, keys: list[str], blocks: list[int], device_ids: list[int]) -> None:
+        """Blocks of a load the persistent tier holds: read (verified) and written straight
+        into the device blocks, here. They are not host pool pages, and the engine copies
+        only between device pages and host pool pages."""
+        for i in blocks:
+            payload = self._store.get(keys[i]) if self._store is not None else None
+            self.stats["disk_reads"] += 1
+            if payload is None or len(payload) != self.row_bytes:
+                self._error_once("disk_load_errors", f"page {keys[i][:16]} unreadable")
+                row = torch.zeros(self.row_bytes, dtype=torch.int8)
+            else:
+                row = torch.frombuffer(bytearray(payload), dtype=torch.int8)
+            self.layout.write_page(device_ids[i], row.to(self.layout.device))
 
     def _poll_store(self, results: Iterable[Any]) -> None:
         for result in results:
@@ -719,20 +876,43 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 self._error_once("disk_write_failures", repr(result.error))
 
     def get_finished(self) -> list[TransferResult]:
+        self._collect(self.engine.poll())
         if self._store is not None:
             self._poll_store(self._store.poll())
         finished, self._finished = self._finished, []
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
-        """Every job completed inside its submit: nothing is still reading or writing blocks."""
+        """Block until the copies of ``job_ids`` are over (vLLM reuses their blocks next).
+
+        Their results still come from ``get_finished``.
+        """
+        events = [
+            job.event
+            for job_id in job_ids
+            if (job := self._jobs.get(job_id)) is not None and job.event is not None
+        ]
+        if not events:
+            return
+        for event in events:
+            event.synchronize()
+        self._collect(self.engine.poll())
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until the persistent tier wrote every queued page (tests, shutdown)."""
+        """Wait until every copy is over and the persistent tier wrote every queued page."""
+        self._collect(self.engine.drain(timeout))
         if self._store is not None:
             self._poll_store(self._store.drain(timeout))
 
     def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self._collect(self.engine.drain(timeout=60.0))
+        except KVLifeError as exc:
+            self._error_once("shutdown_drain", repr(exc))
+        self.engine.close()
         if self._pool_key is not None and _SHARED_POOLS.get(self._pool_key) is self._pool:
             del _SHARED_POOLS[self._pool_key]  # no manager in this process took it
         if self._store is not None:
@@ -741,6 +921,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             self._store = None
         if self._report_dir is not None:
             report = {**self.stats, **{f"{k}_seconds": v for k, v in self.seconds.items()}}
+            report["jobs_in_flight"] = len(self._jobs)
             _write_report(self._report_dir, f"worker-{os.getpid()}.json", report)
 
 
@@ -844,8 +1025,10 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             # Single process: the worker built the pool first; allocate from that same memory.
-            pool = _SHARED_POOLS.pop(self._pool_key, None)
-            if pool is None or pool.capacity != self.capacity:
+            pool = _SHARED_POOLS.get(self._pool_key)
+            if pool is not None and pool.capacity == self.capacity:
+                del _SHARED_POOLS[self._pool_key]
+            else:  # multiprocess: page indices here, the bytes in the worker process
                 pool = HostPagePool(self.capacity, 1, torch.int8, pin_memory=False)
             self._manager = KVLifeOffloadingManager(
                 pool, strict=self.strict, disk=self._open_store(), report_dir=self.report_dir
@@ -867,5 +1050,6 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 store=self._open_store(),
                 report_dir=self.report_dir,
                 pool_key=self._pool_key,
+                tokens_per_block=self.tokens_per_block[0],
             )
         return self._worker

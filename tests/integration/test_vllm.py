@@ -37,7 +37,9 @@ from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
+from kvlife.engine import CpuCopyEngine
 from kvlife.integrations.vllm import (
+    BlockViewsLayout,
     KVLifeOffloadingManager,
     KVLifeWorker,
     live_managers,
@@ -101,6 +103,7 @@ def _llm(model_dir: str, extra: dict[str, Any] | None, **kwargs: Any) -> LLM:
         block_size=32,
         enforce_eager=True,
         seed=0,
+        gpu_memory_utilization=0.5,  # of CPU memory on vLLM's CPU build: a shared machine
         distributed_executor_backend="uni",
         kv_transfer_config=transfer,
         **kwargs,
@@ -142,6 +145,16 @@ def assert_clean(manager: KVLifeOffloadingManager) -> dict[str, int]:
     return acc
 
 
+def assert_worker_clean(worker: KVLifeWorker) -> None:
+    """Every job the worker took went through its engine and came back as one result."""
+    assert isinstance(worker.engine, CpuCopyEngine)
+    worker.flush(timeout=60)
+    assert worker.inflight == 0 and worker.engine.inflight == 0
+    assert worker.engine.copy_errors == 0
+    for kind in ("copy_failures", "copy_refused", "unknown_acks", "disk_load_errors"):
+        assert worker.stats[kind] == 0, dict(worker.stats)
+
+
 def _drain_signals(llm: LLM) -> None:
     """One short request: its steps deliver vLLM's late on_request_finished for earlier ones."""
     _generate(llm, [[5, 6, 7, 8]])
@@ -171,9 +184,30 @@ def kv_llm(model_dir: str, store_dir: str, baseline: Any) -> Iterator[LLM]:
         _shutdown(llm)
 
 
-def test_store_round_then_load_round_match_no_offloading(kv_llm: LLM, baseline: Any) -> None:
+def test_store_round_then_load_round_match_no_offloading(
+    kv_llm: LLM, baseline: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     manager, worker = _roles()
     assert manager.pool.tensor.data_ptr() == worker.pool.tensor.data_ptr()  # one host tier
+    # Record each job vLLM submits and each result the worker hands back.
+    submitted: list[int] = []
+    results: list[int] = []
+    for name in ("submit_store", "submit_load"):
+        original_submit = getattr(KVLifeWorker, name)
+
+        def recording(self: KVLifeWorker, job_id: int, *a: Any, _f: Any = original_submit) -> bool:
+            submitted.append(job_id)
+            return bool(_f(self, job_id, *a))
+
+        monkeypatch.setattr(KVLifeWorker, name, recording)
+    original_finished = KVLifeWorker.get_finished
+
+    def finished(self: KVLifeWorker) -> list[Any]:
+        out = original_finished(self)
+        results.extend(r.job_id for r in out)
+        return out
+
+    monkeypatch.setattr(KVLifeWorker, "get_finished", finished)
     first = _generate(kv_llm, PROMPTS)
     stored = manager.counts.stored
     assert stored >= 16 * 2  # every prompt has 2 or 3 full blocks
@@ -187,26 +221,52 @@ def test_store_round_then_load_round_match_no_offloading(kv_llm: LLM, baseline: 
     _drain_signals(kv_llm)
     acc = assert_clean(manager)
     assert acc["live_lifecycles"] <= 1  # only the drain request waits for vLLM's late signal
+    assert_worker_clean(worker)
+    # Each job exactly one result (the engine's ack released the job's own Lifecycle).
+    assert len(submitted) >= 2 * len(PROMPTS)
+    assert sorted(results) == sorted(submitted) and len(set(results)) == len(results)
+    assert worker.stats["loaded_blocks"] >= stored
 
 
-def test_seeded_bug_zero_loads_changes_outputs(kv_llm: LLM, baseline: Any) -> None:
-    manager, _ = _roles()
+def _zero_pages(layout: BlockViewsLayout, pages: torch.Tensor, *rest: Any, **kw: Any) -> None:
+    for row in layout.page_rows():
+        row.index_fill_(0, pages, 0)
+
+
+def test_seeded_bug_zero_loads_changes_outputs(
+    kv_llm: LLM, baseline: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's copies are what vLLM runs on: corrupt either direction, outputs change."""
+    manager, worker = _roles()
     assert kv_llm.reset_prefix_cache(reset_connector=False)
-    original = KVLifeWorker._rows_for_load
-
-    def zeros(self: KVLifeWorker, spec: Any) -> torch.Tensor:
-        return torch.zeros_like(original(self, spec))
-
     loaded = manager.counts.loaded
-    KVLifeWorker._rows_for_load = zeros  # type: ignore[method-assign]
-    try:
-        corrupted = _generate(kv_llm, PROMPTS)
-    finally:
-        KVLifeWorker._rows_for_load = original  # type: ignore[method-assign]
-        assert kv_llm.reset_prefix_cache(reset_connector=False)  # drop the zeroed device blocks
+    with monkeypatch.context() as patch:  # loads write zeros into the device blocks
+        patch.setattr(BlockViewsLayout, "scatter_runs", _zero_pages)
+        try:
+            corrupted = _generate(kv_llm, PROMPTS)
+        finally:
+            assert kv_llm.reset_prefix_cache(reset_connector=False)  # drop the zeroed blocks
     assert manager.counts.loaded > loaded
     assert sum(a != b for a, b in zip(corrupted, baseline["main"], strict=True)) >= 8
+    # Stores that copy zeros from the host side: fresh prompts stored wrong, then loaded.
+    fresh = _prompts(2, 8)
+    stored = manager.counts.stored
+
+    def zero_host(layout: BlockViewsLayout, pages: Any, host: torch.Tensor, runs: Any) -> None:
+        for _, row, length in runs:
+            host[row : row + length].zero_()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BlockViewsLayout, "gather_runs", zero_host)
+        computed = _generate(kv_llm, fresh)
+        worker.flush(timeout=60)
+    assert kv_llm.reset_prefix_cache(reset_connector=False)
+    reloaded = _generate(kv_llm, fresh)
+    assert kv_llm.reset_prefix_cache(reset_connector=False)
+    assert manager.counts.stored > stored
+    assert sum(a != b for a, b in zip(reloaded, computed, strict=True)) >= 4
     assert_clean(manager)
+    assert_worker_clean(worker)
 
 
 def _step_until_done(llm: LLM) -> None:
@@ -262,6 +322,7 @@ def test_abort_while_stores_and_loads_are_in_flight(
     assert not held
     acc = assert_clean(manager)
     assert acc["live_lifecycles"] <= 1
+    assert_worker_clean(_roles()[1])
     # The engine still serves correct outputs after the aborts.
     assert kv_llm.reset_prefix_cache(reset_connector=False)
     assert _generate(kv_llm, _prompts(1, 8)) == baseline["abort"]
@@ -285,6 +346,7 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
         "store_dir": store_dir,
         "report_dir": str(tmp_path / "report"),
         "prompts": PROMPTS,
+        "fresh": _prompts(3, 8),
         "max_tokens": MAX_TOKENS,
         "out": str(tmp_path / "out.json"),
     }
@@ -299,7 +361,9 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
         timeout=240,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    assert json.loads((tmp_path / "out.json").read_text()) == baseline["main"]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["prompts"] == baseline["main"]
+    assert out["fresh"][0] == out["fresh"][1]  # computed, then loaded from the host tier
     reports = {
         p.name.split("-")[0]: json.loads(p.read_text()) for p in (tmp_path / "report").iterdir()
     }
@@ -307,9 +371,14 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     assert mgr["loaded_from_store"] >= 16 * 2  # the predecessor's pages, read from disk
     assert wkr["disk_reads"] == mgr["loaded_from_store"]
     assert wkr.get("disk_load_errors", 0) == 0
+    # The worker process's own engine stored and loaded the fresh prompts' blocks.
+    assert wkr["stored_blocks"] >= 8 * 2 and wkr["loaded_blocks"] >= wkr["stored_blocks"]
+    assert mgr["loaded"] - mgr["loaded_from_store"] >= 8 * 2
+    assert wkr["jobs_in_flight"] == 0
+    assert not any(wkr.get(k) for k in ("copy_failures", "copy_refused", "stale_jobs_skipped"))
     assert mgr["refused"] == 0 and mgr["pending"] == 0 and mgr["pinned"] == 0
     assert mgr["host_pages_used"] == mgr["host_keys"]
-    assert mgr["lifecycles_released"] == mgr["lifecycles_started"] == len(PROMPTS)
+    assert mgr["lifecycles_released"] == mgr["lifecycles_started"] == len(PROMPTS) + 2 * 8
     assert os.getpid() not in (int(p.stem.split("-")[1]) for p in (tmp_path / "report").iterdir())
 
 
@@ -320,7 +389,7 @@ def test_small_device_cache_preempts_and_tiny_host_tier_backpressures(
     # blocks: prepare_store is refused while pages are pending, and LRU evicts.
     llm = _llm(model_dir, {"host_bytes": 6 * BLOCK_BYTES}, num_gpu_blocks_override=24)
     try:
-        manager, _ = _roles()
+        manager, worker = _roles()
         first = _generate(llm, PROMPTS)
         assert llm.reset_prefix_cache(reset_connector=False)
         second = _generate(llm, PROMPTS)
@@ -331,6 +400,7 @@ def test_small_device_cache_preempts_and_tiny_host_tier_backpressures(
         assert acc["evicted"] > 0
         assert acc["dropped_host_full"] > 0
         assert acc["host_keys"] <= 6
+        assert_worker_clean(worker)
     finally:
         _shutdown(llm)
     acc = assert_clean(manager)

@@ -1,10 +1,12 @@
 """A second vLLM process for tests/integration/test_vllm.py (warm restart, multiprocess mode).
 
 Usage: ``python vllm_child.py ARGS.json``; ARGS holds model_dir, store_dir, report_dir,
-prompts (token id lists), max_tokens and out (a path). Runs vLLM in its default
-multiprocess mode with the kvlife backend, generates greedily once, writes the
-outputs to ``out`` as JSON, and shuts the engine down (each role writes its
-accounting to report_dir).
+prompts and fresh (token id lists), max_tokens and out (a path). Runs vLLM in its
+default multiprocess mode with the kvlife backend, generates greedily ``prompts``
+once (their blocks come from the persistent tier), then ``fresh`` twice with vLLM's
+own prefix cache dropped in between (stored to the host tier by the worker's copy
+engine in the worker process, then loaded back), writes the outputs to ``out`` as
+JSON, and shuts the engine down (each role writes its accounting to report_dir).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
         block_size=32,
         enforce_eager=True,
         seed=0,
+        gpu_memory_utilization=0.5,  # of CPU memory on vLLM's CPU build: a shared machine
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
@@ -47,8 +50,14 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    fresh = [TokensPrompt(prompt_token_ids=p) for p in args["fresh"]]
+    rounds = []
+    for _ in range(2):
+        done = llm.generate(fresh, params, use_tqdm=False)
+        rounds.append([list(o.outputs[0].token_ids) for o in done])
+        assert llm.reset_prefix_cache()
     with open(args["out"], "w") as f:
-        json.dump(tokens, f)
+        json.dump({"prompts": tokens, "fresh": rounds}, f)
     del llm, outputs  # the engine shuts down: each role writes its report
     gc.collect()
 
