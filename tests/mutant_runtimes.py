@@ -590,3 +590,14 @@ SHAPED: dict[str, tuple[str, Callable[[], Any]]] = {
     "host-double-free": ("I", MUTANTS["host-double-free"]),
     "state-keyed-by-rid": ("A", MUTANTS["state-keyed-by-rid"]),
 }
+
+
+# Module-level names, for ``kvlife check --runtime mutant_runtimes:<name>``.
+sglang_rid_keyed_acks = _sglang(RidKeyedAcks)
+sglang_free_at_retract = _sglang(FreeAtRetract)
+sglang_flush_counted_at_submit = _sglang(FlushCountedAtSubmit)
+sglang_lost_flush_ack = _sglang(LostFlushAck)
+sglang_resume_reuses_record = _sglang(ResumeReusesRecord)
+sglang_shared_staging = _sglang(SharedStaging)
+sglang_unchained_keys = _sglang(UnchainedKeys)
+sglang_slot_counter = _sglang(SlotCounter)

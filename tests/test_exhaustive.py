@@ -14,6 +14,7 @@ from mutant_runtimes import MUTANTS
 
 from kvlife import FinishReason
 from kvlife.cli import main
+from kvlife.testing import InlineStore, KitOptions, ManagerAdapter
 from kvlife.testing.exhaustive import (
     CheckConfig,
     CheckConfigError,
@@ -22,6 +23,13 @@ from kvlife.testing.exhaustive import (
 )
 
 REASONS = tuple(FinishReason)
+
+
+def _options(reasons: int, failures: bool, resumes: bool = False) -> KitOptions:
+    """Options trying the first ``reasons`` finish reasons (finished, aborted, retracted)."""
+    return KitOptions(
+        failures=failures, aborts=reasons >= 2, retractions=reasons >= 3, resumes=resumes
+    )
 
 
 @pytest.mark.parametrize(
@@ -40,19 +48,90 @@ REASONS = tuple(FinishReason)
 def test_interleaving_counts(
     requests: int, chunks: int, reasons: int, failures: bool, count: int
 ) -> None:
-    cfg = CheckConfig(requests, chunks, REASONS[:reasons], failures)
+    cfg = CheckConfig(requests, chunks, options=_options(reasons, failures))
     assert count_interleavings(cfg) == count
 
 
+def _brute_count(cfg: CheckConfig, progress: str) -> int:
+    """An independent count: every interleaving as an explicit list, by plain recursion
+    over (per life: started, steps, finish reason or None, completed chunks, polled)."""
+    reasons = cfg.options.reasons
+    outcomes = 2 if cfg.options.failures and progress == "poll" else 1
+
+    def walk(lives: list[list[object]]) -> int:
+        total = 0
+        for i, (started, k, reason, done, polled) in enumerate(lives):
+            if not started:
+                before = lives[i - 1][2] if i else FinishReason.FINISHED
+                if before is not None:
+                    total += walk(_set(lives, i, [True, 0, None, frozenset(), True]))
+                    if before is FinishReason.RETRACTED and cfg.options.resumes:
+                        total += walk(_set(lives, i, [True, 0, None, frozenset(), True]))
+                continue
+            if reason is None:
+                if k < cfg.chunks:  # type: ignore[operator]
+                    total += walk(_set(lives, i, [True, k + 1, None, done, polled]))  # type: ignore[operator]
+                for r in reasons:
+                    total += walk(_set(lives, i, [True, k, r, done, False]))
+            if progress == "poll":
+                for j in range(k):  # type: ignore[call-overload]
+                    if j not in done:  # type: ignore[operator]
+                        total += outcomes * walk(
+                            _set(lives, i, [True, k, reason, done | {j}, polled])
+                        )  # type: ignore[operator]
+        if progress == "drain":
+            after = [
+                [s, k, r, frozenset(range(k)), polled or r is not None] if s else [s, k, r, d, p]  # type: ignore[call-overload]
+                for s, k, r, d, p in lives
+            ]
+            if after != lives:
+                total += walk(after)
+        return total or 1
+
+    return walk([[False, 0, None, frozenset(), True] for _ in range(cfg.requests)])
+
+
+def _set(lives: list[list[object]], i: int, life: list[object]) -> list[list[object]]:
+    return [*lives[:i], life, *lives[i + 1 :]]
+
+
+@pytest.mark.parametrize("progress", ["poll", "drain"])
+@pytest.mark.parametrize(
+    ("requests", "chunks", "failures", "resumes"),
+    [(1, 2, True, True), (2, 1, True, True), (2, 1, False, True), (2, 2, False, True)],
+)
+def test_interleaving_counts_with_resumes_and_drains_match_an_independent_count(
+    requests: int, chunks: int, failures: bool, resumes: bool, progress: str
+) -> None:
+    cfg = CheckConfig(requests, chunks, options=_options(3, failures, resumes))
+    assert count_interleavings(cfg, progress) == _brute_count(cfg, progress)  # type: ignore[arg-type]
+
+
 def test_kvlife_keeps_every_rule_in_every_interleaving() -> None:
-    report = check_exhaustively(CheckConfig(requests=2, chunks=2))
+    cfg = CheckConfig(requests=2, chunks=2, options=_options(3, False))
+    report = check_exhaustively(cfg)
     assert report.ok, report.violations
     assert report.interleavings == report.total == 7659 and report.violating == 0
+    assert report.deferred == 0
 
 
-def test_failed_copies_too() -> None:
-    report = check_exhaustively(CheckConfig(requests=2, chunks=1, failures=True))
-    assert report.ok and report.interleavings == 549
+def test_failed_copies_and_resumes_too() -> None:
+    report = check_exhaustively(CheckConfig(requests=2, chunks=1))  # the default options
+    assert report.ok and report.interleavings == report.total
+    assert report.total == count_interleavings(CheckConfig(requests=2, chunks=1)) > 549
+
+
+def test_a_one_page_host_pool_defers_chunks_and_breaks_no_rule() -> None:
+    """Item 6: with one host page, chunks wait for the pool (deferred, not copy-owner); with
+    config.host_pages_needed none is deferred."""
+    cfg = CheckConfig(requests=2, chunks=2, options=_options(3, False))
+    small = check_exhaustively(cfg, lambda: ManagerAdapter(host_pages=1, store=InlineStore()))
+    assert small.ok, small.violations
+    assert small.deferred > 0 and small.interleavings < small.total  # deferred prefixes prune
+    ample = check_exhaustively(
+        cfg, lambda: ManagerAdapter(host_pages=cfg.host_pages_needed, store=InlineStore())
+    )
+    assert ample.ok and ample.deferred == 0
 
 
 #: The smallest bound at which each seeded bug can show, and the rule it breaks first.
@@ -62,7 +141,7 @@ BOUNDS = {
     "host-double-free": (CheckConfig(requests=1, chunks=1), {"DoubleFree"}),
     "ack-order-chain": (CheckConfig(requests=1, chunks=2), {"hash-chain"}),
     "late-ack-to-newest": (CheckConfig(requests=2, chunks=1), {"ForeignFree"}),
-}
+}  # the per-shape seeded bugs are in test_mutants.py
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
@@ -87,7 +166,7 @@ def test_release_in_flight_shortest_trace_is_the_abort() -> None:
 
 def test_worker_processes_explore_the_same_interleavings() -> None:
     cfg = CheckConfig(requests=2, chunks=1)
-    assert check_exhaustively(cfg, jobs=2).interleavings == 171
+    assert check_exhaustively(cfg, jobs=2).interleavings == count_interleavings(cfg)
     mutant = check_exhaustively(
         CheckConfig(requests=1, chunks=2), MUTANTS["ack-order-chain"], jobs=2
     )
@@ -97,30 +176,34 @@ def test_worker_processes_explore_the_same_interleavings() -> None:
 def test_cli_json_and_exit_status(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert main(["check", "--chunks", "1", "--reasons", "finished,aborted", "--json"]) == 0
+    argv = ["check", "--chunks", "1", "--reasons", "finished,aborted", "--no-failures"]
+    assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (
-        out["interleavings"]
-        == out["total"]
-        == count_interleavings(CheckConfig(chunks=1, reasons=REASONS[:2]))
-    )
-    assert out["violations"] == [] and out["elapsed_s"] >= 0
+    cfg = CheckConfig(chunks=1, options=_options(2, False, resumes=True))
+    assert out["interleavings"] == out["total"] == count_interleavings(cfg)
+    assert out["violations"] == [] and out["elapsed_s"] >= 0 and out["deferred"] == 0
 
     # The same command on a seeded bug exits 1 and prints the shortest trace.
+    runtime = ["--runtime", "mutant_runtimes:MUTANTS.release-in-flight"]
+    assert main(["check", "--requests", "1", "--chunks", "1", *runtime, "--json"]) == 2
+    capsys.readouterr()  # a dotted name with a dash is not an attribute: refused, exit 2
     monkeypatch.setattr(
-        "kvlife.testing.command.check_exhaustively",
-        lambda cfg, jobs: check_exhaustively(cfg, MUTANTS["release-in-flight"], jobs=jobs),
+        "kvlife.testing.command.load_factory", lambda spec: MUTANTS["release-in-flight"]
     )
-    assert main(["check", "--requests", "1", "--chunks", "1", "--json"]) == 1
+    assert main(["check", "--requests", "1", "--chunks", "1", "--runtime", "x:y", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["violations"][0]["rule"] == "release-in-flight"
-    assert main(["check", "--requests", "1", "--chunks", "1"]) == 1
-    assert "finish life 0 aborted" in capsys.readouterr().out
+    assert main(["check", "--requests", "1", "--chunks", "1", "--runtime", "x:y"]) == 1
+    printed = capsys.readouterr().out
+    assert "   3. finish life 0 aborted" in printed and "FAILED" in printed
 
 
 def test_bad_bounds_are_refused() -> None:
     with pytest.raises(CheckConfigError):
         CheckConfig(chunks=7)
     with pytest.raises(CheckConfigError):
-        CheckConfig(reasons=())
+        CheckConfig(options=None)  # type: ignore[arg-type]
     assert main(["check", "--requests", "0"]) == 2
+    assert main(["check", "--reasons", "aborted"]) == 2
+    assert main(["check", "--runtime", "no_such_module_here:factory"]) == 2
+    assert main(["check", "--runtime", "nocolon"]) == 2

@@ -387,7 +387,7 @@ def _default_factory(cfg: CheckConfig) -> Callable[[], RuntimeAdapter]:
         return ManagerAdapter(
             page_size=cfg.page_size,
             host_pages=cfg.host_pages_needed,
-            device_pages=cfg.requests * (cfg.chunks + 2),
+            device_pages=cfg.requests * (cfg.requests * cfg.chunks + 2),  # resumes grow
             store=InlineStore(),
         )
 
