@@ -13,8 +13,19 @@ from typing import Any
 from hypothesis import settings
 
 from kvlife.manager import OffloadManager
-from kvlife.testing import InlineStore, ManagerAdapter, check_exhaustively, run_kit
-from kvlife.testing.exhaustive import CheckConfig
+from kvlife.testing import (
+    KIT_SETTINGS,
+    CheckConfig,
+    InlineStore,
+    KitOptions,
+    ManagerAdapter,
+    check_exhaustively,
+    run_kit,
+)
+
+#: What the kit may do to this runtime (the defaults: it has a per-copy failure path and
+#: retracts and resumes requests). The same options drive both checks below.
+OPTIONS = KitOptions()
 
 
 class MyManager(OffloadManager):
@@ -36,17 +47,20 @@ def my_adapter() -> ManagerAdapter:
 
 def test_my_runtime_keeps_the_lifecycle_rules() -> None:
     """Reused rids, late and out-of-order completions, aborts, retractions, resumes."""
-    run_kit(my_adapter, settings(max_examples=50, stateful_step_count=30, deadline=None))
+    run_kit(
+        my_adapter, settings(KIT_SETTINGS, max_examples=50, stateful_step_count=30), options=OPTIONS
+    )
 
 
 def test_my_runtime_in_every_interleaving() -> None:
-    """Every interleaving of two lives sharing a rid, two one-page chunks each."""
+    """Every interleaving of two lives sharing a rid, one one-page chunk each."""
 
     def one_page_stride() -> ManagerAdapter:  # each decode step makes one chunk due
         return ManagerAdapter(
             page_size=4, host_pages=5, manager_factory=MyManager, store=InlineStore()
         )
 
-    report = check_exhaustively(CheckConfig(requests=2, chunks=2, page_size=4), one_page_stride)
+    cfg = CheckConfig(requests=2, chunks=1, page_size=4, options=OPTIONS)
+    report = check_exhaustively(cfg, one_page_stride)
     assert report.ok, report.violations
     print(f"{report.interleavings} interleavings in {report.elapsed_s:.1f} s")

@@ -207,3 +207,26 @@ def test_kvlife_check_runtime_catches_port_bugs(
     argv += ["--requests", str(cfg.requests), "--chunks", str(cfg.chunks), "--no-failures"]
     assert main([*argv, "--stuck-after", "0.5"]) == 1
     assert format_trace(shortest) in capsys.readouterr().out
+
+
+DOCUMENTED = [
+    "sglang-rid-keyed-acks",
+    "sglang-free-at-retract",
+    "sglang-flush-counted-at-submit",
+    "sglang-lost-flush-ack",
+    "drop-failed-ack",
+    "sglang-resume-reuses-record",
+    "sglang-shared-staging",
+    "sglang-unchained-keys",
+    "sglang-slot-counter",
+]
+
+
+@pytest.mark.parametrize("name", DOCUMENTED)
+def test_docs_show_each_shapes_shortest_trace(name: str) -> None:
+    """docs/testing-kit.md prints, per shape, the trace the checker finds (pinned above)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "testing-kit.md").read_text("utf-8")
+    _cfg, shortest, _rules = EXPECTED[name]
+    assert format_trace(shortest) + "\n```" in page, name
