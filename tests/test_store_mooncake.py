@@ -19,7 +19,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvlife.store.base import InjectedStoreFailure, InvalidKey, PageMismatch, frame_page
+from kvlife.store.base import (
+    InjectedStoreFailure,
+    InvalidKey,
+    PageMismatch,
+    frame_into,
+    frame_page,
+    frame_size,
+    unframe_page,
+)
 
 try:
     from kvlife.store.mooncake import (
@@ -86,6 +94,22 @@ def put_one(store: MooncakeStore, keys: list[str], pages: torch.Tensor, timeout:
 
 
 # ---------------------------------------------------------------- the protocol
+
+
+def test_frame_into_writes_the_shared_format_and_views_verify_in_place() -> None:
+    payload = as_bytes(pages_for(1, 300)[0])
+    k = key(7)
+    whole = frame_page(k, payload) + payload
+    out = bytearray(len(whole) + 5)
+    assert frame_into(memoryview(out), k, memoryview(payload)) == len(whole)
+    assert frame_size(k, len(payload)) == len(whole)
+    assert bytes(out[: len(whole)]) == whole
+    view = memoryview(out)[: len(whole)]
+    got = unframe_page(k, view)
+    assert isinstance(got, memoryview) and got.tobytes() == payload
+    out[len(whole) - 1] ^= 1  # a flipped bit in place is a miss
+    assert unframe_page(k, view) is None
+    assert unframe_page(key(8), memoryview(whole)) is None  # another key's page
 
 
 def test_roundtrip_batch_get_contains_keys(store: MooncakeStore) -> None:

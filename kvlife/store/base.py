@@ -57,7 +57,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Protocol, runtime_checkable
+from typing import Protocol, overload, runtime_checkable
 
 import torch
 
@@ -80,7 +80,9 @@ __all__ = [
     "StoreStats",
     "Written",
     "check_key",
+    "frame_into",
     "frame_page",
+    "frame_size",
     "unframe_page",
 ]
 
@@ -243,12 +245,38 @@ def frame_page(key: str, payload: bytes | memoryview) -> bytes:
     return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), crc) + digits
 
 
-def unframe_page(key: str, stored: bytes) -> bytes | None:
+def frame_size(key: str, payload_nbytes: int) -> int:
+    """Bytes of the stored page of ``key`` with a payload of ``payload_nbytes`` bytes."""
+    return _HEADER.size + len(key) + payload_nbytes
+
+
+def frame_into(out: memoryview, key: str, payload: bytes | memoryview) -> int:
+    """Write the stored page of ``key`` (``frame_page(key, payload) + payload``) at ``out[0:]``.
+
+    One copy of the payload, no intermediate bytes; returns the bytes written.
+    ``key`` is ASCII (a checked store key).
+    """
+    digits = key.encode("ascii")
+    start = _HEADER.size + len(digits)
+    end = start + len(payload)
+    _HEADER.pack_into(
+        out, 0, PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), zlib.crc32(payload)
+    )
+    out[_HEADER.size : start] = digits
+    out[start:end] = payload
+    return end
+
+
+@overload
+def unframe_page(key: str, stored: bytes) -> bytes | None: ...
+@overload
+def unframe_page(key: str, stored: memoryview) -> memoryview | None: ...
+def unframe_page(key: str, stored: bytes | memoryview) -> bytes | memoryview | None:
     """The payload of ``stored`` if it is a whole page of ``key``, else None.
 
     Whole means: the magic and version match, the header names ``key``, the
     bytes after the header are exactly the recorded length, and their CRC32
-    matches.
+    matches. A memoryview is checked in place and its payload is a view of it.
     """
     if len(stored) < _HEADER.size:
         return None
@@ -257,12 +285,14 @@ def unframe_page(key: str, stored: bytes) -> bytes | None:
     if (
         magic != PAGE_MAGIC
         or version != PAGE_VERSION
-        or stored[_HEADER.size : start] != key.encode("ascii")
         or len(stored) != start + length
-        or zlib.crc32(memoryview(stored)[start:]) != crc
+        or stored[_HEADER.size : start] != key.encode("ascii")
     ):
         return None
-    return stored[start:]
+    payload = stored[start:]
+    if zlib.crc32(payload) != crc:
+        return None
+    return payload
 
 
 def _check_put(keys: Sequence[str], pages: torch.Tensor) -> tuple[str, ...]:

@@ -72,8 +72,8 @@ import importlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -86,7 +86,8 @@ from kvlife.store.base import (
     StoreError,
     Written,
     check_key,
-    frame_page,
+    frame_into,
+    frame_size,
     unframe_page,
 )
 from kvlife.store.directory import check_namespace
@@ -340,16 +341,20 @@ class MooncakeStore(QueuedStore):
         if isinstance(keys, str):
             raise TypeError("get_batch takes a sequence of keys, not one string")
         names = [self.object_key(k) for k in keys]
-        if not names:
-            return []
-        out: list[bytes | None] = []
-        with self._read_lock:  # verified in the read buffer: one copy, of the payload only
-            stored = self._read(names, self._read_buffer, "get", copy=False)
-            for key, data in zip(keys, stored, strict=True):
-                payload = None if data is None else unframe_page(key, cast(bytes, data))
-                if data is not None and payload is None:
+        out: list[bytes | None] = [None] * len(names)
+
+        def use(i: int, data: memoryview | None) -> None:
+            # Verified in the read buffer: one copy, of the payload only.
+            if data is not None:
+                payload = unframe_page(keys[i], data)
+                if payload is None:
                     self._count_corrupt()
-                out.append(None if payload is None else bytes(payload))
+                else:
+                    out[i] = payload.tobytes()
+
+        if names:
+            with self._read_lock:
+                self._read_each(names, self._read_buffer, "get", use)
         return out
 
     def keys(self) -> Iterator[str]:
@@ -357,30 +362,33 @@ class MooncakeStore(QueuedStore):
         with self._known_lock:
             return iter(sorted(self._known))
 
-    def _read(
-        self, names: list[str], buffer: _Buffer, call: str, *, copy: bool = True
-    ) -> list[bytes | memoryview | None]:
-        """The stored objects ``names`` (None where absent); raises on any other failure.
+    def _read_each(
+        self,
+        names: list[str],
+        buffer: _Buffer,
+        call: str,
+        use: Callable[[int, memoryview | None], None],
+    ) -> None:
+        """``use(i, object)`` for each of ``names`` in order (None where absent); raises on failure.
 
-        With ``copy=False`` an object is a view of ``buffer``, valid until its next use.
+        One ``batch_get_into`` into ``buffer``; an object is a view of
+        ``buffer``, valid until its next use (nothing is copied here).
         """
         slot = max(self._slot, 4096)
-        buffer.ensure(slot * len(names))
-        ptrs = [buffer.ptr + i * slot for i in range(len(names))]
-        codes = self._client.batch_get_into(names, ptrs, [slot] * len(names))
-        out: list[bytes | memoryview | None] = []
-        view = buffer.array.data
-        for i, (name, code) in enumerate(zip(names, codes, strict=True)):
+        n = len(names)
+        buffer.ensure(slot * n)
+        base, view = buffer.ptr, buffer.array.data
+        codes = self._client.batch_get_into(names, [base + i * slot for i in range(n)], [slot] * n)
+        for i, code in enumerate(codes):
             if code >= 0:
-                data = view[i * slot : i * slot + code]
-                out.append(data.tobytes() if copy else data)
+                use(i, view[i * slot : i * slot + code])
             elif code == OBJECT_NOT_FOUND:
-                out.append(None)
+                use(i, None)
             elif code == INVALID_PARAMS:  # bigger than the slot: ask its size, read it alone
-                out.append(self._read_one(name, call))
+                data = self._read_one(names[i], call)
+                use(i, None if data is None else memoryview(data))
             else:
-                raise _error(f"batch_get_into ({call})", int(code), name)
-        return out
+                raise _error(f"batch_get_into ({call})", int(code), names[i])
 
     def _read_one(self, name: str, call: str) -> bytes | None:
         size = self._client.get_size(name)
@@ -440,20 +448,24 @@ class MooncakeStore(QueuedStore):
         to_write = [i for i, code in enumerate(found) if code == 0]
         existing = [i for i, code in enumerate(found) if code == 1]
         if existing:
-            held = self._read([names[i] for i in existing], self._put_buffer, "put")
             bad: list[int] = []
-            for i, data in zip(existing, held, strict=True):
-                payload = None if data is None else unframe_page(keys[i], cast(bytes, data))
+
+            def check(j: int, data: memoryview | None) -> None:
+                i = existing[j]
+                payload = None if data is None else unframe_page(keys[i], data)
                 if payload is None:
                     if data is not None:  # a stored object failing verification
                         self._count_corrupt()
                         bad.append(i)
                     to_write.append(i)  # (or evicted since it was found)
-                elif payload != pages.page(i):
+                elif payload.tobytes() != pages.page(i).tobytes():  # memcmp, not per item
                     raise PageMismatch(
                         f"key {keys[i]} is stored with different bytes; the stored page is kept",
                         key=keys[i],
                     )
+
+            held = [names[i] for i in existing]
+            self._read_each(held, self._put_buffer, "put", check)
             if bad:
                 codes = self._client.batch_remove([names[i] for i in bad], True)
                 for i, code in zip(bad, codes, strict=True):
@@ -469,7 +481,7 @@ class MooncakeStore(QueuedStore):
             if created:
                 self._client.batch_remove(created, True)  # best effort: the cluster may be gone
             raise
-        longest = max(len(frame_page(k, b"")) for k in keys) + pages.page_nbytes
+        longest = max(frame_size(k, pages.page_nbytes) for k in keys)
         self._slot = max(self._slot, longest)
         with self._known_lock:
             self._known.update(keys)
@@ -484,26 +496,25 @@ class MooncakeStore(QueuedStore):
         indices: list[int],
         created: list[str],
     ) -> None:
-        """Frame pages ``indices`` into the staging buffer and put them, batch by batch."""
+        """Frame pages ``indices`` into the staging buffer and put them, batch by batch.
+
+        Each page is framed in place (header, then one copy of the page, its
+        CRC32 taken from the caller's memory): no intermediate bytes.
+        """
         if not indices:
             return
-        headers = {i: frame_page(keys[i], pages.page(i)) for i in indices}
-        frame = max(len(h) for h in headers.values()) + pages.page_nbytes
+        frame = max(frame_size(keys[i], pages.page_nbytes) for i in indices)
         per_batch = max(1, self._max_batch // frame)
         buffer = self._put_buffer
         buffer.ensure(frame * min(per_batch, len(indices)))
-        view = buffer.array.data
+        base, view = buffer.ptr, buffer.array.data
         for start in range(0, len(indices), per_batch):
             batch = indices[start : start + per_batch]
             ptrs, sizes = [], []
             offset = 0
             for i in batch:
-                page = pages.page(i)
-                header = headers[i]
-                end = offset + len(header) + len(page)
-                view[offset : offset + len(header)] = header
-                view[offset + len(header) : end] = page
-                ptrs.append(buffer.ptr + offset)
+                end = offset + frame_into(view[offset:], keys[i], pages.page(i))
+                ptrs.append(base + offset)
                 sizes.append(end - offset)
                 offset = end
             self._put_batch([names[i] for i in batch], ptrs, sizes, created)
