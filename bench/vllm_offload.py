@@ -4,11 +4,18 @@ Runs vLLM's CPU build once (single process, tiny random Llama, a store round
 and a load round), recording every call vLLM makes to kvlife's manager, with
 its real keys. Then replays that same call trace against a fresh kvlife
 manager and a fresh dict-based manager (the simplest one a user would write:
-a dict key -> host slot, a free list, LRU by an OrderedDict), interleaved,
-``--reps`` times each, and reports the median cost per engine step. The worker
-side (the copies) is the same for both and not part of this figure.
+a dict key -> host slot, a free list, LRU by an OrderedDict, with the same
+features: pending and pinned entries, eviction of ready unpinned slots only,
+``None`` when full, and the same counters reported by ``get_stats``),
+interleaved, ``--reps`` times each, and reports the median cost per engine
+step. The worker side (the copies) is not part of that figure.
 
-    python bench/vllm_offload.py [--reps 30] [--prompts 32]
+Then the worker's bandwidth: a fresh ``KVLifeWorker`` over vLLM's real KV
+cache views stores one job of ``--bw-blocks`` scattered blocks to its host
+pool and loads it back into other blocks, through its copy engine, against a
+contiguous ``copy_`` of the same bytes; interleaved rounds, medians.
+
+    python bench/vllm_offload.py [--reps 30] [--prompts 32] [--bw-blocks 512] [--bw-rounds 9]
 
 Needs vLLM (see docs/vllm.md). The last line is one JSON object.
 """
@@ -30,8 +37,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
     LookupResult,
     OffloadingManager,
     OffloadKey,
@@ -40,9 +54,16 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from kvlife.integrations.vllm import KVLifeOffloadingManager, live_managers
+from kvlife.integrations.vllm import (
+    HostBlocksSpec,
+    KVLifeOffloadingManager,
+    KVLifeWorker,
+    live_managers,
+    live_workers,
+)
 from kvlife.pool import HostPagePool
 
+COUNTERS = ("stored", "loaded", "evicted", "dropped_host_full")
 CALLS = (
     "on_new_request",
     "lookup",
@@ -61,11 +82,24 @@ class _Slots(BlockIDsLoadStoreSpec):  # type: ignore[misc]
 
 
 class DictManager(OffloadingManager):  # type: ignore[misc]
-    """The simplest dict-based manager: key -> slot, free list, LRU, refs for loads."""
+    """The simplest dict-based manager with the backend's features, as a user would write it.
+
+    A dict key -> ``[slot, ready, pins]`` in LRU order and a free list: pending
+    entries (``HIT_PENDING``), loads pin their slots, LRU eviction of ready,
+    unpinned slots only (never the offered keys), ``None`` when full, failed
+    stores dropped, and the same counters and gauges reported through
+    ``get_stats`` (deltas; ``None`` when nothing changed). No per-request state:
+    nothing checks that a completion belongs to a job, nor that a job ends once.
+    """
 
     def __init__(self, slots: int) -> None:
-        self.entries: OrderedDict[OffloadKey, list[int]] = OrderedDict()  # [slot, ready, refs]
+        self.entries: OrderedDict[OffloadKey, list[Any]] = OrderedDict()  # [slot, ready, pins]
         self.free = list(range(slots))
+        self.slots = slots
+        self.pending = 0
+        self.counts = {name: 0 for name in COUNTERS}
+        self.reported = dict(self.counts)
+        self.gauges: tuple[int, int] | None = None
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         e = self.entries.get(key)
@@ -84,27 +118,40 @@ class DictManager(OffloadingManager):  # type: ignore[misc]
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
-            self.entries[key][2] -= 1
+            e = self.entries.get(key)
+            if e is not None and e[2]:
+                e[2] -= 1
+        self.counts["loaded"] += len(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
-        new = [k for k in keys if k not in self.entries]
+        new = []
+        for k in keys:
+            if k in self.entries:
+                self.entries.move_to_end(k)
+            else:
+                new.append(k)
+        new = new[: self.slots]
         need = len(new) - len(self.free)
         evicted: list[OffloadKey] = []
         if need > 0:
             protected = set(keys)
-            evicted = [
-                k for k, e in self.entries.items() if e[1] and not e[2] and k not in protected
-            ]
-            evicted = evicted[:need]
+            for k, e in self.entries.items():
+                if e[1] and not e[2] and k not in protected:
+                    evicted.append(k)
+                    if len(evicted) == need:
+                        break
             if len(evicted) < need:
+                self.counts["dropped_host_full"] += 1
                 return None
             for k in evicted:
                 self.free.append(self.entries.pop(k)[0])
+            self.counts["evicted"] += len(evicted)
         slots = []
         for k in new:
             slot = self.free.pop()
             self.entries[k] = [slot, False, 0]
             slots.append(slot)
+        self.pending += len(new)
         return PrepareStoreOutput(keys_to_store=new, store_spec=_Slots(slots), evicted_keys=evicted)
 
     def complete_store(
@@ -112,11 +159,35 @@ class DictManager(OffloadingManager):  # type: ignore[misc]
     ) -> None:
         for k in keys:
             e = self.entries.get(k)
-            if e is not None:
+            if e is None or e[1]:
+                continue
+            self.pending -= 1
+            if success:
                 e[1] = True
+                self.counts["stored"] += 1
+            else:
+                self.free.append(self.entries.pop(k)[0])
 
     def on_new_request(self, req_context: ReqContext) -> Any:
         return RequestOffloadingContext()
+
+    def reset_cache(self) -> None:
+        self.entries.clear()
+        self.free = list(range(self.slots))
+        self.pending = 0
+
+    def get_stats(self) -> Any:
+        gauges = (self.pending, self.slots - len(self.free))
+        if gauges == self.gauges and self.counts == self.reported:
+            return None
+        stats = OffloadingConnectorStats()
+        for name, value in self.counts.items():
+            if value != self.reported[name]:
+                stats.increase_counter(f"vllm:kvlife_{name}", value - self.reported[name])
+        stats.set_gauge("vllm:kvlife_pending_blocks", gauges[0])
+        stats.set_gauge("vllm:kvlife_host_usage_perc", gauges[1] / self.slots)
+        self.gauges, self.reported = gauges, dict(self.counts)
+        return stats
 
 
 def build_model(path: str) -> None:
@@ -136,8 +207,11 @@ def build_model(path: str) -> None:
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
 
 
-def record_trace(n_prompts: int, host_bytes: int) -> tuple[list[tuple[str, str | None, Any]], int]:
-    """Run vLLM; return the manager calls (name, request id, other args) and the page count."""
+def record_trace(
+    n_prompts: int, host_bytes: int
+) -> tuple[list[tuple[str, str | None, Any]], int, tuple[torch.Tensor, ...]]:
+    """Run vLLM; return the manager calls (name, request id, other args), the page count
+    and vLLM's KV cache block views (the worker's layout, for the bandwidth figure)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -163,6 +237,7 @@ def record_trace(n_prompts: int, host_bytes: int) -> tuple[list[tuple[str, str |
         ),
     )
     (manager,) = live_managers()
+    (worker,) = live_workers()
     trace: list[tuple[str, str | None, Any]] = []
     for name in CALLS:
         method = getattr(manager, name)
@@ -183,7 +258,7 @@ def record_trace(n_prompts: int, host_bytes: int) -> tuple[list[tuple[str, str |
     llm.generate(prompts, params, use_tqdm=False)
     llm.reset_prefix_cache()
     llm.generate(prompts, params, use_tqdm=False)
-    return trace, manager.pool.capacity
+    return trace, manager.pool.capacity, worker.layout.views
 
 
 def replay(manager: Any, trace: list[tuple[str, str | None, Any]]) -> float:
@@ -206,13 +281,84 @@ def replay(manager: Any, trace: list[tuple[str, str | None, Any]]) -> float:
     return elapsed
 
 
+def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dict[str, float]:
+    """The worker's store and load bandwidth against a contiguous copy of the same bytes.
+
+    A fresh :class:`KVLifeWorker` (its own host pool) over vLLM's real KV cache
+    views: one job of ``blocks`` scattered device blocks into consecutive host
+    pages (a store), then back into other scattered blocks (a load), each timed
+    from ``submit_*`` through ``wait`` to its ``get_finished`` result; and a
+    ``copy_`` between two contiguous tensors of the same size. Rounds are
+    interleaved; medians.
+    """
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(v, int(v.shape[1])) for v in views],
+        group_data_refs=[[CanonicalKVCacheRef(i, int(v.shape[1])) for i, v in enumerate(views)]],
+    )
+    row = sum(int(v.shape[1]) for v in views)
+    worker = KVLifeWorker(caches, HostPagePool(blocks, row, torch.int8))
+    rng = random.Random(1)
+    picked = rng.sample(range(1, int(views[0].shape[0])), 2 * blocks)  # block 0: vLLM's null
+    src, dst = picked[:blocks], picked[blocks:]
+    host = list(range(blocks))
+    keys = [i.to_bytes(8, "big") for i in range(blocks)]
+    flat_src = torch.randint(-128, 127, (blocks * row,), dtype=torch.int8)
+    flat_dst = torch.empty_like(flat_src)
+    times: dict[str, list[float]] = {"store": [], "load": [], "contiguous": []}
+    perf = time.perf_counter
+
+    def job(job_id: int, load: bool) -> float:
+        start = perf()
+        if load:
+            worker.submit_load(
+                job_id, HostBlocksSpec(host, keys), GPULoadStoreSpec(dst, [blocks], [0])
+            )
+        else:
+            worker.submit_store(
+                job_id, GPULoadStoreSpec(src, [blocks], [0]), HostBlocksSpec(host, keys)
+            )
+        worker.wait({job_id})
+        (result,) = worker.get_finished()
+        elapsed = perf() - start
+        assert result.job_id == job_id and result.success
+        return elapsed
+
+    for r in range(rounds + 1):  # round 0 warms up
+        store_s, load_s = job(2 * r, False), job(2 * r + 1, True)
+        start = perf()
+        flat_dst.copy_(flat_src)
+        copy_s = perf() - start
+        if r:
+            times["store"].append(store_s)
+            times["load"].append(load_s)
+            times["contiguous"].append(copy_s)
+    for view in views:  # the load wrote what the store read
+        assert torch.equal(view[dst], view[src])
+    assert worker.stats["copy_failures"] == worker.stats["copy_refused"] == 0
+    worker.shutdown()
+    gb = blocks * row / 1e9
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bw_blocks": blocks,
+        "bw_mib": round(blocks * row / 2**20, 1),
+        "bw_rounds": rounds,
+        "store_gbps": round(gb / med["store"], 2),
+        "load_gbps": round(gb / med["load"], 2),
+        "contiguous_gbps": round(gb / med["contiguous"], 2),
+        "store_vs_contiguous": round(med["contiguous"] / med["store"], 3),
+        "load_vs_contiguous": round(med["contiguous"] / med["load"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--host-bytes", type=int, default=64 * 32768)
+    parser.add_argument("--bw-blocks", type=int, default=512, help="blocks per bandwidth job")
+    parser.add_argument("--bw-rounds", type=int, default=9, help="bandwidth rounds (>= 7)")
     args = parser.parse_args()
-    trace, pages = record_trace(args.prompts, args.host_bytes)
+    trace, pages, views = record_trace(args.prompts, args.host_bytes)
     steps = sum(1 for name, _, _ in trace if name == "on_schedule_end")
     counts = {name: sum(1 for n, _, _ in trace if n == name) for name in CALLS}
     print(f"trace: {len(trace)} manager calls over {steps} engine steps, {pages} host pages")
@@ -236,7 +382,13 @@ def main() -> None:
         "dict_us_per_step": round(dict_us, 2),
         "ratio": round(kv_us / dict_us, 3),
     }
-    print(json.dumps(result))
+    bandwidth = worker_bandwidth(views, args.bw_blocks, max(7, args.bw_rounds))
+    print(
+        f"worker: store {bandwidth['store_gbps']} GB/s, load {bandwidth['load_gbps']} GB/s, "
+        f"contiguous copy {bandwidth['contiguous_gbps']} GB/s "
+        f"({bandwidth['bw_mib']} MiB per job, median of {bandwidth['bw_rounds']})"
+    )
+    print(json.dumps({**result, **bandwidth}))
 
 
 if __name__ == "__main__":

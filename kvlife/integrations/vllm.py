@@ -31,12 +31,17 @@ it asks for the :class:`KVLifeOffloadingManager`, in each worker process for a
   never ``HIT``), then *ready*; a ready entry being loaded has a pin count.
   LRU eviction takes only ready, unpinned entries, never the keys being
   offered; when no page can be had, ``prepare_store`` returns ``None`` (vLLM
-  offers the keys again next step) and the refusal is counted.
+  offers the keys again next step) and the refusal is counted. A count of
+  evictable entries refuses a tier full of pending or pinned pages without a
+  scan.
 - Each request gets a kvlife :class:`~kvlife.Lifecycle` at ``on_new_request``,
   kept on vLLM's per-request ``ReqContext`` (never in a dict keyed by request
   id). A store job is a chunk submitted to it, a load job another; both count
   as in flight until ``complete_store`` / ``complete_load`` acks the job's
-  ticket (found by the job's key set on the request's own state).
+  ticket (found by the request's Lifecycle, taken from its ReqContext, and the
+  job's key set: vLLM completes a job by its keys). A store's Lifecycle chunk
+  records vLLM's bytes keys as they are; a load records their hex (made once
+  per key).
   ``on_request_finished`` finishes the Lifecycle, which releases once nothing
   is in flight - vLLM may complete a job after it finished the request.
 - Lifecycle refusals (:class:`~kvlife.errors.LifecycleError`) and calls that
@@ -104,7 +109,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 
@@ -113,7 +118,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  #
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
-    BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -143,7 +147,6 @@ from kvlife.engine import (
     UnallocatedHostPage,
 )
 from kvlife.errors import ConfigError, KVLifeError, LifecycleError
-from kvlife.hashing import given_keys
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 from kvlife.store.base import StoreError
@@ -163,8 +166,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
 
 class OffloadRefused(KVLifeError):
     """With ``strict``: a vLLM call the backend cannot apply (e.g. it names no known job)."""
@@ -173,25 +174,40 @@ class OffloadRefused(KVLifeError):
 # ----------------------------------------------------------------------------- keys
 
 
-def _start_store(lifecycle: Lifecycle, keys: list[str]) -> Ticket:
-    """A store job: a chunk of pages named by vLLM's keys (``given_keys``, page_size 1)."""
-    return lifecycle.submit(cast("list[int]", keys))
+def _given_bytes(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
+    """The store hasher of the backend's Lifecycles: like :func:`~kvlife.hashing.given_keys`
+    (each "token" is one page's key, already made; ``page_size`` 1), for vLLM's own
+    ``bytes`` keys, recorded as they are: no conversion per call. The keys come from
+    vLLM's block hashes, never from user input, so they are not checked one by one."""
+    return tokens  # type: ignore[return-value]
+
+
+#: A store job: ``_start_store(lifecycle, keys)`` submits a chunk of pages named by
+#: vLLM's keys (the Lifecycle's hasher, page_size 1); ``Lifecycle.submit`` typed for keys.
+_start_store = cast("Callable[[Lifecycle, Sequence[object]], Ticket]", Lifecycle.submit)
 
 
 # ----------------------------------------------------------------------------- specs
 
 
-class HostBlocksSpec(BlockIDsLoadStoreSpec):  # type: ignore[misc]
+class HostBlocksSpec(LoadStoreSpec):  # type: ignore[misc]
     """Where a job's blocks are on the host side, in the job's block order.
 
     ``block_ids[i]`` is the host page of block ``i``, or ``-1``: block ``i``
-    is read from the persistent tier (loads only). ``keys[i]`` is its hex key
-    (the store writes and disk reads use it).
+    is read from the persistent tier (loads only). ``keys[i]`` is its vLLM
+    key (bytes); the persistent tier names it by ``keys[i].hex()``. Made by
+    the manager, read only by the worker (vLLM carries it between the two),
+    so it keeps plain lists: no array is built on the scheduler's hot path.
     """
 
-    def __init__(self, block_ids: list[int], keys: list[str]) -> None:
-        super().__init__(block_ids)
+    __slots__ = ("block_ids", "keys")
+
+    def __init__(self, block_ids: list[int], keys: list[OffloadKey]) -> None:
+        self.block_ids = block_ids
         self.keys = keys
+
+    def __repr__(self) -> str:
+        return f"HostBlocksSpec({self.block_ids!r})"
 
 
 #: Host page of a block that a load reads from the persistent tier.
@@ -217,27 +233,31 @@ METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
 }
 
-_COUNTER_FIELDS = {
-    "vllm:kvlife_stored_blocks": "stored",
-    "vllm:kvlife_loaded_blocks": "loaded",
-    "vllm:kvlife_loaded_from_store_blocks": "loaded_from_store",
-    "vllm:kvlife_evicted_blocks": "evicted",
-    "vllm:kvlife_dropped_host_full": "dropped_host_full",
-    "vllm:kvlife_refused": "refused",
-}
+#: Counter metrics, in the order of :meth:`KVLifeOffloadingManager._snapshot`.
+_COUNTER_NAMES = (
+    "vllm:kvlife_stored_blocks",
+    "vllm:kvlife_loaded_blocks",
+    "vllm:kvlife_loaded_from_store_blocks",
+    "vllm:kvlife_evicted_blocks",
+    "vllm:kvlife_dropped_host_full",
+    "vllm:kvlife_refused",
+)
 
 # ----------------------------------------------------------------------------- scheduler side
 
 
-class _Entry:
-    """One key on the host tier."""
+#: A key's entry on the host tier is a list ``[page, ready, pins, hex]`` (one is made
+#: per stored block: a list costs a fraction of an object with an ``__init__``).
+#: ``ready`` False: its store is in flight ("pending"); ``pins``: loads in flight
+#: reading the page; ``hex``: the key as hex, made at its first load.
+_PAGE, _READY, _PINS, _HEX = 0, 1, 2, 3
 
-    __slots__ = ("page", "pins", "ready")
 
-    def __init__(self, page: int) -> None:
-        self.page = page
-        self.ready = False  # False: its store is in flight ("pending")
-        self.pins = 0  # loads in flight reading the page
+#: ``self._stores.pop(job, _NO_JOB)``: no store job of these keys.
+_NO_JOB: Any = object()
+
+#: A job of one request: its Lifecycle (by identity) and the job's key set.
+_JobId = tuple[Lifecycle, frozenset[OffloadKey]]
 
 
 @dataclass(slots=True)
@@ -246,18 +266,7 @@ class _LoadJob:
     pinned: list[OffloadKey]  # host keys this load pins until its ack
 
 
-class _RequestState:
-    """A request's kvlife state, kept on its ReqContext (one per request life)."""
-
-    __slots__ = ("__weakref__", "lifecycle", "loads", "stores")
-
-    def __init__(self) -> None:
-        self.lifecycle: Lifecycle | None = None
-        self.stores: dict[frozenset[OffloadKey], Ticket | None] = {}
-        self.loads: dict[frozenset[OffloadKey], _LoadJob] = {}
-
-
-@dataclass
+@dataclass(slots=True)
 class _Counts:
     stored: int = 0
     loaded: int = 0
@@ -289,6 +298,12 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     Runs on vLLM's scheduler thread only. ``pool`` is the host tier (shared
     with the worker in single-process mode, allocator-only otherwise);
     ``disk`` is the persistent tier opened read-side, or None.
+
+    vLLM calls this on every scheduler step, so the hot paths avoid work per
+    call: a key's hex is made once (at its first load), refusals of a full
+    tier are decided by a count of evictable entries before any scan, pages
+    of evicted entries go straight to the new keys (the manager owns both),
+    and ``get_stats`` compares one tuple before it builds anything.
     """
 
     def __init__(
@@ -300,17 +315,23 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         report_dir: str | None = None,
     ) -> None:
         self._pool = pool
+        self._capacity = pool.capacity
         self._strict = strict
         self._disk = disk
         self._report_dir = report_dir
         # key -> host entry, least recently used first.
-        self._entries: OrderedDict[OffloadKey, _Entry] = OrderedDict()
+        self._entries: OrderedDict[OffloadKey, list[Any]] = OrderedDict()
+        self._evictable = 0  # entries ready and unpinned
         self._on_disk: set[OffloadKey] = set()  # keys verified in the persistent tier
-        self._live: set[_RequestState] = set()  # request states whose Lifecycle is not released
+        # Each request's Lifecycle is kept on its ReqContext (``set_state``); here are
+        # the ones not yet released, and the jobs in flight, by Lifecycle and key set.
+        self._live: set[Lifecycle] = set()
+        self._stores: dict[_JobId, Ticket | None] = {}  # None: the Lifecycle refused it
+        self._loads: dict[_JobId, _LoadJob] = {}
+        self._on_release = self._released  # one bound method for every Lifecycle
         self._pending = 0
         self.counts = _Counts()
-        self._reported = _Counts()
-        self._last_gauges: tuple[int, int] | None = None
+        self._last_stats: tuple[int, ...] | None = None
         self.refusals: Counter[str] = Counter()
         self.lifecycles_started = 0
         self.lifecycles_released = 0
@@ -328,12 +349,15 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def accounting(self) -> dict[str, int]:
         """Counters and invariants, for tests and the shutdown report."""
-        pinned = sum(e.pins for e in self._entries.values())
+        entries = self._entries.values()
+        pinned = sum(e[_PINS] for e in entries)
+        evictable = sum(1 for e in entries if e[_READY] and not e[_PINS])
         return {
             "host_pages_used": self._pool.num_used,
             "host_keys": len(self._entries),
             "pending": self._pending,
             "pinned": pinned,
+            "evictable_drift": self._evictable - evictable,  # 0 unless the count is wrong
             "live_lifecycles": len(self._live),
             "lifecycles_started": self.lifecycles_started,
             "lifecycles_released": self.lifecycles_released,
@@ -361,58 +385,54 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self.refusals[kind] == 1:
             logger.warning("kvlife: %s refused (%s); counted, logged once per kind", kind, message)
 
-    def _event(self, what: str, call: Callable[[], _T]) -> _T | None:
-        """Run one Lifecycle event; a refusal is counted (or raised with strict)."""
-        try:
-            return call()
-        except LifecycleError as exc:
-            self._refuse(f"{what}:{type(exc).__name__}", str(exc), exc)
-            return None
+    def _lifecycle_refused(self, what: str, exc: LifecycleError) -> None:
+        """A Lifecycle event refused (nothing changed): counted, or raised with strict."""
+        self._refuse(f"{what}:{type(exc).__name__}", str(exc), exc)
 
-    def _ack(self, what: str, state: _RequestState, ticket: Ticket | LoadTicket | None) -> None:
-        lifecycle = state.lifecycle
-        if ticket is not None and lifecycle is not None:
-            self._event(what, lambda: lifecycle.ack(ticket))
+    def _ack(self, what: str, lifecycle: Lifecycle, ticket: Ticket | LoadTicket | None) -> None:
+        if ticket is not None:
+            try:
+                lifecycle.ack(ticket)
+            except LifecycleError as exc:
+                self._lifecycle_refused(what, exc)
 
-    def _state(self, ctx: ReqContext, what: str) -> _RequestState:
-        state: _RequestState | None = ctx.get_state(_RequestState)
-        if state is None:
-            self._refuse(f"{what}:untracked_request", f"request {ctx.req_id} was never started")
-            self.on_new_request(ctx)
-            state = ctx.get_state(_RequestState)
-        assert state is not None
-        return state
+    def _untracked(self, ctx: ReqContext, what: str) -> Lifecycle:
+        """A call for a request vLLM never started with us: counted, then started."""
+        self._refuse(f"{what}:untracked_request", f"request {ctx.req_id} was never started")
+        self.on_new_request(ctx)
+        lifecycle: Lifecycle = ctx.get_state(Lifecycle)
+        return lifecycle
 
     # ---------------------------------------------------------------- requests
 
+    def _released(self, lifecycle: Lifecycle) -> None:
+        self._live.discard(lifecycle)
+        self.lifecycles_released += 1
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        state = _RequestState()
-
-        def released(_: Lifecycle) -> None:
-            self._live.discard(state)
-            self.lifecycles_released += 1
-
-        state.lifecycle = Lifecycle(
-            req_context.req_id, page_size=1, hasher=given_keys, on_release=released
+        lifecycle = Lifecycle(
+            req_context.req_id, page_size=1, hasher=_given_bytes, on_release=self._on_release
         )
-        req_context.set_state(state)
-        self._live.add(state)
+        req_context.set_state(lifecycle)
+        self._live.add(lifecycle)
         self.lifecycles_started += 1
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        state: _RequestState | None = req_context.get_state(_RequestState)
-        if state is None or state.lifecycle is None:
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        if lifecycle is None:
             return
-        lifecycle = state.lifecycle
-        self._event("finish", lambda: lifecycle.finish(FinishReason.FINISHED))
+        try:
+            lifecycle.finish(FinishReason.FINISHED)
+        except LifecycleError as exc:
+            self._lifecycle_refused("finish", exc)
 
     # ---------------------------------------------------------------- lookups and loads
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         entry = self._entries.get(key)
         if entry is not None:
-            return LookupResult.HIT if entry.ready else LookupResult.HIT_PENDING
+            return LookupResult.HIT if entry[_READY] else LookupResult.HIT_PENDING
         if self._disk is not None:
             if key in self._on_disk:
                 return LookupResult.HIT
@@ -422,28 +442,40 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        state = self._state(req_context, "load")
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        if lifecycle is None:
+            lifecycle = self._untracked(req_context, "load")
+        entries = self._entries
+        ordered = keys if type(keys) is list else list(keys)
         pages: list[int] = []
         hex_keys: list[str] = []
         pinned: list[OffloadKey] = []
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is not None and entry.ready:
-                entry.pins += 1
-                self._entries.move_to_end(key)
+        for key in ordered:
+            entry = entries.get(key)
+            if entry is not None and entry[_READY]:
+                if not entry[_PINS]:
+                    self._evictable -= 1
+                entry[_PINS] += 1
+                entries.move_to_end(key)
                 pinned.append(key)
-                pages.append(entry.page)
+                pages.append(entry[_PAGE])
+                hexed = entry[_HEX]
+                if hexed is None:
+                    hexed = entry[_HEX] = key.hex()
+                hex_keys.append(hexed)
             else:
                 if key not in self._on_disk:  # lookup said HIT: unreachable by design
                     self._refuse("load:no_source", f"key {key.hex()[:16]} is on no tier")
                 pages.append(FROM_STORE)
                 self.counts.loaded_from_store += 1
-            hex_keys.append(key.hex())
-        lifecycle = state.lifecycle
-        assert lifecycle is not None
-        ticket = self._event("load", lambda: lifecycle.load(hex_keys))
-        state.loads[frozenset(keys)] = _LoadJob(ticket, pinned)
-        return HostBlocksSpec(pages, hex_keys)
+                hex_keys.append(key.hex())
+        try:
+            ticket: LoadTicket | None = lifecycle.load(hex_keys)
+        except LifecycleError as exc:
+            self._lifecycle_refused("load", exc)
+            ticket = None
+        self._loads[lifecycle, frozenset(ordered)] = _LoadJob(ticket, pinned)
+        return HostBlocksSpec(pages, ordered)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
@@ -453,28 +485,31 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def complete_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext, **kwargs: Any
     ) -> None:
-        state = self._state(req_context, "complete_load")
-        job = state.loads.pop(frozenset(keys), None)
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        if lifecycle is None:
+            lifecycle = self._untracked(req_context, "complete_load")
+        job = self._loads.pop((lifecycle, frozenset(keys)), None)
         if job is None:
             self._refuse("complete_load:unknown_job", f"no load of these {len(keys)} keys")
             return
+        entries = self._entries
         for key in job.pinned:
-            entry = self._entries.get(key)
-            if entry is not None and entry.pins > 0:
-                entry.pins -= 1
+            entry = entries.get(key)
+            if entry is not None and entry[_PINS] > 0:
+                entry[_PINS] -= 1
+                if not entry[_PINS] and entry[_READY]:
+                    self._evictable += 1
         self.counts.loaded += len(keys)
-        self._ack("complete_load", state, job.ticket)
+        self._ack("complete_load", lifecycle, job.ticket)
 
     # ---------------------------------------------------------------- stores
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        state = self._state(req_context, "store")
         entries = self._entries
-        offered = list(keys)
         new: list[OffloadKey] = []
-        for key in offered:
+        for key in keys:
             if key in entries:
                 entries.move_to_end(key)
             else:
@@ -484,63 +519,87 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 keys_to_store=[], store_spec=HostBlocksSpec([], []), evicted_keys=[]
             )
         pool = self._pool
-        # More new keys than the whole tier: store the leading ones (the rest are skipped).
-        new = new[: pool.capacity]
+        if len(new) > self._capacity:  # more new keys than the tier: store the leading ones
+            new = new[: self._capacity]
+        free = pool.num_free
+        need = len(new) - free
         evicted: list[OffloadKey] = []
-        need = len(new) - pool.num_free
-        if need > 0:
-            protected = set(offered)
+        if need <= 0:
+            pages = pool.alloc(len(new), self)
+            assert pages is not None  # enough pages are free
+        else:
+            if need > self._evictable:  # every other page is pending or pinned
+                self.counts.dropped_host_full += 1
+                return None
+            protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
             for key, entry in entries.items():  # least recently used first
-                if entry.ready and not entry.pins and key not in protected:
+                if entry[_READY] and not entry[_PINS] and key not in protected:
                     evicted.append(key)
                     if len(evicted) == need:
                         break
-            if len(evicted) < need:
+            else:
                 self.counts.dropped_host_full += 1
                 return None
-            victims = [entries.pop(key).page for key in evicted]
-            pool.free(victims, self)
-            self.counts.evicted += len(evicted)
-        pages = pool.alloc(len(new), self)
-        assert pages is not None  # need <= 0 or enough pages were freed
+            # The evicted entries' pages go straight to the new keys (one owner: us).
+            pages = [entries.pop(key)[_PAGE] for key in evicted]
+            self._evictable -= need
+            self.counts.evicted += need
+            if free:
+                more = pool.alloc(free, self)
+                assert more is not None
+                pages += more
         for key, page in zip(new, pages, strict=True):
-            entries[key] = _Entry(page)
+            entries[key] = [page, False, 0, None]
         self._pending += len(new)
-        hex_keys = [key.hex() for key in new]
-        lifecycle = state.lifecycle
-        assert lifecycle is not None
-        state.stores[frozenset(new)] = self._event(
-            "store", lambda: _start_store(lifecycle, hex_keys)
-        )
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        if lifecycle is None:
+            lifecycle = self._untracked(req_context, "store")
+        try:
+            ticket: Ticket | None = _start_store(lifecycle, new)
+        except LifecycleError as exc:
+            self._lifecycle_refused("store", exc)
+            ticket = None
+        self._stores[lifecycle, frozenset(new)] = ticket
         return PrepareStoreOutput(
-            keys_to_store=new, store_spec=HostBlocksSpec(pages, hex_keys), evicted_keys=evicted
+            keys_to_store=new, store_spec=HostBlocksSpec(pages, new), evicted_keys=evicted
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        state = self._state(req_context, "complete_store")
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        if lifecycle is None:
+            lifecycle = self._untracked(req_context, "complete_store")
         job_keys = frozenset(keys)
-        if job_keys not in state.stores:
+        ticket = self._stores.pop((lifecycle, job_keys), _NO_JOB)
+        if ticket is _NO_JOB:
             self._refuse("complete_store:unknown_job", f"no store of these {len(keys)} keys")
             return
-        ticket = state.stores.pop(job_keys)
+        entries = self._entries
+        settled = 0
         failed: list[int] = []
         for key in job_keys:
-            entry = self._entries.get(key)
-            if entry is None or entry.ready:
+            entry = entries.get(key)
+            if entry is None or entry[_READY]:
                 continue
-            self._pending -= 1
+            settled += 1
             if success:
-                entry.ready = True
-                self.counts.stored += 1
+                entry[_READY] = True  # pending entries are never pinned: now evictable
             else:
-                del self._entries[key]
-                failed.append(entry.page)
-        if failed:
+                del entries[key]
+                failed.append(entry[_PAGE])
+        self._pending -= settled
+        if success:
+            self.counts.stored += settled
+            self._evictable += settled
+        elif failed:
             self._pool.free(failed, self)
             self.counts.store_failed += len(failed)
-        self._ack("complete_store", state, ticket)
+        if ticket is not None:
+            try:
+                lifecycle.ack(ticket)
+            except LifecycleError as exc:
+                self._lifecycle_refused("complete_store", exc)
 
     # ---------------------------------------------------------------- engine hooks
 
@@ -548,23 +607,25 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return ()
 
     def on_schedule_end(self, context: Any) -> None:
-        self.preemptions += len(context.preempted_req_ids)
+        if context.preempted_req_ids:
+            self.preemptions += len(context.preempted_req_ids)
 
     def has_pending_work(self) -> bool:
         return False
 
     def _abandon_jobs(self) -> None:
         """Ack every job vLLM will never complete (reset or shutdown); pins and pending go."""
-        for state in list(self._live):
-            tickets = [*state.stores.values(), *(job.ticket for job in state.loads.values())]
-            self.counts.abandoned_jobs += len(state.stores) + len(state.loads)
-            state.stores.clear()
-            state.loads.clear()
-            for ticket in tickets:
-                self._ack("abandon", state, ticket)
+        stores, loads = self._stores, self._loads
+        self._stores, self._loads = {}, {}
+        self.counts.abandoned_jobs += len(stores) + len(loads)
+        for (lifecycle, _), ticket in stores.items():
+            self._ack("abandon", lifecycle, ticket)
+        for (lifecycle, _), job in loads.items():
+            self._ack("abandon", lifecycle, job.ticket)
 
     def _clear_tier(self) -> None:
         self._entries.clear()
+        self._evictable = 0
         self._pending = 0
         self._on_disk.clear()
         owned = self._pool.owned_by(self)
@@ -577,22 +638,28 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._clear_tier()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        counts, reported = self.counts, self._reported
-        gauges = (self._pending, self._pool.num_used)
-        deltas = {
-            name: getattr(counts, field) - getattr(reported, field)
-            for name, field in _COUNTER_FIELDS.items()
-        }
-        if gauges == self._last_gauges and not any(deltas.values()):
+        c = self.counts
+        now = (
+            c.stored,
+            c.loaded,
+            c.loaded_from_store,
+            c.evicted,
+            c.dropped_host_full,
+            c.refused,
+            self._pending,
+            self._pool.num_used,
+        )
+        last = self._last_stats
+        if now == last:
             return None
         stats = OffloadingConnectorStats()
-        for name, delta in deltas.items():
+        for i, name in enumerate(_COUNTER_NAMES):
+            delta = now[i] - (last[i] if last is not None else 0)
             if delta:
                 stats.increase_counter(name, delta)
-        stats.set_gauge("vllm:kvlife_pending_blocks", gauges[0])
-        stats.set_gauge("vllm:kvlife_host_usage_perc", gauges[1] / self._pool.capacity)
-        self._last_gauges = gauges
-        self._reported = _Counts(**vars(counts))
+        stats.set_gauge("vllm:kvlife_pending_blocks", now[6])
+        stats.set_gauge("vllm:kvlife_host_usage_perc", now[7] / self._capacity)
+        self._last_stats = now
         return stats
 
     def shutdown(self) -> None:
@@ -600,15 +667,17 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self._shut:
             return
         self._shut = True
-        for state in list(self._live):
-            lifecycle = state.lifecycle
-            if lifecycle is not None and lifecycle.finish_reason is None:
+        for lifecycle in list(self._live):
+            if lifecycle.finish_reason is None:
                 self.finished_at_shutdown += 1
-                self._event("finish", partial(lifecycle.finish, FinishReason.ABORTED))
+                try:
+                    lifecycle.finish(FinishReason.ABORTED)
+                except LifecycleError as exc:
+                    self._lifecycle_refused("finish", exc)
         self._abandon_jobs()
         # Pending entries never became ready; ready ones stay (the pool dies with us).
-        for key in [k for k, e in self._entries.items() if not e.ready]:
-            self._pool.free([self._entries.pop(key).page], self)
+        for key in [k for k, e in self._entries.items() if not e[_READY]]:
+            self._pool.free([self._entries.pop(key)[_PAGE]], self)
         self._pending = 0
         if self._disk is not None:
             self._disk.close()
@@ -742,10 +811,12 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         worker owns every page of its pool (the engine copies only allocated pages)."""
         self._pages_claimed = True
         key = self._pool_key
-        if key is not None and _SHARED_POOLS.get(key) is self._pool:
+        if key is not None:
+            if _SHARED_POOLS.get(key) is not self._pool:
+                return  # the manager of this process took the pool: it allocates the pages
             del _SHARED_POOLS[key]
-            if self._pool.num_free:
-                self._pool.alloc(self._pool.num_free, self)
+        if self._pool.num_free:  # no manager here (or no pool key): the pool is ours
+            self._pool.alloc(self._pool.num_free, self)
 
     # ---------------------------------------------------------------- jobs
 
@@ -754,7 +825,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             self._claim_pages()
         job = _WorkerJob(job_id, load, blocks, time.perf_counter())
         lifecycle = Lifecycle(
-            job_id, page_size=1, hasher=given_keys, on_release=partial(self._released, job)
+            job_id, page_size=1, hasher=_given_bytes, on_release=partial(self._released, job)
         )
         self._jobs[job_id] = job
         self._by_life[lifecycle] = job
@@ -816,7 +887,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 try:  # a private copy: the host pages may be evicted before the write ends
                     host = self._pool.tensor
                     rows = host.index_select(0, torch.tensor(ack.host_pages, dtype=torch.int64))
-                    self._store.put(job.job_id, ack.ticket.keys, rows)
+                    keys = cast("tuple[bytes, ...]", ack.ticket.keys)
+                    self._store.put(job.job_id, [key.hex() for key in keys], rows)
                 except StoreError as exc:
                     self._error_once("store_put_refused", repr(exc))
             ack.lifecycle.ack(ack.ticket)
@@ -825,7 +897,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, **kwargs: Any
     ) -> bool:
         spec = cast(HostBlocksSpec, dst_spec)
-        host_pages = spec.block_ids.tolist()
+        host_pages = list(spec.block_ids)
         job, lifecycle = self._start(job_id, False, len(host_pages))
         if host_pages:
             ticket = _start_store(lifecycle, spec.keys)
@@ -837,32 +909,35 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, **kwargs: Any
     ) -> bool:
         spec = cast(HostBlocksSpec, src_spec)
-        host_ids: list[int] = spec.block_ids.tolist()
+        host_ids = list(spec.block_ids)
         device_ids: list[int] = dst_spec.block_ids.tolist()
         job, lifecycle = self._start(job_id, True, len(device_ids))
         on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
         if len(on_host) < len(host_ids):
             disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
-            ticket = lifecycle.load([spec.keys[i] for i in disk])
+            ticket = lifecycle.load([spec.keys[i].hex() for i in disk])
             self._load_from_store(spec.keys, disk, device_ids)
             lifecycle.ack(ticket)
         if on_host:
-            ticket = lifecycle.load([spec.keys[i] for i in on_host])
+            ticket = lifecycle.load([spec.keys[i].hex() for i in on_host])
             self._submit(
                 job, ticket, [device_ids[i] for i in on_host], [host_ids[i] for i in on_host]
             )
         lifecycle.finish(FinishReason.FINISHED)
         return True
 
-    def _load_from_store(self, keys: list[str], blocks: list[int], device_ids: list[int]) -> None:
+    def _load_from_store(
+        self, keys: list[OffloadKey], blocks: list[int], device_ids: list[int]
+    ) -> None:
         """Blocks of a load the persistent tier holds: read (verified) and written straight
         into the device blocks, here. They are not host pool pages, and the engine copies
         only between device pages and host pool pages."""
         for i in blocks:
-            payload = self._store.get(keys[i]) if self._store is not None else None
+            name = keys[i].hex()
+            payload = self._store.get(name) if self._store is not None else None
             self.stats["disk_reads"] += 1
             if payload is None or len(payload) != self.row_bytes:
-                self._error_once("disk_load_errors", f"page {keys[i][:16]} unreadable")
+                self._error_once("disk_load_errors", f"page {name[:16]} unreadable")
                 row = torch.zeros(self.row_bytes, dtype=torch.int8)
             else:
                 row = torch.frombuffer(bytearray(payload), dtype=torch.int8)

@@ -139,6 +139,7 @@ def assert_clean(manager: KVLifeOffloadingManager) -> dict[str, int]:
     acc = manager.accounting()
     assert acc["refused"] == 0, dict(manager.refusals)
     assert acc["pending"] == 0 and acc["pinned"] == 0, acc
+    assert acc["evictable_drift"] == 0, acc  # the count that refuses a full tier at once
     # Every used host page belongs to a cached key: nothing leaked beyond what the tier keeps.
     assert acc["host_pages_used"] == acc["host_keys"] <= manager.pool.capacity, acc
     assert acc["lifecycles_released"] + acc["live_lifecycles"] == acc["lifecycles_started"], acc
@@ -377,7 +378,7 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     assert wkr["jobs_in_flight"] == 0
     assert not any(wkr.get(k) for k in ("copy_failures", "copy_refused", "stale_jobs_skipped"))
     assert mgr["refused"] == 0 and mgr["pending"] == 0 and mgr["pinned"] == 0
-    assert mgr["host_pages_used"] == mgr["host_keys"]
+    assert mgr["host_pages_used"] == mgr["host_keys"] and mgr["evictable_drift"] == 0
     assert mgr["lifecycles_released"] == mgr["lifecycles_started"] == len(PROMPTS) + 2 * 8
     assert os.getpid() not in (int(p.stem.split("-")[1]) for p in (tmp_path / "report").iterdir())
 
