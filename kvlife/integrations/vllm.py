@@ -145,6 +145,7 @@ from kvlife.engine import (
     EngineError,
     HostPageBusy,
     UnallocatedHostPage,
+    host_runs,
 )
 from kvlife.errors import ConfigError, KVLifeError, LifecycleError
 from kvlife.layout import KVLayout
@@ -734,6 +735,8 @@ class _WorkerJob:
     started: float
     event: Completion | None = None
     copy_done: float = 0.0
+    #: A copy of the job could not be made, even directly: its result says so.
+    failed: bool = False
 
 
 class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
@@ -857,7 +860,30 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             ticket.lifecycle.ack(ticket)
         except EngineError as exc:
             self._error_once("copy_refused", repr(exc))
+            self._copy_directly(job, isinstance(ticket, LoadTicket), device_pages, host_pages)
             ticket.lifecycle.ack(ticket)
+
+    def _copy_directly(
+        self, job: _WorkerJob, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> None:
+        """The copy the engine did not make (it failed or refused it), made here, at once.
+
+        A job never reports a copy it did not make: if this copy fails too, the
+        job's result is a failure (vLLM 0.32 then stops, loudly, rather than
+        decode on blocks that hold no KV or store pages that hold none).
+        """
+        pages = torch.tensor(list(device_pages), dtype=torch.int64, device=self.layout.device)
+        runs = host_runs(host_pages)
+        try:
+            if load:
+                self.layout.scatter_runs(pages, self._pool.tensor, runs)
+            else:
+                self.layout.gather_runs(pages, self._pool.tensor, runs)
+        except Exception as exc:
+            job.failed = True
+            self._error_once("copy_failed_twice", repr(exc))
+            return
+        self.stats["copies_made_directly"] += 1
 
     def _released(self, job: _WorkerJob, lifecycle: Lifecycle) -> None:
         """The job's Lifecycle released: every copy of the job is over. Its one result."""
@@ -869,7 +895,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self.stats["loaded_blocks" if job.load else "stored_blocks"] += job.blocks
         self.seconds[kind] += elapsed
         self._finished.append(
-            TransferResult(job.job_id, True, job.blocks * self.row_bytes, elapsed)
+            TransferResult(job.job_id, not job.failed, job.blocks * self.row_bytes, elapsed)
         )
 
     def _collect(self, acks: Iterable[Ack]) -> None:
@@ -880,10 +906,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 self._error_once("unknown_acks", repr(ack.ticket))
                 continue
             job.copy_done = ack.completed_at
-            if ack.error is not None:
-                # vLLM 0.32 cannot take a failed transfer (it asserts): count and log.
+            if ack.error is not None:  # made again directly; a failure only if that fails
                 self._error_once("copy_failures", repr(ack.error))
-            elif not ack.is_load and self._store is not None:
+                self._copy_directly(job, ack.is_load, ack.device_pages, ack.host_pages)
+            if not ack.is_load and self._store is not None and not job.failed:
                 try:  # a private copy: the host pages may be evicted before the write ends
                     host = self._pool.tensor
                     rows = host.index_select(0, torch.tensor(ack.host_pages, dtype=torch.int64))
@@ -916,7 +942,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         if len(on_host) < len(host_ids):
             disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
             ticket = lifecycle.load([spec.keys[i].hex() for i in disk])
-            self._load_from_store(spec.keys, disk, device_ids)
+            self._load_from_store(job, spec.keys, disk, device_ids)
             lifecycle.ack(ticket)
         if on_host:
             ticket = lifecycle.load([spec.keys[i].hex() for i in on_host])
@@ -927,7 +953,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         return True
 
     def _load_from_store(
-        self, keys: list[OffloadKey], blocks: list[int], device_ids: list[int]
+        self, job: _WorkerJob, keys: list[OffloadKey], blocks: list[int], device_ids: list[int]
     ) -> None:
         """Blocks of a load the persistent tier holds: read (verified) and written straight
         into the device blocks, here. They are not host pool pages, and the engine copies
@@ -937,10 +963,12 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             payload = self._store.get(name) if self._store is not None else None
             self.stats["disk_reads"] += 1
             if payload is None or len(payload) != self.row_bytes:
+                # Verified at lookup, gone or damaged since: the block holds no KV, and a
+                # job that reported success would have vLLM decode on it. It fails, loudly.
                 self._error_once("disk_load_errors", f"page {name[:16]} unreadable")
-                row = torch.zeros(self.row_bytes, dtype=torch.int8)
-            else:
-                row = torch.frombuffer(bytearray(payload), dtype=torch.int8)
+                job.failed = True
+                continue
+            row = torch.frombuffer(bytearray(payload), dtype=torch.int8)
             self.layout.write_page(device_ids[i], row.to(self.layout.device))
 
     def _poll_store(self, results: Iterable[Any]) -> None:

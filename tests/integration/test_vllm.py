@@ -152,8 +152,11 @@ def assert_worker_clean(worker: KVLifeWorker) -> None:
     worker.flush(timeout=60)
     assert worker.inflight == 0 and worker.engine.inflight == 0
     assert worker.engine.copy_errors == 0
-    for kind in ("copy_failures", "copy_refused", "unknown_acks", "disk_load_errors"):
+    for kind in ("copy_failed_twice", "unknown_acks", "disk_load_errors"):
         assert worker.stats[kind] == 0, dict(worker.stats)
+    # A copy the engine failed or refused was made again directly, every one.
+    repaired = worker.stats["copy_failures"] + worker.stats["copy_refused"]
+    assert worker.stats["copies_made_directly"] == repaired, dict(worker.stats)
 
 
 def _drain_signals(llm: LLM) -> None:
@@ -268,6 +271,34 @@ def test_seeded_bug_zero_loads_changes_outputs(
     assert sum(a != b for a, b in zip(reloaded, computed, strict=True)) >= 4
     assert_clean(manager)
     assert_worker_clean(worker)
+
+
+def test_failed_copies_are_made_again_never_reported_done_unmade(
+    kv_llm: LLM, baseline: Any
+) -> None:
+    """Scenario: the worker's copy engine fails loads and stores (injected faults).
+
+    vLLM 0.32 has no failure path for a transfer, so a job must never report a
+    copy it did not make: each failed copy is made again directly, and the
+    outputs are the same as with no offloading.
+    """
+    manager, worker = _roles()
+    assert isinstance(worker.engine, CpuCopyEngine)
+    before = dict(worker.stats)
+    assert kv_llm.reset_prefix_cache(reset_connector=False)
+    worker.engine.fail_next(3)  # the next three chunks: loads of the stored prompts
+    assert _generate(kv_llm, PROMPTS) == baseline["main"]
+    fresh = _prompts(4, 4)
+    computed = _generate(kv_llm, fresh)
+    worker.engine.fail_next(2)  # stores of fresh prompts, then their loads
+    assert kv_llm.reset_prefix_cache(reset_connector=False)
+    assert _generate(kv_llm, fresh) == computed
+    worker.flush(timeout=60)
+    failures = worker.stats["copy_failures"] - before.get("copy_failures", 0)
+    made = worker.stats["copies_made_directly"] - before.get("copies_made_directly", 0)
+    assert failures == made == 5, dict(worker.stats)
+    assert worker.stats["copy_failed_twice"] == 0
+    assert_clean(manager)
 
 
 def _step_until_done(llm: LLM) -> None:
