@@ -105,7 +105,7 @@ import os
 import time
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -159,6 +159,7 @@ __all__ = [
     "KVLifeOffloadingManager",
     "KVLifeOffloadingSpec",
     "KVLifeWorker",
+    "OffloadCollector",
     "OffloadRefused",
     "live_managers",
     "live_workers",
@@ -1026,6 +1027,46 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             report = {**self.stats, **{f"{k}_seconds": v for k, v in self.seconds.items()}}
             report["jobs_in_flight"] = len(self._jobs)
             _write_report(self._report_dir, f"worker-{os.getpid()}.json", report)
+
+
+class OffloadCollector:
+    """A ``prometheus_client`` collector of one process's kvlife roles, read at scrape time.
+
+    ``REGISTRY.register(OffloadCollector())`` in the process that runs the
+    roles (the EngineCore process for the manager, the worker process for the
+    worker; both in single-process mode). Counters: blocks stored, loaded,
+    loaded from the persistent tier, evicted, dropped for host-full, refused
+    events; gauges: pending, pinned, live Lifecycles; the worker's transfer
+    seconds by direction.
+    """
+
+    _COUNTERS = ("stored", "loaded", "loaded_from_store", "evicted", "dropped_host_full", "refused")
+    _GAUGES = ("pending", "pinned", "live_lifecycles", "host_pages_used")
+
+    def describe(self) -> list[Any]:
+        """No up-front description: the registry calls :meth:`collect` instead."""
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        """One family per figure, summed over this process's live managers and workers."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        books = [m.accounting() for m in live_managers()]
+        for name in self._COUNTERS:
+            family = CounterMetricFamily(f"kvlife_vllm_{name}", f"kvlife vLLM backend: {name}")
+            family.add_metric([], float(sum(b[name] for b in books)))
+            yield family
+        for name in self._GAUGES:
+            gauge = GaugeMetricFamily(f"kvlife_vllm_{name}", f"kvlife vLLM backend: {name}")
+            gauge.add_metric([], float(sum(b[name] for b in books)))
+            yield gauge
+        seconds = CounterMetricFamily(
+            "kvlife_vllm_transfer_seconds", "Worker transfer time", labels=["direction"]
+        )
+        for direction in ("store", "load"):
+            total = sum(w.seconds[direction] for w in live_workers())
+            seconds.add_metric([direction], total)
+        yield seconds
 
 
 def _write_report(directory: str, name: str, report: Mapping[str, Any]) -> None:

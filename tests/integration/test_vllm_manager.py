@@ -183,3 +183,27 @@ def test_two_models_of_one_shape_never_share_a_namespace() -> None:
     assert a != b and a == store_namespace(_config("model-a"))
     assert store_namespace(_config("model-a", kv_bytes=65536)) != a  # another KV shape
     assert store_namespace(_config("model-a"), model_id="other") != a
+
+
+def test_the_prometheus_collector_reads_the_backend() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvlife.integrations.vllm import OffloadCollector
+
+    def sample(name: str) -> float:
+        value = registry.get_sample_value(name)
+        assert value is not None, name
+        return value
+
+    registry = CollectorRegistry()
+    registry.register(OffloadCollector())
+    before = sample("kvlife_vllm_stored_total"), sample("kvlife_vllm_pending")
+    m = manager(pages=2)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    assert m.prepare_store([key(2)], ctx) is not None
+    assert sample("kvlife_vllm_stored_total") == before[0] + 1
+    assert sample("kvlife_vllm_pending") == before[1] + 1
+    seconds = registry.get_sample_value("kvlife_vllm_transfer_seconds_total", {"direction": "load"})
+    assert seconds is not None and seconds >= 0.0
