@@ -520,8 +520,11 @@ class Lifecycle:
         if type(keys) is not list and type(keys) is not tuple:
             _check_tokens(keys, self._refuse, _LOAD)
         loaded = tuple(keys)
-        if not loaded or any(type(key) is not str for key in loaded):
+        if not loaded:
             raise self._refuse(InvalidChunk, _LOAD, "a load needs one or more str keys")
+        for key in loaded:  # a plain loop: no generator frame per load
+            if type(key) is not str:
+                raise self._refuse(InvalidChunk, _LOAD, f"key {key!r} is not a str")
         inflight = self._inflight
         dest = _ON_LOAD.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:
