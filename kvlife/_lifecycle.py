@@ -217,12 +217,23 @@ def _rows_of(compiled: dict[tuple[State, Event, int], State], event: Event) -> d
     return rows
 
 
+def _flat(rows: dict[State, _Row]) -> dict[State, State]:
+    """``state -> destination`` of an event whose rows have no guard (one per state)."""
+    flat: dict[State, State] = {}
+    for state, (d0, d1, d2) in rows.items():
+        if d0 is None or not (d0 is d1 is d2):
+            raise ValueError(f"{state.name}: the event's destination depends on a guard")
+        flat[state] = d0
+    return flat
+
+
 # The hot path's view of _NEXT, split by event so one dict lookup keyed by the
 # state (hashed by identity) gives the row; the in-flight class indexes it.
-_ON_SUBMIT = _rows_of(_NEXT, _SUBMIT)
-_ON_LOAD = _rows_of(_NEXT, _LOAD)
+# Submit, load and finish have no guard: their view is one destination per state.
+_ON_SUBMIT = _flat(_rows_of(_NEXT, _SUBMIT))
+_ON_LOAD = _flat(_rows_of(_NEXT, _LOAD))
 _ON_ACK = _rows_of(_NEXT, _ACK)
-_ON_FINISH = _rows_of(_NEXT, _FINISH)
+_ON_FINISH = _flat(_rows_of(_NEXT, _FINISH))
 _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
 
 
@@ -358,7 +369,7 @@ class Lifecycle:
         self._chunks: list[Ticket | _Settled] = []
         self._acked_seq = 0
         self._finish_reason: FinishReason | None = None
-        self._loads: dict[int, LoadTicket] = {}  # in flight, by seq
+        self._loads: dict[int, LoadTicket] | None = None  # in flight, by seq (made at a load)
         self._loads_started = 0
 
     # ---------------------------------------------------------------- reading
@@ -414,7 +425,8 @@ class Lifecycle:
 
     def loads_in_flight(self) -> tuple[LoadTicket, ...]:
         """Loads started and not yet acked, in seq order."""
-        return tuple(self._loads[seq] for seq in sorted(self._loads))
+        loads = self._loads or {}
+        return tuple(loads[seq] for seq in sorted(loads))
 
     def snapshot(self) -> LifecycleSnapshot:
         """Every observable field, for comparing whole states."""
@@ -427,7 +439,7 @@ class Lifecycle:
             tuple(t.seq for t in self.chunks_in_flight()),
             self.next_seq,
             self._finish_reason,
-            tuple(sorted(self._loads)),
+            tuple(sorted(self._loads or ())),
         )
 
     def __repr__(self) -> str:
@@ -449,8 +461,7 @@ class Lifecycle:
             raise self._refuse(
                 InvalidChunk, _SUBMIT, f"{n} tokens are not one or more whole pages of {page_size}"
             )
-        inflight = self._inflight
-        dest = _ON_SUBMIT.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
+        dest = _ON_SUBMIT.get(self._state)
         if dest is None:
             raise self._refuse(InvalidTransition, _SUBMIT, "the table has no such transition")
         try:
@@ -467,7 +478,7 @@ class Lifecycle:
         chunks.append(ticket)
         self._pages_submitted = first_page + pages
         self._tail = keys[-1]
-        self._inflight = inflight + 1
+        self._inflight += 1
         self._state = dest
         return ticket
 
@@ -482,25 +493,25 @@ class Lifecycle:
             return self._ack_load(ticket)
         chunks = self._chunks
         try:
-            owner = ticket.lifecycle
-            index = ticket.seq - self._acked_seq
+            owner, seq, _, keys = ticket  # type: ignore[misc]  # a LoadTicket went above
+            index = seq - self._acked_seq
             chunk = chunks[index] if 0 <= index < len(chunks) else None
-        except (AttributeError, TypeError):
+        except (TypeError, ValueError):
             raise self._refuse(UnknownChunk, _ACK, f"{ticket!r} is not a Ticket") from None
         if owner is not self:
-            raise self._refuse(ForeignAck, _ACK, f"chunk {ticket.seq} belongs to {owner!r}")
+            raise self._refuse(ForeignAck, _ACK, f"chunk {seq} belongs to {owner!r}")
         if chunk is not ticket and chunk != ticket:  # None, an acked chunk's key, or a forgery
-            raise self._ack_refusal(ticket.seq, chunk)
+            raise self._ack_refusal(seq, chunk)
         inflight = self._inflight
         dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:  # unreachable while the table and the checks above agree
             raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
         if index:  # an earlier chunk is still in flight: remember this one's last key
-            chunks[index] = _Settled(ticket.keys[-1])
+            chunks[index] = _Settled(keys[-1])
         else:  # the acked prefix grows over this chunk and any acked early after it
-            last = ticket.keys[-1]
+            last = keys[-1]
             del chunks[0]
-            settled = ticket.seq + 1
+            settled = seq + 1
             while chunks and type(chunks[0]) is _Settled:
                 last = chunks.pop(0).last_key  # type: ignore[union-attr]
                 settled += 1
@@ -525,15 +536,16 @@ class Lifecycle:
         for key in loaded:  # a plain loop: no generator frame per load
             if type(key) is not str:
                 raise self._refuse(InvalidChunk, _LOAD, f"key {key!r} is not a str")
-        inflight = self._inflight
-        dest = _ON_LOAD.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
+        dest = _ON_LOAD.get(self._state)
         if dest is None:
             raise self._refuse(InvalidTransition, _LOAD, "the table has no such transition")
         seq = self._loads_started
         ticket = _new_ticket(LoadTicket, (self, seq, loaded))
+        if self._loads is None:
+            self._loads = {}
         self._loads[seq] = ticket
         self._loads_started = seq + 1
-        self._inflight = inflight + 1
+        self._inflight += 1
         self._state = dest
         return ticket
 
@@ -541,15 +553,16 @@ class Lifecycle:
         owner, seq = ticket.lifecycle, ticket.seq
         if owner is not self:
             raise self._refuse(ForeignAck, _ACK, f"load {seq} belongs to {owner!r}")
-        if self._loads.get(seq) != ticket:
-            if type(seq) is int and 0 <= seq < self._loads_started and seq not in self._loads:
+        loads = self._loads or {}
+        if loads.get(seq) != ticket:
+            if type(seq) is int and 0 <= seq < self._loads_started and seq not in loads:
                 raise self._refuse(DuplicateAck, _ACK, f"load {seq} was already acked")
             raise self._refuse(UnknownChunk, _ACK, f"load {seq!r} was never started")
         inflight = self._inflight
         dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:  # unreachable while the table and the checks above agree
             raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
-        del self._loads[seq]
+        del loads[seq]
         self._inflight = inflight - 1
         self._state = dest
         if dest is _FINISHED and inflight == 1:
@@ -557,15 +570,14 @@ class Lifecycle:
 
     def finish(self, reason: FinishReason = FinishReason.FINISHED) -> None:
         """End decoding. Releases at once if nothing is in flight, else when the last ack comes."""
-        if not isinstance(reason, FinishReason):
+        if type(reason) is not FinishReason:
             raise self._refuse(InvalidEvent, _FINISH, f"reason {reason!r} is not a FinishReason")
-        inflight = self._inflight
-        dest = _ON_FINISH.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
+        dest = _ON_FINISH.get(self._state)
         if dest is None:
             raise self._refuse(InvalidTransition, _FINISH, "the table has no such transition")
         self._finish_reason = reason
         self._state = dest
-        if inflight == 0:
+        if not self._inflight:
             self._release()
 
     def _release(self) -> None:
