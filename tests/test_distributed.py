@@ -70,7 +70,7 @@ class RecordingEngine:
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> None:
-        self.events[name(ticket)] = self.inner.submit_chunk(ticket, device_pages, host_pages)
+        self.events[name(ticket)] = self.inner.submit(ticket, device_pages, host_pages)
 
     def _record(self, acks: list[Ack]) -> list[Ack]:
         now = time.monotonic()

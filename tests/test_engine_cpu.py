@@ -151,7 +151,7 @@ def test_overwriting_device_pages_before_the_ack_gives_a_wrong_host_copy(
     host_pages = host.alloc(2, ticket)
     assert host_pages is not None
     gate = engine.hold_next()  # the copy is delayed until the gate opens
-    done = engine.submit_chunk(ticket, [2, 3], host_pages)
+    done = engine.submit(ticket, [2, 3], host_pages)
     assert not done.query() and not done.started
     reused = torch.full((layout.page_numel,), 9.0)
     layout.write_page(2, reused)  # the runtime reuses device page 2 too early
@@ -255,7 +255,7 @@ def test_acks_move_only_their_own_lifecycle_even_out_of_order(
     for t, dev in ((t0, 0), (t1, 1), (other, 2)):
         pages = host.alloc(1, t)
         assert pages is not None
-        engine.submit_chunk(t, [dev], pages)
+        engine.submit(t, [dev], pages)
     while engine.inflight > 1:  # chunk 1 and the old life's chunk complete; chunk 0 is held
         for ack in engine.poll():
             assert ack.ticket in (t1, other)
@@ -279,7 +279,7 @@ def test_poll_never_blocks_and_returns_each_ack_once(
     for i, t in enumerate(tickets):
         pages = host.alloc(1, t)
         assert pages is not None
-        events.append(engine.submit_chunk(t, [i], pages))
+        events.append(engine.submit(t, [i], pages))
     assert engine.poll() == [] and engine.inflight == 3  # FIFO worker: all wait on the gate
     gate.open()
     events[-1].synchronize()
@@ -301,7 +301,7 @@ def test_drain_timeout_keeps_everything_for_later(engines: Callable[..., CpuCopy
     for t in (t0, t1):
         pages = host.alloc(1, t)
         assert pages is not None
-        done = engine.submit_chunk(t, [t.seq], pages)
+        done = engine.submit(t, [t.seq], pages)
     done.synchronize()  # chunk 1 is complete, chunk 0 is held
     with pytest.raises(DrainTimeout):
         engine.drain(timeout=0.01)
@@ -547,7 +547,7 @@ def test_a_load_writes_the_device_pages_when_it_runs_not_at_submit(
     host.tensor[h] = 5.0
     stale = layout.read_page(3).clone()
     gate = engine.hold_next()
-    done = engine.submit_chunk(ticket, [3], [h])
+    done = engine.submit(ticket, [3], [h])
     assert torch.equal(bits(layout.read_page(3)), bits(stale))  # read too early: stale
     gate.open()
     done.synchronize()

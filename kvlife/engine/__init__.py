@@ -1,5 +1,5 @@
 """Copy engines: device pages to host pages (stores) and back (loads), asynchronously,
-one ack per chunk.
+one ack per chunk; ``submit`` returns the chunk's completion handle.
 
 :class:`CpuCopyEngine` runs real worker threads over a CPU layout (for tests
 and the simulator); :class:`CudaCopyEngine` uses a side stream and
@@ -8,7 +8,6 @@ and the simulator); :class:`CudaCopyEngine` uses a side stream and
 
 from kvlife.engine.base import (
     Ack,
-    Completion,
     CopyEngine,
     CopyFault,
     DevicePageBusy,
@@ -23,9 +22,6 @@ from kvlife.engine.base import (
     LengthMismatch,
     PageOutOfRange,
     UnallocatedHostPage,
-    check_chunk,
-    check_compatible,
-    check_pages,
     host_runs,
 )
 from kvlife.engine.cpu import CpuCopyEngine, CpuCopyEvent, Gate
@@ -33,7 +29,6 @@ from kvlife.engine.cuda import CudaCopyEngine
 
 __all__ = [
     "Ack",
-    "Completion",
     "CopyEngine",
     "CopyFault",
     "CpuCopyEngine",
@@ -52,8 +47,5 @@ __all__ = [
     "LengthMismatch",
     "PageOutOfRange",
     "UnallocatedHostPage",
-    "check_chunk",
-    "check_compatible",
-    "check_pages",
     "host_runs",
 ]

@@ -16,7 +16,8 @@ Engines are driven by one thread (the scheduler's): it submits, polls and
 drains. Engine primitives, one line each:
 
 - ``check(device_pages, host_pages)``: the page checks of ``submit``, nothing else;
-- ``submit(ticket, device_pages, host_pages)``: validate, then start the copy;
+- ``submit(ticket, device_pages, host_pages)``: validate, start the copy, and return
+  the chunk's completion handle (``query()``, ``synchronize()``, as ``torch.cuda.Event``);
 - ``poll()``: acks completed since the last poll or drain, without blocking;
 - ``drain(timeout)``: block until every submitted chunk is acked;
 - ``inflight``: chunks submitted whose acks were not yet returned;
@@ -37,7 +38,7 @@ out of range or repeated, or a page conflicts with a copy in flight:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Ack",
-    "Completion",
     "CopyEngine",
     "CopyFault",
     "DevicePageBusy",
@@ -67,9 +67,6 @@ __all__ = [
     "PageCopyEngine",
     "PageOutOfRange",
     "UnallocatedHostPage",
-    "check_chunk",
-    "check_compatible",
-    "check_pages",
     "host_runs",
 ]
 
@@ -175,19 +172,6 @@ class Ack:
 
 
 @runtime_checkable
-class Completion(Protocol):
-    """One chunk's completion marker, queried like ``torch.cuda.Event``."""
-
-    def query(self) -> bool:
-        """Whether the chunk's copy has completed (successfully or not)."""
-        ...
-
-    def synchronize(self) -> None:
-        """Block until the chunk's copy has completed."""
-        ...
-
-
-@runtime_checkable
 class CopyEngine(Protocol):
     """Copies chunks between device and host pages and reports one :class:`Ack` per chunk.
 
@@ -206,8 +190,9 @@ class CopyEngine(Protocol):
         ticket: Ticket | LoadTicket,
         device_pages: Sequence[int],
         host_pages: Sequence[int],
-    ) -> None:
-        """Validate the chunk, then start copying it; refusals raise :class:`EngineError`."""
+    ) -> object:
+        """Validate the chunk, start copying it and return its completion handle; refusals
+        raise :class:`EngineError`."""
         ...
 
     def poll(self) -> list[Ack]:
@@ -228,115 +213,16 @@ class CopyEngine(Protocol):
         ...
 
 
-def check_compatible(layout: KVLayout, host: HostPagePool) -> None:
-    """Refuse a device layout and host pool that disagree on dtype or page width."""
-    if layout.dtype != host.dtype or layout.page_numel != host.page_numel:
-        raise LayoutMismatch(
-            f"device layout pages are {layout.dtype} x {layout.page_numel}, host pool pages "
-            f"are {host.dtype} x {host.page_numel}"
-        )
-
-
-def _check_pages(side: str, pages: tuple[int, ...], limit: int) -> None:
-    seen: set[int] = set()
-    for p in pages:
-        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < limit:
-            raise PageOutOfRange(f"{side} page {p!r} out of range [0, {limit})", side=side, page=p)
-        if p in seen:
-            raise DuplicatePage(f"{side} page {p} appears twice in one chunk")
-        seen.add(p)
-
-
-_NONE: frozenset[int] = frozenset()
-
-
-def check_pages(
-    device_pages: Sequence[int],
-    host_pages: Sequence[int],
-    layout: KVLayout,
-    host: HostPagePool,
-    busy: Container[int] = _NONE,
-    *,
-    closed: bool = False,
-    load: bool = False,
-    host_reading: Container[int] = _NONE,
-    device_writing: Container[int] = _NONE,
-    device_reading: Container[int] = _NONE,
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Every page check a chunk must pass before any copy; returns the pages as tuples.
-
-    ``busy``: host pages stores in flight write; ``host_reading``: host pages
-    loads in flight read; ``device_writing``: device pages loads in flight
-    write; ``device_reading``: device pages stores in flight read. ``load``
-    says which way this chunk copies.
-    """
-    if closed:
-        raise EngineClosed("the engine is closed; it takes no more chunks")
-    dev, hst = tuple(device_pages), tuple(host_pages)
-    if not dev or len(dev) != len(hst):
-        raise LengthMismatch(f"chunk has {len(dev)} device and {len(hst)} host pages")
-    _check_pages("device", dev, layout.num_pages)
-    _check_pages("host", hst, host.capacity)
-    for p in hst:
-        if host.owner_of(p) is None:
-            raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
-        if p in busy:
-            raise HostPageBusy(f"host page {p} is still being written by a chunk in flight")
-        if not load and p in host_reading:
-            raise HostPageBusy(f"host page {p} is still being read by a load in flight")
-    for p in dev:
-        if p in device_writing:
-            raise DevicePageBusy(f"device page {p} is still being written by a load in flight")
-        if load and p in device_reading:
-            raise DevicePageBusy(f"device page {p} is still being read by a store in flight")
-    return dev, hst
-
-
-def check_chunk(
-    ticket: object,
-    device_pages: Sequence[int],
-    host_pages: Sequence[int],
-    layout: KVLayout,
-    host: HostPagePool,
-    busy: Container[int] = _NONE,
-    *,
-    closed: bool = False,
-    host_reading: Container[int] = _NONE,
-    device_writing: Container[int] = _NONE,
-    device_reading: Container[int] = _NONE,
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """:func:`check_pages` for the ticket's direction (a :class:`~kvlife.LoadTicket` loads),
-    and the ticket's page count must match; returns the pages."""
-    if closed:
-        raise EngineClosed("the engine is closed; it takes no more chunks")
-    kind = type(ticket)
-    if kind is not Ticket and kind is not LoadTicket:
-        raise InvalidTicket(f"expected a Ticket or a LoadTicket, got {kind.__name__}")
-    n = ticket.n_pages  # type: ignore[attr-defined]
-    if len(device_pages) != n or len(host_pages) != n:
-        raise LengthMismatch(
-            f"{'load' if kind is LoadTicket else 'chunk'} {ticket.seq} has {n} pages but "  # type: ignore[attr-defined]
-            f"{len(device_pages)} device and {len(host_pages)} host pages"
-        )
-    return check_pages(  # open: checked above
-        device_pages,
-        host_pages,
-        layout,
-        host,
-        busy,
-        load=kind is LoadTicket,
-        host_reading=host_reading,
-        device_writing=device_writing,
-        device_reading=device_reading,
-    )
-
-
 class PageCopyEngine:
     """What every engine shares: its device layout and host pool, the pages copies in
     flight write and read, whether it is closed, and the checks a chunk must pass."""
 
     def __init__(self, layout: KVLayout, host: HostPagePool) -> None:
-        check_compatible(layout, host)
+        if layout.dtype != host.dtype or layout.page_numel != host.page_numel:
+            raise LayoutMismatch(
+                f"device layout pages are {layout.dtype} x {layout.page_numel}, host pool "
+                f"pages are {host.dtype} x {host.page_numel}"
+            )
         self.layout = layout
         self.host = host
         self._busy: set[int] = set()  # host pages a store in flight is writing
@@ -355,34 +241,64 @@ class PageCopyEngine:
     ) -> None:
         """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any
         (``load``: for a load, host -> device)."""
-        check_pages(
-            device_pages,
-            host_pages,
-            self.layout,
-            self.host,
-            self._busy,
-            closed=self._closed,
-            load=load,
-            host_reading=self._host_reading,
-            device_writing=self._device_writing,
-            device_reading=self._device_reading,
-        )
+        self._checked(None, device_pages, host_pages, load)
 
-    def _check_chunk(
-        self, ticket: object, device_pages: Sequence[int], host_pages: Sequence[int]
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return check_chunk(
-            ticket,
-            device_pages,
-            host_pages,
-            self.layout,
-            self.host,
-            self._busy,
-            closed=self._closed,
-            host_reading=self._host_reading,
-            device_writing=self._device_writing,
-            device_reading=self._device_reading,
-        )
+    def _checked(
+        self,
+        ticket: object,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
+        load: bool = False,
+    ) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+        """Every check a chunk must pass before any copy: the one validation of every engine.
+
+        With a ``ticket`` (``submit``), its type gives the direction (a
+        :class:`~kvlife.LoadTicket` loads) and its page count must match; with
+        ``None`` (``check``), ``load`` says. Returns the direction and the pages.
+        """
+        if self._closed:
+            raise EngineClosed("the engine is closed; it takes no more chunks")
+        if ticket is not None:
+            kind = type(ticket)
+            if kind is not Ticket and kind is not LoadTicket:
+                raise InvalidTicket(f"expected a Ticket or a LoadTicket, got {kind.__name__}")
+            load = kind is LoadTicket
+            n = ticket.n_pages  # type: ignore[attr-defined]
+            if len(device_pages) != n or len(host_pages) != n:
+                raise LengthMismatch(
+                    f"{'load' if load else 'chunk'} {ticket.seq} has {n} pages but "  # type: ignore[attr-defined]
+                    f"{len(device_pages)} device and {len(host_pages)} host pages"
+                )
+        dev, hst = tuple(device_pages), tuple(host_pages)
+        if not dev or len(dev) != len(hst):
+            raise LengthMismatch(f"chunk has {len(dev)} device and {len(hst)} host pages")
+        for side, pages, limit in (
+            ("device", dev, self.layout.num_pages),
+            ("host", hst, self.host.capacity),
+        ):
+            seen: set[int] = set()
+            for p in pages:
+                if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < limit:
+                    raise PageOutOfRange(
+                        f"{side} page {p!r} out of range [0, {limit})", side=side, page=p
+                    )
+                if p in seen:
+                    raise DuplicatePage(f"{side} page {p} appears twice in one chunk")
+                seen.add(p)
+        owner_of = self.host.owner_of
+        for p in hst:
+            if owner_of(p) is None:
+                raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
+            if p in self._busy:
+                raise HostPageBusy(f"host page {p} is still being written by a chunk in flight")
+            if not load and p in self._host_reading:
+                raise HostPageBusy(f"host page {p} is still being read by a load in flight")
+        for p in dev:
+            if p in self._device_writing:
+                raise DevicePageBusy(f"device page {p} is still being written by a load in flight")
+            if load and p in self._device_reading:
+                raise DevicePageBusy(f"device page {p} is still being read by a store in flight")
+        return load, dev, hst
 
     def _claim(self, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Mark a checked chunk's pages as in use by a copy in flight."""

@@ -195,23 +195,13 @@ class CpuCopyEngine(PageCopyEngine):
         ticket: Ticket | LoadTicket,
         device_pages: Sequence[int],
         host_pages: Sequence[int],
-    ) -> None:
-        """Validate the chunk, then queue its copy; refusals raise and change nothing.
+    ) -> CpuCopyEvent:
+        """Validate the chunk, then queue its copy; returns the chunk's completion event.
 
         A :class:`~kvlife.Ticket` copies device -> host, a
-        :class:`~kvlife.LoadTicket` host -> device.
+        :class:`~kvlife.LoadTicket` host -> device. Refusals raise and change nothing.
         """
-        self.submit_chunk(ticket, device_pages, host_pages)
-
-    def submit_chunk(
-        self,
-        ticket: Ticket | LoadTicket,
-        device_pages: Sequence[int],
-        host_pages: Sequence[int],
-    ) -> CpuCopyEvent:
-        """:meth:`submit`, returning the chunk's completion event."""
-        dev, hst = self._check_chunk(ticket, device_pages, host_pages)
-        load = type(ticket) is LoadTicket
+        load, dev, hst = self._checked(ticket, device_pages, host_pages)
         fault: BaseException | None = None
         if self._fail_next:
             fault = self._fail_next.popleft() or CopyFault(

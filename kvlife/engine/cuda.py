@@ -105,24 +105,14 @@ class CudaCopyEngine(PageCopyEngine):
         ticket: Ticket | LoadTicket,
         device_pages: Sequence[int],
         host_pages: Sequence[int],
-    ) -> None:
-        """Validate the chunk, then enqueue its copy on the side stream.
+    ) -> torch.cuda.Event:
+        """Validate the chunk, enqueue its copy on the side stream, return its event.
 
         A :class:`~kvlife.Ticket` copies device -> host, a
         :class:`~kvlife.LoadTicket` host -> device; the runtime must not read a
         load's device pages before its ack.
         """
-        self.submit_chunk(ticket, device_pages, host_pages)
-
-    def submit_chunk(
-        self,
-        ticket: Ticket | LoadTicket,
-        device_pages: Sequence[int],
-        host_pages: Sequence[int],
-    ) -> torch.cuda.Event:
-        """:meth:`submit`, returning the chunk's ``torch.cuda.Event``."""
-        dev, hst = self._check_chunk(ticket, device_pages, host_pages)
-        load = type(ticket) is LoadTicket
+        load, dev, hst = self._checked(ticket, device_pages, host_pages)
         submitted_at = time.perf_counter()
         side = self.stream
         index = torch.empty(0, dtype=torch.int64)

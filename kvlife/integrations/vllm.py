@@ -138,8 +138,8 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 from kvlife import FinishReason, Lifecycle, LoadTicket, Ticket
 from kvlife.engine import (
     Ack,
-    Completion,
     CpuCopyEngine,
+    CpuCopyEvent,
     CudaCopyEngine,
     DevicePageBusy,
     EngineError,
@@ -734,7 +734,7 @@ class _WorkerJob:
     load: bool
     blocks: int
     started: float
-    event: Completion | None = None
+    event: CpuCopyEvent | torch.cuda.Event | None = None
     copy_done: float = 0.0
     #: A copy of the job could not be made, even directly: its result says so.
     failed: bool = False
@@ -846,13 +846,13 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         engine = self.engine
         try:
             try:
-                job.event = engine.submit_chunk(ticket, device_pages, host_pages)
+                job.event = engine.submit(ticket, device_pages, host_pages)
             except (HostPageBusy, DevicePageBusy):
                 # A page still in use by an earlier copy (only after a reset or an abort):
                 # wait for the copies in flight, in order, then submit again.
                 self.stats["engine_busy_waits"] += 1
                 self._collect(engine.drain())
-                job.event = engine.submit_chunk(ticket, device_pages, host_pages)
+                job.event = engine.submit(ticket, device_pages, host_pages)
         except UnallocatedHostPage as exc:
             # The manager freed the pages (vLLM reset the offloaded cache) before vLLM
             # submitted this stale job; its result is ignored, nothing reads the pages.

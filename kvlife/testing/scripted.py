@@ -10,8 +10,9 @@ release shows up as a page stored under a key it does not belong to, not as
 luck. Reading at submit would hide exactly that bug.
 
 Everything else is a real copy engine: it checks chunks like the others
-(:func:`~kvlife.engine.base.check_chunk`, host pages busy while in flight),
-copies real tensors with the layout's page copy, and reports one
+(``check``, host pages busy while in flight), ``submit`` returns the chunk's
+handle (here the :class:`ScriptedCopy` to complete), it copies real tensors
+with the layout's page copy, and reports one
 :class:`~kvlife.engine.base.Ack` per chunk, in completion order, at the next
 :meth:`poll`. No thread: a test decides every interleaving.
 """
@@ -126,13 +127,15 @@ class ScriptedEngine(PageCopyEngine):
 
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
-    ) -> None:
-        """Validate the chunk and hold it until :meth:`complete`; refusals change nothing."""
-        dev, hst = self._check_chunk(ticket, device_pages, host_pages)
+    ) -> ScriptedCopy:
+        """Validate the chunk and hold it until :meth:`complete` (returns the copy to
+        complete); refusals change nothing."""
+        _, dev, hst = self._checked(ticket, device_pages, host_pages)
         copy = ScriptedCopy(ticket, dev, hst, self._submitted, time.perf_counter())
         self._submitted += 1
         self._busy.update(hst)
         self._in_flight.append(copy)
+        return copy
 
     def poll(self) -> list[Ack]:
         """Acks of the copies completed since the last poll or drain, in completion order."""
