@@ -1,14 +1,8 @@
-"""Baselines the lifecycle bench races: rid-keyed dicts, and a per-request transitions machine.
-
-:class:`DictLifecycleBaseline` is written the way serving engines keep this
-bookkeeping today: one dict per field, keyed by rid (inflight counter, chain
-tail, ``last_hash``, tokens submitted, finished flag, release callback). It
-does the same work as :class:`kvlife.Lifecycle` on the happy path (hash each
-chunk's pages, count, advance the hash chain, release once drained) and checks
-nothing: a reused rid or a late ack corrupts it silently.
+"""The per-request ``transitions`` machine the lifecycle bench races.
 
 :class:`MachinePerRequest` is what a naive user of ``transitions`` writes: one
-``Machine`` built per request, with the bookkeeping on the model.
+``Machine`` built per request, with the bookkeeping on the model. (The bench's
+rid-keyed dict baseline is the one straw man, ``tests/rid_keyed_manager.py``.)
 
 Bench only; never import this from the library.
 """
@@ -24,67 +18,6 @@ from kvlife import TABLE, State
 from kvlife.hashing import PageHasher, sglang_page_hashes
 
 ReleaseCallback = Callable[[object], object]
-
-#: A submitted chunk as the dict baseline hands it to the copy engine: (rid, its page keys).
-DictJob = tuple[object, tuple[str, ...]]
-
-
-class DictLifecycleBaseline:
-    """Per-request offload bookkeeping in ``dict[rid, ...]``: fast, unchecked, reused-rid unsafe."""
-
-    def __init__(self, *, page_size: int, hasher: PageHasher = sglang_page_hashes) -> None:
-        self.page_size = page_size
-        self.hasher = hasher
-        self.inflight: dict[object, int] = {}
-        self.tokens_submitted: dict[object, int] = {}
-        self.chain_tail: dict[object, str | None] = {}
-        self.last_hash: dict[object, str | None] = {}
-        self.finished: dict[object, bool] = {}
-        self.on_release: dict[object, ReleaseCallback | None] = {}
-
-    def begin(
-        self,
-        rid: object,
-        *,
-        on_release: ReleaseCallback | None = None,
-        prior_hash: str | None = None,
-    ) -> None:
-        """Start tracking ``rid`` (silently overwrites a live request with the same rid)."""
-        self.inflight[rid] = 0
-        self.tokens_submitted[rid] = 0
-        self.chain_tail[rid] = prior_hash
-        self.last_hash[rid] = prior_hash
-        self.finished[rid] = False
-        self.on_release[rid] = on_release
-
-    def submit(self, rid: object, tokens: Sequence[int]) -> DictJob:
-        """Hash the chunk's pages, count it in flight; return the job the copy engine carries."""
-        keys = tuple(self.hasher(tokens, self.page_size, self.chain_tail[rid]))
-        self.chain_tail[rid] = keys[-1]
-        self.tokens_submitted[rid] += len(tokens)
-        self.inflight[rid] += 1
-        return (rid, keys)
-
-    def ack(self, job: DictJob) -> None:
-        """One copy completed: found by rid, so a stale ack moves whoever holds the rid now."""
-        rid, keys = job
-        self.last_hash[rid] = keys[-1]
-        self.inflight[rid] -= 1
-        if self.finished[rid] and self.inflight[rid] == 0:
-            self._release(rid)
-
-    def finish(self, rid: object) -> None:
-        """Decoding ended; release now if nothing is in flight, else on the last ack."""
-        self.finished[rid] = True
-        if self.inflight[rid] == 0:
-            self._release(rid)
-
-    def _release(self, rid: object) -> None:
-        callback = self.on_release[rid]
-        del self.inflight[rid], self.tokens_submitted[rid], self.chain_tail[rid]
-        del self.last_hash[rid], self.finished[rid], self.on_release[rid]
-        if callback is not None:
-            callback(rid)
 
 
 def _machine_transitions() -> list[dict[str, Any]]:

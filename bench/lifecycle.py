@@ -5,7 +5,7 @@ One life: create, 8 x (submit one page of 16 tokens, ack it), finish, release
 same page hasher called with the same arguments per chunk:
 
 * ``kvlife``   -- :class:`kvlife.Lifecycle`;
-* ``dict``     -- :class:`DictLifecycleBaseline`, rid-keyed dicts as engines keep them today;
+* ``dict``     -- :class:`RidKeyedBook` (``tests/rid_keyed_manager.py``), rid-keyed dicts;
 * ``machine``  -- :class:`MachinePerRequest`, one ``transitions.Machine`` built per request.
 
 Two hashers: ``sglang`` (the real SHA-256 page chain) and ``trivial`` (returns a
@@ -39,9 +39,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(2, str(Path(__file__).resolve().parents[1]))
 
-from baselines import DictLifecycleBaseline, MachinePerRequest
+from baselines import MachinePerRequest
+from rid_keyed_manager import RidKeyedBook
 
 from kvlife import Lifecycle
 from kvlife.hashing import PageHasher, sglang_page_hashes
@@ -78,7 +80,7 @@ def run_kvlife(n: int, hasher: PageHasher) -> float:
 def run_dict(n: int, hasher: PageHasher) -> float:
     """Seconds per life for ``n`` lives kept in rid-keyed dicts."""
     chunks, cb = CHUNK_TOKENS, _on_release
-    book = DictLifecycleBaseline(page_size=PAGE, hasher=hasher)
+    book = RidKeyedBook(page_size=PAGE, hasher=hasher)
     start = time.perf_counter()
     for rid in range(n):
         book.begin(rid, on_release=cb)
@@ -159,7 +161,7 @@ def _live_machine(rid: int) -> MachinePerRequest:
 
 
 def _dict_bytes_per_live(n: int) -> float:
-    book = DictLifecycleBaseline(page_size=PAGE)
+    book = RidKeyedBook(page_size=PAGE)
     jobs: list[object] = [None] * n
     rids = list(range(n))
     gc.collect()

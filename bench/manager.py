@@ -1,5 +1,7 @@
 """Per-step bookkeeping cost of kvlife's OffloadManager against a rid-keyed dict manager.
 
+The dict manager is the one straw man, ``tests/rid_keyed_manager.py``.
+
 Both run the same decode loop over the same null copy engine and null store
 (every chunk completes at the next poll, every write at the one after), so the
 figure is bookkeeping only: stride policy, hashing, host allocation, acks,
@@ -30,9 +32,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from dict_manager import DictOffloadManager
+from rid_keyed_manager import RidKeyedManager
 
 from kvlife.engine.base import Ack
 from kvlife.manager import OffloadManager
@@ -101,7 +103,7 @@ def run(kind: str, n_requests: int, steps: int) -> float:
     if kind == "kvlife":
         mgr = OffloadManager(engine, host, store, page_size=PAGE)  # type: ignore[arg-type]
     else:
-        mgr = DictOffloadManager(engine, host, store, page_size=PAGE)
+        mgr = RidKeyedManager(engine, host, store, page_size=PAGE)
     device_pages = list(range(MAX_LEN // PAGE + 1))
     handles: list[Any] = []
     tokens: list[list[int]] = []
