@@ -62,9 +62,9 @@ def main() -> None:
     n, device_pages = args.pages, args.device_pages
     shape = (args.layers, device_pages, args.page_size, args.heads, args.head_dim)
 
-    layer_first = LayerFirstLayout(*shape, dtype=dtype)
-    page_first = PageFirstLayout(*shape, dtype=dtype)
-    mla = MLALayout(args.layers, device_pages, args.page_size, args.latent_dim, dtype=dtype)
+    layer_first = LayerFirstLayout.zeros(*shape, dtype=dtype)
+    page_first = PageFirstLayout.zeros(*shape, dtype=dtype)
+    mla = MLALayout.zeros(args.layers, device_pages, args.page_size, args.latent_dim, dtype=dtype)
     for layout in (layer_first, page_first, mla):
         fill(layout)
     numel = layer_first.page_numel

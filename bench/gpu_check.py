@@ -69,9 +69,9 @@ def check_correctness() -> tuple[bool, list[str]]:
     page = 8
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         makers: dict[str, Callable[[torch.dtype], KVLayout]] = {
-            "layer_first": lambda d: LayerFirstLayout(4, 64, page, 4, 64, d, "cuda"),
-            "page_first": lambda d: PageFirstLayout(4, 64, page, 4, 64, d, "cuda"),
-            "mla": lambda d: MLALayout(4, 64, page, 576, d, "cuda"),
+            "layer_first": lambda d: LayerFirstLayout.zeros(4, 64, page, 4, 64, d, "cuda"),
+            "page_first": lambda d: PageFirstLayout.zeros(4, 64, page, 4, 64, d, "cuda"),
+            "mla": lambda d: MLALayout.zeros(4, 64, page, 576, d, "cuda"),
         }
         for kind, make in makers.items():
             layout = make(dtype)
@@ -149,8 +149,8 @@ def main() -> int:
     layers, heads, head_dim, page, device_pages, n = 32, 8, 128, 16, 2048, 256
     shape = (layers, device_pages, page, heads, head_dim)
     layouts: dict[str, KVLayout] = {
-        "layer_first": LayerFirstLayout(*shape, torch.bfloat16, "cuda"),
-        "page_first": PageFirstLayout(*shape, torch.bfloat16, "cuda"),
+        "layer_first": LayerFirstLayout.zeros(*shape, torch.bfloat16, "cuda"),
+        "page_first": PageFirstLayout.zeros(*shape, torch.bfloat16, "cuda"),
     }
     for layout in layouts.values():
         for buf in layout.buffers():

@@ -21,7 +21,7 @@ from kvlife.store import LocalDirectoryStore
 # --8<-- [start:setup]
 PAGE = 4  # tokens per page
 # The device KV pool (on CPU here): per layer one K and one V buffer, 32 pages of 4 slots.
-layout = LayerFirstLayout(2, 32, PAGE, num_heads=2, head_dim=8, dtype=torch.float32)
+layout = LayerFirstLayout.zeros(2, 32, PAGE, num_heads=2, head_dim=8, dtype=torch.float32)
 free_pages = list(range(layout.num_pages))  # the runtime's own device page allocator
 host = HostPagePool(16, layout.page_numel, layout.dtype)  # host pages the copies land in
 engine = CpuCopyEngine(layout, host, copy_delay=0.002)  # a real worker thread: asynchronous

@@ -184,7 +184,7 @@ class Scheduler:
 
 def main() -> None:
     """Run five requests through a device pool too small for all of them; verify the store."""
-    layout = LayerFirstLayout(2, 24, PAGE, num_heads=2, head_dim=8, dtype=torch.float32)
+    layout = LayerFirstLayout.zeros(2, 24, PAGE, num_heads=2, head_dim=8, dtype=torch.float32)
     host = HostPagePool(32, layout.page_numel, layout.dtype)
     engine = CpuCopyEngine(layout, host, copy_delay=0.003, delay_jitter=0.004, workers=2)
     with tempfile.TemporaryDirectory() as root:

@@ -281,7 +281,7 @@ class Runtime:
         cfg = model.config
         self.layers: int = cfg.num_hidden_layers
         self.page_size: int = args.page_size
-        layout = LayerFirstLayout(
+        layout = LayerFirstLayout.zeros(
             cfg.num_hidden_layers,
             args.device_pages,
             args.page_size,

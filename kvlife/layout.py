@@ -13,11 +13,15 @@ written straight into a strided column block of the page-major output: no
 temporary, no per-page Python loop (a naive ``index_select`` + ``index_copy_``
 runs at about a quarter of a contiguous copy here; this runs at about four fifths,
 see ``bench/engine.py``).
+
+Every layout is made from the runtime's buffers (no copy); each kind also has
+a ``zeros(...)`` classmethod that allocates fresh zeroed buffers, one per
+layer, as a runtime does.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,35 +55,59 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-class KVLayout(ABC):
-    """A device KV pool cut into pages; copies whole pages to and from page-major rows."""
+def _positive_ints(dtype: torch.dtype, **dims: int) -> None:
+    """Refuse a ``zeros`` call whose ``dims`` are not positive ints or whose dtype is wrong."""
+    for name, value in dims.items():
+        _positive_int(name, value)
+    if not isinstance(dtype, torch.dtype):
+        raise LayoutError(f"dtype must be a torch.dtype, got {dtype!r}")
 
-    page_size: int
-    num_pages: int
-    dtype: torch.dtype
-    device: torch.device
 
-    def __init__(
-        self, *, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
-        self.num_pages = _positive_int("num_pages", num_pages)
+def _zeros(
+    count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> list[torch.Tensor]:
+    """``count`` zeroed buffers, one allocation each, as a runtime makes them."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+
+class KVLayout:
+    """A device KV pool cut into pages; copies whole pages to and from page-major rows.
+
+    Made from its *page rows*: ``rows`` are the buffers viewed as
+    ``[num_pages, row_numel]`` (one page of one buffer is one row, whose
+    elements are contiguous), of one dtype and device; a page is its rows
+    concatenated. The kinds below make their rows from the runtime's buffers;
+    a runtime whose buffers are already page rows (vLLM's block views) passes
+    them here.
+    """
+
+    def __init__(self, rows: Sequence[torch.Tensor], page_size: int) -> None:
+        self._rows: tuple[torch.Tensor, ...] = tuple(rows)
+        if not self._rows:
+            raise LayoutError("a layout needs at least one buffer")
+        first = self._rows[0]
+        for row in self._rows:
+            if (
+                row.dim() != 2
+                or row.shape[0] != first.shape[0]
+                or row.dtype != first.dtype
+                or row.device != first.device
+                or (row.numel() and row.stride(1) != 1)
+            ):
+                raise LayoutError(
+                    "page rows must be 2-D [num_pages, row] with contiguous rows, one page "
+                    f"count, dtype and device; got {row.dtype} {tuple(row.shape)} on {row.device}"
+                )
+        self.num_pages = _positive_int("num_pages", int(first.shape[0]))
         self.page_size = _positive_int("page_size", page_size)
-        if not isinstance(dtype, torch.dtype):
-            raise LayoutError(f"dtype must be a torch.dtype, got {dtype!r}")
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self._rows: tuple[torch.Tensor, ...] = ()
+        self.dtype: torch.dtype = first.dtype
+        self.device: torch.device = first.device
         self._np_rows: tuple[np.ndarray[Any, np.dtype[np.void]], ...] | None = None
-        self._page_numel = 0
-
-    def _set_rows(self, rows: Sequence[torch.Tensor]) -> None:
-        self._rows = tuple(rows)
-        self._np_rows = None
         self._page_numel = sum(int(r.shape[1]) for r in self._rows)
 
-    @abstractmethod
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The device tensors that hold the KV cache, as the runtime sees them."""
+        return self._rows
 
     def page_rows(self) -> tuple[torch.Tensor, ...]:
         """Each buffer viewed as ``[num_pages, row_numel]``; a page is its rows concatenated."""
@@ -351,26 +379,61 @@ class KVLayout(ABC):
         return page
 
 
-def _slot_buffer(
-    buffer: torch.Tensor, slots: int, tail: tuple[int, ...], what: str
-) -> torch.Tensor:
-    if tuple(buffer.shape[1:]) != tail or buffer.shape[0] < slots or not buffer.is_contiguous():
-        raise LayoutError(
-            f"{what} must be contiguous [>= {slots}, {', '.join(map(str, tail))}], "
-            f"got {tuple(buffer.shape)}"
-        )
-    return buffer
+def _slot_rows(
+    buffers: Sequence[torch.Tensor], page_size: int, what: str
+) -> tuple[list[torch.Tensor], int]:
+    """Buffers ``[slots, ...]`` of one shape, dtype and device as page rows, and the
+    page size; slots past the last whole page (a runtime's padding slots) are in no page."""
+    if not buffers:
+        raise LayoutError(f"need {what}, at least one layer")
+    page_size = _positive_int("page_size", page_size)
+    first = buffers[0]
+    num_pages = first.shape[0] // page_size
+    slots = num_pages * page_size
+    tail = tuple(first.shape[1:])
+    for buf in buffers:
+        if (
+            tuple(buf.shape[1:]) != tail
+            or buf.shape[0] < slots
+            or not buf.is_contiguous()
+            or buf.dtype != first.dtype
+            or buf.device != first.device
+        ):
+            raise LayoutError(
+                f"every buffer must be contiguous [>= {slots}, {', '.join(map(str, tail))}] "
+                f"of one dtype and device, got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
+            )
+    width = page_size * math.prod(tail)
+    return [b[:slots].view(num_pages, width) for b in buffers], page_size
 
 
 class LayerFirstLayout(KVLayout):
     """Per layer one K and one V buffer of token slots x heads x head dim (SGLang's MHA pool).
 
-    Page rows are ordered layer by layer, K before V: a host page is
-    ``[num_layers, 2, page_size, num_heads, head_dim]``.
+    Wraps a runtime's own K and V buffers ``[slots, heads, head_dim]`` (no
+    copy); :meth:`zeros` allocates them. Page rows are ordered layer by layer,
+    K before V: a host page is ``[num_layers, 2, page_size, num_heads, head_dim]``.
     """
 
     def __init__(
-        self,
+        self, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int
+    ) -> None:
+        if len(k_buffers) != len(v_buffers):
+            raise LayoutError("need one K and one V buffer per layer")
+        if k_buffers and k_buffers[0].dim() != 3:
+            raise LayoutError(
+                f"buffers must be [slots, heads, head_dim], got {tuple(k_buffers[0].shape)}"
+            )
+        kv = [b for pair in zip(k_buffers, v_buffers, strict=True) for b in pair]
+        rows, page_size = _slot_rows(kv, page_size, "one K and one V buffer per layer")
+        super().__init__(rows, page_size)
+        self.k_buffers, self.v_buffers = list(k_buffers), list(v_buffers)
+        self.num_layers = len(k_buffers)
+        self.num_heads, self.head_dim = int(kv[0].shape[1]), int(kv[0].shape[2])
+
+    @classmethod
+    def zeros(
+        cls,
         num_layers: int,
         num_pages: int,
         page_size: int,
@@ -378,55 +441,15 @@ class LayerFirstLayout(KVLayout):
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__(num_pages=num_pages, page_size=page_size, dtype=dtype, device=device)
-        self.num_layers = _positive_int("num_layers", num_layers)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        shape = (num_pages * page_size, num_heads, head_dim)
-        # One allocation per buffer, as a runtime makes them: no shared backing store.
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._bind()
-
-    @classmethod
-    def from_buffers(
-        cls, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int
     ) -> LayerFirstLayout:
-        """Wrap a runtime's own K and V buffers ``[slots, heads, head_dim]`` (no copy).
-
-        Slots past the last whole page (a runtime's padding slots) are not part of any page.
-        """
-        if not k_buffers or len(k_buffers) != len(v_buffers):
-            raise LayoutError("need one K and one V buffer per layer, at least one layer")
-        first = k_buffers[0]
-        if first.dim() != 3:
-            raise LayoutError(f"buffers must be [slots, heads, head_dim], got {tuple(first.shape)}")
-        page_size = _positive_int("page_size", page_size)
-        num_pages = first.shape[0] // page_size
-        slots = num_pages * page_size
-        for buf in (*k_buffers, *v_buffers):
-            _slot_buffer(buf, slots, tuple(first.shape[1:]), "every buffer")
-            if buf.dtype != first.dtype or buf.device != first.device:
-                raise LayoutError("every buffer must share one dtype and device")
-        self = cls.__new__(cls)
-        KVLayout.__init__(
-            self, num_pages=num_pages, page_size=page_size, dtype=first.dtype, device=first.device
-        )
-        self.num_layers = len(k_buffers)
-        self.num_heads, self.head_dim = int(first.shape[1]), int(first.shape[2])
-        self.k_buffers, self.v_buffers = list(k_buffers), list(v_buffers)
-        self._bind()
-        return self
-
-    def _bind(self) -> None:
-        slots = self.num_pages * self.page_size
-        width = self.page_size * self.num_heads * self.head_dim
-        rows = []
-        for k, v in zip(self.k_buffers, self.v_buffers, strict=True):
-            rows.append(k[:slots].view(self.num_pages, width))
-            rows.append(v[:slots].view(self.num_pages, width))
-        self._set_rows(rows)
+        """A layout over fresh zeroed K and V buffers, one allocation per buffer."""
+        _positive_ints(
+            dtype, num_layers=num_layers, num_pages=num_pages, page_size=page_size,
+            num_heads=num_heads, head_dim=head_dim,
+        )  # fmt: skip
+        shape = (num_pages * page_size, num_heads, head_dim)
+        k = _zeros(num_layers, shape, dtype, device)
+        return cls(k, _zeros(num_layers, shape, dtype, device), page_size)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """K and V buffers, layer by layer: ``(k0, v0, k1, v1, ...)``."""
@@ -434,10 +457,25 @@ class LayerFirstLayout(KVLayout):
 
 
 class PageFirstLayout(KVLayout):
-    """One tensor ``[num_pages, num_layers, 2, page_size, heads, head_dim]``: a page is one row."""
+    """One tensor ``[num_pages, num_layers, 2, page_size, heads, head_dim]``: a page is one row.
 
-    def __init__(
-        self,
+    Wraps a runtime's own tensor (no copy); :meth:`zeros` allocates it.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.dim() != 6 or tensor.shape[2] != 2 or not tensor.is_contiguous():
+            raise LayoutError(
+                "the tensor must be contiguous [num_pages, num_layers, 2, page_size, heads, "
+                f"head_dim], got {tuple(tensor.shape)}"
+            )
+        pages, layers, _, page_size, heads, head_dim = (int(d) for d in tensor.shape)
+        super().__init__([tensor.view(pages, math.prod(tensor.shape[1:]))], page_size)
+        self.tensor = tensor
+        self.num_layers, self.num_heads, self.head_dim = layers, heads, head_dim
+
+    @classmethod
+    def zeros(
+        cls,
         num_layers: int,
         num_pages: int,
         page_size: int,
@@ -445,15 +483,14 @@ class PageFirstLayout(KVLayout):
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__(num_pages=num_pages, page_size=page_size, dtype=dtype, device=device)
-        self.num_layers = _positive_int("num_layers", num_layers)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.tensor = torch.zeros(
-            (num_pages, num_layers, 2, page_size, num_heads, head_dim), dtype=dtype, device=device
-        )
-        self._set_rows([self.tensor.view(num_pages, -1)])
+    ) -> PageFirstLayout:
+        """A layout over a fresh zeroed tensor."""
+        _positive_ints(
+            dtype, num_layers=num_layers, num_pages=num_pages, page_size=page_size,
+            num_heads=num_heads, head_dim=head_dim,
+        )  # fmt: skip
+        shape = (num_pages, num_layers, 2, page_size, num_heads, head_dim)
+        return cls(_zeros(1, shape, dtype, device)[0])
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The single page-first tensor."""
@@ -461,54 +498,39 @@ class PageFirstLayout(KVLayout):
 
 
 class MLALayout(KVLayout):
-    """Per layer one latent buffer ``[slots, 1, latent_dim]`` (multi-head latent attention)."""
+    """Per layer one latent buffer ``[slots, 1, latent_dim]`` (multi-head latent attention).
 
-    def __init__(
-        self,
+    Wraps a runtime's own latent buffers (no copy); :meth:`zeros` allocates them.
+    """
+
+    def __init__(self, kv_buffers: Sequence[torch.Tensor], page_size: int) -> None:
+        if kv_buffers and (kv_buffers[0].dim() != 3 or kv_buffers[0].shape[1] != 1):
+            raise LayoutError(
+                f"buffers must be [slots, 1, latent_dim], got {tuple(kv_buffers[0].shape)}"
+            )
+        rows, page_size = _slot_rows(kv_buffers, page_size, "one latent buffer per layer")
+        super().__init__(rows, page_size)
+        self.kv_buffers = list(kv_buffers)
+        self.num_layers = len(kv_buffers)
+        self.latent_dim = int(kv_buffers[0].shape[2])
+
+    @classmethod
+    def zeros(
+        cls,
         num_layers: int,
         num_pages: int,
         page_size: int,
         latent_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__(num_pages=num_pages, page_size=page_size, dtype=dtype, device=device)
-        self.num_layers = _positive_int("num_layers", num_layers)
-        self.latent_dim = _positive_int("latent_dim", latent_dim)
+    ) -> MLALayout:
+        """A layout over fresh zeroed latent buffers, one allocation per layer."""
+        _positive_ints(
+            dtype, num_layers=num_layers, num_pages=num_pages, page_size=page_size,
+            latent_dim=latent_dim,
+        )  # fmt: skip
         shape = (num_pages * page_size, 1, latent_dim)
-        self.kv_buffers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-        self._bind()
-
-    @classmethod
-    def from_buffers(cls, kv_buffers: Sequence[torch.Tensor], page_size: int) -> MLALayout:
-        """Wrap a runtime's own latent buffers ``[slots, 1, latent_dim]`` (no copy)."""
-        if not kv_buffers:
-            raise LayoutError("need one latent buffer per layer, at least one layer")
-        first = kv_buffers[0]
-        if first.dim() != 3 or first.shape[1] != 1:
-            raise LayoutError(f"buffers must be [slots, 1, latent_dim], got {tuple(first.shape)}")
-        page_size = _positive_int("page_size", page_size)
-        num_pages = first.shape[0] // page_size
-        for buf in kv_buffers:
-            _slot_buffer(buf, num_pages * page_size, tuple(first.shape[1:]), "every buffer")
-            if buf.dtype != first.dtype or buf.device != first.device:
-                raise LayoutError("every buffer must share one dtype and device")
-        self = cls.__new__(cls)
-        KVLayout.__init__(
-            self, num_pages=num_pages, page_size=page_size, dtype=first.dtype, device=first.device
-        )
-        self.num_layers = len(kv_buffers)
-        self.latent_dim = int(first.shape[2])
-        self.kv_buffers = list(kv_buffers)
-        self._bind()
-        return self
-
-    def _bind(self) -> None:
-        slots = self.num_pages * self.page_size
-        width = self.page_size * self.latent_dim
-        self._set_rows([b[:slots].view(self.num_pages, width) for b in self.kv_buffers])
+        return cls(_zeros(num_layers, shape, dtype, device), page_size)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The latent buffers, one per layer."""

@@ -336,7 +336,7 @@ class SGLangAdapter:
         threaded: bool = False,
     ) -> None:
         self.page_size = page_size
-        self.layout = LayerFirstLayout(1, device_pages, page_size, 1, 2, dtype=torch.int32)
+        self.layout = LayerFirstLayout.zeros(1, device_pages, page_size, 1, 2, dtype=torch.int32)
         self.host = HostPagePool(host_pages, self.layout.page_numel, torch.int32, pin_memory=False)
         self.engine: Any = (
             CpuCopyEngine(self.layout, self.host)

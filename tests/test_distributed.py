@@ -138,7 +138,7 @@ class Rig:
 def make_rig(
     rank: int, *, copy_delay: float = 0.0, workers: int = 1, timeout: float = TIMEOUT
 ) -> Rig:
-    layout = LayerFirstLayout(1, 64, PAGE, 1, 4, dtype=torch.float32)
+    layout = LayerFirstLayout.zeros(1, 64, PAGE, 1, 4, dtype=torch.float32)
     layout.k_buffers[0].fill_(rank + 1.0)  # each rank's shard holds its own values
     host = HostPagePool(64, layout.page_numel, torch.float32, pin_memory=False)
     cpu = CpuCopyEngine(

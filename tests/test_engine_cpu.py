@@ -40,10 +40,10 @@ BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: 
 
 def make_layout(kind: str, dtype: torch.dtype = torch.float32, num_pages: int = 8) -> KVLayout:
     if kind == "layer_first":
-        return LayerFirstLayout(2, num_pages, PAGE, 2, 4, dtype=dtype)
+        return LayerFirstLayout.zeros(2, num_pages, PAGE, 2, 4, dtype=dtype)
     if kind == "page_first":
-        return PageFirstLayout(2, num_pages, PAGE, 2, 4, dtype=dtype)
-    return MLALayout(2, num_pages, PAGE, 12, dtype=dtype)
+        return PageFirstLayout.zeros(2, num_pages, PAGE, 2, 4, dtype=dtype)
+    return MLALayout.zeros(2, num_pages, PAGE, 12, dtype=dtype)
 
 
 def fill_random_bits(layout: KVLayout, seed: int) -> None:

@@ -36,10 +36,10 @@ BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: 
 
 def make_layout(kind: str, dtype: torch.dtype = torch.float32, num_pages: int = 8) -> KVLayout:
     if kind == "layer_first":
-        return LayerFirstLayout(2, num_pages, PAGE, 2, 4, dtype=dtype, device="cuda")
+        return LayerFirstLayout.zeros(2, num_pages, PAGE, 2, 4, dtype=dtype, device="cuda")
     if kind == "page_first":
-        return PageFirstLayout(2, num_pages, PAGE, 2, 4, dtype=dtype, device="cuda")
-    return MLALayout(2, num_pages, PAGE, 12, dtype=dtype, device="cuda")
+        return PageFirstLayout.zeros(2, num_pages, PAGE, 2, 4, dtype=dtype, device="cuda")
+    return MLALayout.zeros(2, num_pages, PAGE, 12, dtype=dtype, device="cuda")
 
 
 def fill_random_bits(layout: KVLayout, seed: int) -> None:
@@ -179,7 +179,7 @@ def test_unpinned_host_and_cpu_layouts_are_refused() -> None:
     layout = make_layout("page_first")
     with pytest.raises(EngineConfigError):
         CudaCopyEngine(layout, HostPagePool(4, layout.page_numel, layout.dtype, pin_memory=False))
-    cpu_layout = PageFirstLayout(2, 8, PAGE, 2, 4, dtype=torch.float32)
+    cpu_layout = PageFirstLayout.zeros(2, 8, PAGE, 2, 4, dtype=torch.float32)
     with pytest.raises(EngineConfigError):
         CudaCopyEngine(cpu_layout, HostPagePool(4, cpu_layout.page_numel, torch.float32))
 

@@ -16,10 +16,10 @@ BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: 
 def make(kind: str, dtype: torch.dtype, num_pages: int = 6) -> KVLayout:
     """A small layout of each kind (3 layers, page size 4)."""
     if kind == "layer_first":
-        return LayerFirstLayout(3, num_pages, 4, 2, 8, dtype=dtype)
+        return LayerFirstLayout.zeros(3, num_pages, 4, 2, 8, dtype=dtype)
     if kind == "page_first":
-        return PageFirstLayout(3, num_pages, 4, 2, 8, dtype=dtype)
-    return MLALayout(3, num_pages, 4, 24, dtype=dtype)
+        return PageFirstLayout.zeros(3, num_pages, 4, 2, 8, dtype=dtype)
+    return MLALayout.zeros(3, num_pages, 4, 24, dtype=dtype)
 
 
 KINDS = ["layer_first", "page_first", "mla"]
@@ -47,7 +47,7 @@ def unchanged(layout: KVLayout, before: list[torch.Tensor]) -> bool:
 
 
 def test_layer_first_shapes_follow_the_mha_pool() -> None:
-    layout = LayerFirstLayout(3, 6, 4, 2, 8, dtype=torch.float16)
+    layout = LayerFirstLayout.zeros(3, 6, 4, 2, 8, dtype=torch.float16)
     assert len(layout.k_buffers) == len(layout.v_buffers) == 3
     assert all(b.shape == (24, 2, 8) for b in layout.k_buffers + layout.v_buffers)
     assert layout.page_numel == 3 * 2 * 4 * 2 * 8
@@ -57,17 +57,17 @@ def test_layer_first_shapes_follow_the_mha_pool() -> None:
 
 
 def test_page_first_and_mla_shapes() -> None:
-    pf = PageFirstLayout(3, 6, 4, 2, 8)
+    pf = PageFirstLayout.zeros(3, 6, 4, 2, 8)
     assert pf.tensor.shape == (6, 3, 2, 4, 2, 8)
     assert pf.page_numel == 3 * 2 * 4 * 2 * 8
-    mla = MLALayout(3, 6, 4, 24)
+    mla = MLALayout.zeros(3, 6, 4, 24)
     assert [b.shape for b in mla.kv_buffers] == [(24, 1, 24)] * 3
     assert mla.page_numel == 3 * 4 * 24
 
 
 def test_a_page_is_page_size_consecutive_slots() -> None:
     """Page p of a layer-first pool is slots [p*page_size, (p+1)*page_size) of every buffer."""
-    layout = LayerFirstLayout(2, 5, 4, 2, 3, dtype=torch.float32)
+    layout = LayerFirstLayout.zeros(2, 5, 4, 2, 3, dtype=torch.float32)
     layout.k_buffers[1][8:12] = 1.0  # page 2 of layer 1's K
     layout.v_buffers[0][12] = 2.0  # first slot of page 3 of layer 0's V
     page2 = layout.read_page(2).view(2, 2, 4, 2, 3)  # [layer, k/v, slot, head, dim]
@@ -79,7 +79,7 @@ def test_a_page_is_page_size_consecutive_slots() -> None:
 
 
 def test_page_first_page_is_one_row() -> None:
-    layout = PageFirstLayout(2, 5, 4, 2, 3, dtype=torch.float32)
+    layout = PageFirstLayout.zeros(2, 5, 4, 2, 3, dtype=torch.float32)
     layout.tensor[3, 1, 0] = 5.0
     assert torch.equal(layout.read_page(3), layout.tensor[3].flatten())
     assert layout.read_page(2).abs().sum() == 0
@@ -127,21 +127,42 @@ def test_gather_runs_writes_only_the_named_host_rows(kind: str) -> None:
         assert host[row].abs().sum() == 0
 
 
-def test_from_buffers_wraps_a_runtimes_buffers_without_copying() -> None:
+def test_a_layout_wraps_a_runtimes_buffers_without_copying() -> None:
     k = [torch.zeros(4 * 3 + 1, 2, 5) for _ in range(2)]  # one padding slot past the last page
     v = [torch.zeros(4 * 3 + 1, 2, 5) for _ in range(2)]
-    layout = LayerFirstLayout.from_buffers(k, v, page_size=4)
+    layout = LayerFirstLayout(k, v, page_size=4)
     assert (layout.num_pages, layout.num_layers, layout.page_numel) == (3, 2, 2 * 2 * 4 * 2 * 5)
     v[1][4:8] = 3.0
     assert layout.read_page(1).view(2, 2, -1)[1, 1].eq(3).all()
-    mla = MLALayout.from_buffers([torch.zeros(8, 1, 6)], page_size=4)
+    mla = MLALayout([torch.zeros(8, 1, 6)], page_size=4)
     assert (mla.num_pages, mla.latent_dim) == (2, 6)
+    tensor = torch.zeros(3, 2, 2, 4, 2, 5)
+    pf = PageFirstLayout(tensor)
+    assert (pf.num_pages, pf.num_layers, pf.page_size, pf.num_heads, pf.head_dim) == (3, 2, 4, 2, 5)
+    tensor[2] = 1.0
+    assert pf.read_page(2).eq(1).all() and pf.buffers() == (tensor,)
+    rows = KVLayout([torch.zeros(3, 10), torch.zeros(3, 6)], page_size=2)  # page rows as given
+    assert (rows.num_pages, rows.page_numel, len(rows.buffers())) == (3, 16, 2)
     with pytest.raises(LayoutError):
-        LayerFirstLayout.from_buffers(k, v[:1], page_size=4)
+        LayerFirstLayout(k, v[:1], page_size=4)
     with pytest.raises(LayoutError):
-        LayerFirstLayout.from_buffers(k, [v[0], torch.zeros(13, 2, 4)], page_size=4)
+        LayerFirstLayout(k, [v[0], torch.zeros(13, 2, 4)], page_size=4)
     with pytest.raises(LayoutError):
-        MLALayout.from_buffers([torch.zeros(8, 2, 6)], page_size=4)
+        LayerFirstLayout(k, v, page_size=14)  # not one whole page
+    with pytest.raises(LayoutError):
+        LayerFirstLayout([], [], page_size=4)
+    with pytest.raises(LayoutError):
+        MLALayout([torch.zeros(8, 2, 6)], page_size=4)
+    with pytest.raises(LayoutError):
+        PageFirstLayout(torch.zeros(3, 2, 3, 4, 2, 5))  # not K and V
+    for bad_rows in (
+        [],
+        [torch.zeros(3, 10), torch.zeros(4, 6)],  # two page counts
+        [torch.zeros(3, 10), torch.zeros(3, 6, dtype=torch.float16)],  # two dtypes
+        [torch.zeros(10, 3).t()],  # rows not contiguous
+    ):
+        with pytest.raises(LayoutError):
+            KVLayout(bad_rows, page_size=2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -194,9 +215,13 @@ def test_page_index_checks_pages() -> None:
 )
 def test_bad_layout_arguments_are_refused(args: tuple[Any, ...]) -> None:
     with pytest.raises(LayoutError):
-        LayerFirstLayout(*args)
+        LayerFirstLayout.zeros(*args)
     with pytest.raises(LayoutError):
-        PageFirstLayout(*args)
+        PageFirstLayout.zeros(*args)
+    with pytest.raises(LayoutError):
+        MLALayout.zeros(*args[:3], args[3] * args[4])
+    with pytest.raises(LayoutError):
+        LayerFirstLayout.zeros(3, 6, 4, 2, 8, dtype="float32")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- restore (host -> device)
@@ -281,14 +306,14 @@ def test_scatter_into_a_runtimes_buffers_leaves_padding_slots_alone(
     restore_path(monkeypatch, path)
     k = [torch.full((4 * 3 + 1, 2, 5), 7.0) for _ in range(2)]  # one padding slot
     v = [torch.full((4 * 3 + 1, 2, 5), 7.0) for _ in range(2)]
-    layout = LayerFirstLayout.from_buffers(k, v, page_size=4)
+    layout = LayerFirstLayout(k, v, page_size=4)
     rows = torch.arange(3 * layout.page_numel, dtype=torch.float32).view(3, -1)
     layout.scatter(torch.tensor([2, 0, 1]), rows)
     for i, p in enumerate((2, 0, 1)):
         assert torch.equal(layout.read_page(p), rows[i])
     assert all(bool(b[12].eq(7).all()) for b in (*k, *v))
     mla_buffers = [torch.full((9, 1, 6), 7.0)]
-    mla = MLALayout.from_buffers(mla_buffers, page_size=4)
+    mla = MLALayout(mla_buffers, page_size=4)
     mla_rows = torch.arange(2 * mla.page_numel, dtype=torch.float32).view(2, -1)
     mla.scatter(torch.tensor([1, 0]), mla_rows)
     assert torch.equal(mla.read_page(1), mla_rows[0]) and bool(mla_buffers[0][8].eq(7).all())

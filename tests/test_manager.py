@@ -72,7 +72,7 @@ class Rig:
 
 @pytest.fixture
 def rig() -> Iterator[Rig]:
-    layout = LayerFirstLayout(
+    layout = LayerFirstLayout.zeros(
         num_layers=2, num_pages=64, page_size=PAGE, num_heads=2, head_dim=4, dtype=torch.float32
     )
     host = HostPagePool(32, layout.page_numel, torch.float32)

@@ -39,7 +39,7 @@ class Parts:
     """A small runtime's real offload parts; ``close()`` checks nothing leaked."""
 
     def __init__(self, engine: Any = None, store: Any = None, host_pages: int = 16) -> None:
-        self.layout = LayerFirstLayout(
+        self.layout = LayerFirstLayout.zeros(
             num_layers=2,
             num_pages=64,
             page_size=PAGE,
@@ -173,7 +173,7 @@ class _InterruptedAfterFree(HostPagePool):
 
 def _scripted_parts(store: Any = None, host_cls: type[HostPagePool] = HostPagePool) -> Parts:
     p = Parts.__new__(Parts)
-    p.layout = LayerFirstLayout(
+    p.layout = LayerFirstLayout.zeros(
         num_layers=2, num_pages=64, page_size=PAGE, num_heads=2, head_dim=4, dtype=torch.float32
     )
     p.host = host_cls(16, p.layout.page_numel, torch.float32)

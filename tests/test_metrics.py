@@ -19,7 +19,7 @@ from kvlife.metrics import FIELDS, ManagerCollector  # noqa: E402
 
 
 def test_collector_matches_snapshot() -> None:
-    layout = PageFirstLayout(1, 16, 4, 1, 4, dtype=torch.float32)
+    layout = PageFirstLayout.zeros(1, 16, 4, 1, 4, dtype=torch.float32)
     host = HostPagePool(8, layout.page_numel, torch.float32)
     store = MemoryStore()
     with CpuCopyEngine(layout, host, copy_delay=0.01) as engine:

@@ -364,7 +364,7 @@ def test_manager_frees_host_pages_when_the_master_dies(own_cluster: LocalMooncak
     from kvlife.manager import OffloadManager
     from kvlife.pool import HostPagePool
 
-    layout = LayerFirstLayout(2, 64, 4, 2, 4, dtype=torch.float32)
+    layout = LayerFirstLayout.zeros(2, 64, 4, 2, 4, dtype=torch.float32)
     host = HostPagePool(32, layout.page_numel, torch.float32)
     engine = CpuCopyEngine(layout, host, copy_delay=0.0)
     store = MooncakeStore(own_cluster.master, own_cluster.metadata, fresh_namespace())

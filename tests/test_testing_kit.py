@@ -39,7 +39,7 @@ PAGE = 2
 
 
 def _engine() -> tuple[LayerFirstLayout, HostPagePool, ScriptedEngine]:
-    layout = LayerFirstLayout(1, 8, PAGE, 1, 2, dtype=torch.int32)
+    layout = LayerFirstLayout.zeros(1, 8, PAGE, 1, 2, dtype=torch.int32)
     host = HostPagePool(4, layout.page_numel, torch.int32, pin_memory=False)
     return layout, host, ScriptedEngine(layout, host)
 

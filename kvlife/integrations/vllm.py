@@ -712,18 +712,9 @@ class BlockViewsLayout(KVLayout):
                 )
             if view.shape[0] != first.shape[0] or view.device != first.device:
                 raise ConfigError("kvlife: every block view must have one block count and device")
-        super().__init__(
-            num_pages=int(first.shape[0]),
-            page_size=tokens_per_block,
-            dtype=torch.int8,
-            device=first.device,
-        )
-        self.views = tuple(views)
-        self._set_rows(self.views)
-
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        """vLLM's block views, one per layer (or per tensor layers share)."""
-        return self.views
+        super().__init__(views, page_size=tokens_per_block)
+        #: vLLM's block views, one per layer (or per tensor layers share): the page rows.
+        self.views = self.buffers()
 
 
 @dataclass(slots=True)

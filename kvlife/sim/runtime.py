@@ -317,15 +317,17 @@ def make_layout(cfg: SimConfig, num_pages: int) -> KVLayout:
     """The device KV pool of ``cfg``'s layout and model shape."""
     dtype = DTYPES[cfg.dtype]
     if cfg.layout == "layer-first":
-        return LayerFirstLayout(
+        return LayerFirstLayout.zeros(
             cfg.layers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim, dtype=dtype
         )
     if cfg.layout == "page-first":
-        return PageFirstLayout(
+        return PageFirstLayout.zeros(
             cfg.layers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim, dtype=dtype
         )
     if cfg.layout == "mla":
-        return MLALayout(cfg.layers, num_pages, cfg.page_size, cfg.heads * cfg.head_dim, dtype)
+        return MLALayout.zeros(
+            cfg.layers, num_pages, cfg.page_size, cfg.heads * cfg.head_dim, dtype
+        )
     raise SimConfigError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
 
 

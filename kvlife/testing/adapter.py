@@ -337,7 +337,7 @@ class ManagerAdapter:
         store: Store | None = None,
     ) -> None:
         self.page_size = page_size
-        self.layout = LayerFirstLayout(1, device_pages, page_size, 1, 2, dtype=torch.int32)
+        self.layout = LayerFirstLayout.zeros(1, device_pages, page_size, 1, 2, dtype=torch.int32)
         self.host = HostPagePool(host_pages, self.layout.page_numel, torch.int32, pin_memory=False)
         self.engine = ScriptedEngine(self.layout, self.host)
         self.store: Store = _SettledStore(MemoryStore()) if store is None else store
