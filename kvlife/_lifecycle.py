@@ -13,9 +13,10 @@ Two rules govern this file:
 
 1. Everything that affects the lifecycle's state lives here. :data:`TABLE` is
    the only definition of which event may happen in which state and where it
-   leads; the fast path (:class:`Lifecycle`), the ``transitions`` reference
-   machine, the diagrams and the docs table are all made from it. No other
-   module assigns a state.
+   leads; the fast path (:class:`Lifecycle`), the diagrams
+   (:mod:`kvlife.diagrams`) and the docs table are all made from it, and the
+   tests cross-check it with a ``transitions`` twin. No other module assigns a
+   state.
 2. This file does not know what carries the copies (torch, a thread, a test
    script) or what the runtime does with a released request. It imports no
    torch.
@@ -41,6 +42,22 @@ Release is the one automatic event: it fires itself, exactly once, as soon as
 its guard holds (a finished Lifecycle with nothing in flight). Every event the
 table does not allow raises a :class:`~kvlife.errors.LifecycleError` and leaves
 the Lifecycle exactly as it was: all checks run before the first assignment.
+
+Table-driven and hand-coded
+---------------------------
+
+Table-driven (change :data:`TABLE`, and these follow): whether an event is
+allowed in the current state, the state it leads to (per in-flight class for
+``ack`` and ``release``), and when ``release`` fires; the diagrams and the docs
+table. ``compile_table`` refuses, at import, a row with an unknown guard or two
+rows for one case; ``tests/reference_lifecycle.py`` (test tooling, not shipped)
+also refuses an unreachable state or a dead end, and replays random event
+sequences through ``transitions`` to hold the hand-coded parts below to the table.
+
+Hand-coded (here, per event): the argument checks (whole pages, token ids, a
+``FinishReason``, load keys), the ack checks (foreign, unknown, duplicate ticket),
+the bookkeeping the guards read (chunks and loads in flight, their seqs), the
+hash chain and ``last_hash``, and calling the release callback once.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ _FORMAT_BY_SUFFIX = {
 
 
 def _register_diagram(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``kvlife diagram``: draw the lifecycle, the chunk, the reused-rid race, or the table."""
+    """``kvlife diagram``: draw the lifecycle, or print its transition table."""
     from kvlife.diagrams import DIAGRAMS, IMAGE_FORMATS
 
     parser = subparsers.add_parser(
@@ -48,7 +48,7 @@ def _register_diagram(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "--which",
         choices=list(DIAGRAMS),
         default="lifecycle",
-        help="lifecycle states, a chunk's pages, the reused-rid race, or the transition table",
+        help="the lifecycle's states, or its transition table",
     )
     formats = sorted({f for r in DIAGRAMS.values() for f in r} | set(IMAGE_FORMATS))
     parser.add_argument(

@@ -1,15 +1,16 @@
-"""The ``transitions`` machine built once from :data:`kvlife._lifecycle.TABLE`.
+"""The ``transitions`` twin of :data:`kvlife._lifecycle.TABLE`: table checks and a reference engine.
 
-It does three jobs and is never used per request on the hot path:
+Test tooling, not shipped. It cross-checks the table the fast path runs:
 
 * **validation** -- every state reachable from ``IDLE``, no dead end but
   ``RELEASED``, every guard known, one row at most per (state, event, guard
-  outcome) (:func:`validate`);
-* **diagrams** -- :mod:`kvlife.diagrams` renders the same table through
-  ``transitions``' ``GraphMachine`` (mermaid, dot);
+  outcome), and ``transitions`` accepts the table (:func:`validate`);
 * **reference engine** -- :class:`ReferenceLifecycle` runs the events through
-  ``transitions`` with its own, deliberately naive bookkeeping, so a
-  differential test can hold the fast :class:`~kvlife.Lifecycle` to it.
+  one shared ``transitions`` machine with its own, deliberately naive
+  bookkeeping, so ``tests/test_spec.py`` holds the fast
+  :class:`~kvlife.Lifecycle` to it.
+
+(``transitions`` also draws the table: :mod:`kvlife.diagrams`.)
 """
 
 from __future__ import annotations
