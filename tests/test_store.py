@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -37,7 +37,7 @@ from kvlife.store import (
     StoreResult,
     StoreStats,
 )
-from kvlife.store.base import PageBytes, QueuedStore, Written, frame_page, unframe_page
+from kvlife.store.base import QueuedStore, Written, frame_page, unframe_page
 from kvlife.store.directory import PAGES_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ class GatedMemoryStore(MemoryStore):
         super().__init__(**kw)  # type: ignore[arg-type]
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
     ) -> Written:
         self.gate.entered.set()
         self.gate.opened.wait()
@@ -114,7 +114,7 @@ class GatedDirectoryStore(LocalDirectoryStore):
         super().__init__(*args, **kw)  # type: ignore[arg-type]
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
     ) -> Written:
         self.gate.entered.set()
         self.gate.opened.wait()

@@ -45,7 +45,6 @@ through the same rollback as a real I/O error.
 from __future__ import annotations
 
 import abc
-import ctypes
 import queue
 import random
 import re
@@ -322,29 +321,13 @@ def _check_rate(rate: object) -> float:
     return float(rate)
 
 
-class PageBytes:
-    """Zero-copy byte views of the rows of a host page tensor, read on the writer thread."""
-
-    __slots__ = ("_block", "_row", "_view")
-
-    def __init__(self, pages: torch.Tensor) -> None:
-        block = pages.detach().contiguous()
-        self._block = block  # keeps the memory alive while views exist
-        self._row = block.shape[1] * block.element_size()
-        array = (ctypes.c_ubyte * (self._row * block.shape[0])).from_address(block.data_ptr())
-        self._view = memoryview(array).cast("B")
-
-    def __len__(self) -> int:
-        return len(self._view) // self._row
-
-    def page(self, i: int) -> memoryview:
-        """The raw bytes of page ``i`` (valid while the caller's host pages are)."""
-        return self._view[i * self._row : (i + 1) * self._row]
-
-    @property
-    def page_nbytes(self) -> int:
-        """Bytes per page."""
-        return self._row
+def page_views(pages: torch.Tensor) -> list[memoryview]:
+    """Zero-copy byte views of the rows of a host page tensor, one per page, read on the
+    writer thread (each keeps the tensor's memory alive)."""
+    block = pages.detach().contiguous()
+    flat = block.view(torch.uint8).numpy().data.cast("B")
+    row = block.shape[1] * block.element_size()
+    return [flat[i * row : (i + 1) * row] for i in range(block.shape[0])]
 
 
 # ----------------------------------------------------------------------------- the shared writer
@@ -397,9 +380,10 @@ class QueuedStore(abc.ABC):
 
     @abc.abstractmethod
     def _store_pages(
-        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
     ) -> Written:
-        """Store every page or none; raise (after rolling back) on failure.
+        """Store every page (``pages[i]``: the raw bytes of ``keys[i]``) or none; raise
+        (after rolling back) on failure.
 
         ``fault_at`` is the step at which to raise InjectedStoreFailure, or None.
         """
@@ -531,7 +515,7 @@ class QueuedStore(abc.ABC):
             written: Written | None = None
             error: BaseException | None = None
             try:
-                written = self._store_pages(job.keys, PageBytes(job.pages), job.fault_at)
+                written = self._store_pages(job.keys, page_views(job.pages), job.fault_at)
             except BaseException as exc:  # reported on the result, never lost
                 error = exc
             result = StoreResult(job.token, job.keys, error)

@@ -82,14 +82,13 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from kvlife.store.base import (
     InjectedStoreFailure,
     InvalidNamespace,
-    PageBytes,
     PageMismatch,
     QueuedStore,
     StoreConfigError,
@@ -254,7 +253,7 @@ class LocalDirectoryStore(QueuedStore):
         return 2 * n_pages
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
     ) -> Written:
         n = len(keys)
         temps: dict[int, tuple[Path, Path]] = {}  # page index -> (temporary, final)
@@ -269,7 +268,7 @@ class LocalDirectoryStore(QueuedStore):
             for i, key in enumerate(keys):
                 step(i, f"before writing page {i}")
                 final = self.path(key)
-                page = pages.page(i)
+                page = pages[i]
                 if self._holds(final, key, page):
                     continue
                 final.parent.mkdir(exist_ok=True)
@@ -285,7 +284,7 @@ class LocalDirectoryStore(QueuedStore):
                 step(n + i, f"before linking page {i}")
                 if i in temps:
                     temp, final = temps[i]
-                    if self._claim(temp, final, keys[i], pages.page(i)):
+                    if self._claim(temp, final, keys[i], pages[i]):
                         created.append(final)
                     temp.unlink()
                     del temps[i]
@@ -298,7 +297,7 @@ class LocalDirectoryStore(QueuedStore):
             for final in created:
                 final.unlink(missing_ok=True)
             raise
-        return Written(len(created), n - len(created), len(created) * pages.page_nbytes)
+        return Written(len(created), n - len(created), len(created) * len(pages[0]))
 
     def _holds(self, final: Path, key: str, page: memoryview, *, count: bool = True) -> bool:
         """True if ``final`` holds exactly ``page``; PageMismatch if a whole other page.

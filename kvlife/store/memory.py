@@ -20,11 +20,10 @@ next put of its key replaces it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvlife.store.base import (
     InjectedStoreFailure,
-    PageBytes,
     PageMismatch,
     QueuedStore,
     Written,
@@ -49,13 +48,13 @@ class MemoryStore(QueuedStore):
         return n_pages + 1
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
     ) -> Written:
         framed: list[bytes] = []
         for i, key in enumerate(keys):
             if fault_at == i:
                 raise InjectedStoreFailure(f"injected failure before page {i} of {len(keys)}")
-            framed.append(frame_page(key, pages.page(i)) + pages.page(i))
+            framed.append(frame_page(key, pages[i]) + pages[i])
         if fault_at == len(keys):
             raise InjectedStoreFailure(f"injected failure before committing {len(keys)} pages")
         new: dict[str, bytes] = {}
@@ -64,13 +63,13 @@ class MemoryStore(QueuedStore):
                 held = self._verified(key)
                 if held is None:
                     new[key] = framed[i]
-                elif held != pages.page(i):
+                elif held != pages[i]:
                     raise PageMismatch(
                         f"key {key} is stored with different bytes; the stored page is kept",
                         key=key,
                     )
             self._pages.update(new)
-        return Written(len(new), len(keys) - len(new), len(new) * pages.page_nbytes)
+        return Written(len(new), len(keys) - len(new), len(new) * len(pages[0]))
 
     def _verified(self, key: str) -> bytes | None:
         """The payload stored under ``key`` if it is whole; None (a bad one counted) if not."""

@@ -79,7 +79,6 @@ import numpy as np
 
 from kvlife.store.base import (
     InjectedStoreFailure,
-    PageBytes,
     PageMismatch,
     QueuedStore,
     StoreConfigError,
@@ -416,7 +415,7 @@ class MooncakeStore(QueuedStore):
         return 3
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: PageBytes, fault_at: int | None
+        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
     ) -> Written:
         n = len(keys)
 
@@ -438,7 +437,7 @@ class MooncakeStore(QueuedStore):
             self._down_until = time.monotonic() + self._retry_after
             raise
 
-    def _write(self, keys: tuple[str, ...], pages: PageBytes, step: Any) -> Written:
+    def _write(self, keys: tuple[str, ...], pages: Sequence[memoryview], step: Any) -> Written:
         names = [self._prefix + k for k in keys]
         step(0, "before looking for stored pages")
         found = self._client.batch_is_exist(names)
@@ -458,7 +457,7 @@ class MooncakeStore(QueuedStore):
                         self._count_corrupt()
                         bad.append(i)
                     to_write.append(i)  # (or evicted since it was found)
-                elif payload.tobytes() != pages.page(i).tobytes():  # memcmp, not per item
+                elif payload.tobytes() != pages[i].tobytes():  # memcmp, not per item
                     raise PageMismatch(
                         f"key {keys[i]} is stored with different bytes; the stored page is kept",
                         key=keys[i],
@@ -481,18 +480,18 @@ class MooncakeStore(QueuedStore):
             if created:
                 self._client.batch_remove(created, True)  # best effort: the cluster may be gone
             raise
-        longest = max(frame_size(k, pages.page_nbytes) for k in keys)
+        longest = max(frame_size(k, len(pages[0])) for k in keys)
         self._slot = max(self._slot, longest)
         with self._known_lock:
             self._known.update(keys)
         written = len(to_write)
-        return Written(written, len(keys) - written, written * pages.page_nbytes)
+        return Written(written, len(keys) - written, written * len(pages[0]))
 
     def _put(
         self,
         names: list[str],
         keys: tuple[str, ...],
-        pages: PageBytes,
+        pages: Sequence[memoryview],
         indices: list[int],
         created: list[str],
     ) -> None:
@@ -503,7 +502,7 @@ class MooncakeStore(QueuedStore):
         """
         if not indices:
             return
-        frame = max(frame_size(keys[i], pages.page_nbytes) for i in indices)
+        frame = max(frame_size(keys[i], len(pages[0])) for i in indices)
         per_batch = max(1, self._max_batch // frame)
         buffer = self._put_buffer
         buffer.ensure(frame * min(per_batch, len(indices)))
@@ -513,7 +512,7 @@ class MooncakeStore(QueuedStore):
             ptrs, sizes = [], []
             offset = 0
             for i in batch:
-                end = offset + frame_into(view[offset:], keys[i], pages.page(i))
+                end = offset + frame_into(view[offset:], keys[i], pages[i])
                 ptrs.append(base + offset)
                 sizes.append(end - offset)
                 offset = end
