@@ -169,18 +169,11 @@ class KVLayout:
         """Copy ``pages`` into ``out`` ``[n, page_numel]``, page-major, flat.
 
         ``out`` on another device (pinned host memory for a CUDA layout) goes
-        through a device staging buffer and one ``non_blocking`` copy when
+        through a device staging buffer and ``non_blocking`` copies when
         ``out`` is pinned; the caller then waits for the current stream.
         """
         self._check_rows("out", pages, out)
-        if pages.device != self.device:
-            pages = pages.to(self.device)
-        if out.device == self.device:
-            self._gather_into(pages, out)
-            return
-        staging = torch.empty(out.shape, dtype=self.dtype, device=self.device)
-        self._gather_into(pages, staging)
-        out.copy_(staging, non_blocking=out.is_pinned())
+        self.gather_runs(pages.to(self.device), out, [(0, 0, pages.numel())])
 
     def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
         rows = self._rows
@@ -192,6 +185,13 @@ class KVLayout:
             end = start + row.shape[1]
             torch.index_select(row, 0, pages, out=out[:, start:end])
             start = end
+
+    def _check_host(self, host: torch.Tensor) -> None:
+        if host.dtype != self.dtype or host.dim() != 2 or host.shape[1] != self._page_numel:
+            raise LayoutError(
+                f"host must be {self.dtype} [rows, {self._page_numel}], "
+                f"got {host.dtype} {tuple(host.shape)}"
+            )
 
     def gather_runs(
         self,
@@ -209,11 +209,7 @@ class KVLayout:
         device staging of at most ``max_staging_bytes`` at a time, with
         ``non_blocking`` copies when it is pinned.
         """
-        if host.dtype != self.dtype or host.dim() != 2 or host.shape[1] != self._page_numel:
-            raise LayoutError(
-                f"host must be {self.dtype} [rows, {self._page_numel}], "
-                f"got {host.dtype} {tuple(host.shape)}"
-            )
+        self._check_host(host)
         if host.device == self.device:
             for offset, row, length in runs:
                 self._gather_into(pages[offset : offset + length], host[row : row + length])
@@ -235,9 +231,7 @@ class KVLayout:
     def scatter(self, pages: torch.Tensor, src: torch.Tensor) -> None:
         """Write ``src`` ``[n, page_numel]`` back into ``pages`` (restore from host)."""
         self._check_rows("src", pages, src)
-        if src.device != self.device:
-            src = src.to(self.device, non_blocking=src.is_pinned())
-        self._scatter_from(pages.to(self.device), src)
+        self.scatter_runs(pages.to(self.device), src, [(0, 0, pages.numel())])
 
     def scatter_runs(
         self,
@@ -258,11 +252,7 @@ class KVLayout:
         at most ``max_staging_bytes`` at a time (``non_blocking`` when pinned),
         then ``index_copy_`` per buffer on the device.
         """
-        if host.dtype != self.dtype or host.dim() != 2 or host.shape[1] != self._page_numel:
-            raise LayoutError(
-                f"host must be {self.dtype} [rows, {self._page_numel}], "
-                f"got {host.dtype} {tuple(host.shape)}"
-            )
+        self._check_host(host)
         if host.device == self.device:
             for offset, row, length in runs:
                 self._scatter_from(pages[offset : offset + length], host[row : row + length])
