@@ -14,7 +14,7 @@ import torch
 from kvlife import State
 from kvlife.engine import CpuCopyEngine
 from kvlife.layout import LayerFirstLayout
-from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool
 from kvlife.store import LocalDirectoryStore
 
@@ -39,11 +39,11 @@ class Request:
     tokens: list[int]
     max_len: int
     pages: list[int]
-    life: ManagedLifecycle
+    life: OffloadRequest
 
 
 # --8<-- [start:release]
-def release(life: ManagedLifecycle, device_pages: Sequence[int]) -> None:
+def release(life: OffloadRequest, device_pages: Sequence[int]) -> None:
     """Called once, when nothing is in flight: the device pages are the runtime's again."""
     for page in device_pages:  # poisoned, as if another request reused them at once
         layout.write_page(page, torch.full((layout.page_numel,), -1.0))

@@ -26,7 +26,7 @@ import torch
 from kvlife import FinishReason, Ticket
 from kvlife.engine import CpuCopyEngine
 from kvlife.layout import LayerFirstLayout
-from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool
 from kvlife.store import LocalDirectoryStore
 
@@ -44,7 +44,7 @@ class PageAllocator:
         """One free device page, or ``None`` when the pool is out of pages."""
         return self.free.pop() if self.free else None
 
-    def release(self, life: ManagedLifecycle, device_pages: Sequence[int]) -> None:
+    def release(self, life: OffloadRequest, device_pages: Sequence[int]) -> None:
         """The release callback: kvlife calls it once, when no copy reads these pages any more."""
         for page in device_pages:  # poisoned, as if another request reused them at once
             self.layout.write_page(page, torch.full((self.layout.page_numel,), -1.0))
@@ -60,7 +60,7 @@ class Req:
     max_new_tokens: int
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # [sglang: its row of the req-to-token table]
-    life: ManagedLifecycle | None = None  # a retraction ends a life; resuming starts a new one
+    life: OffloadRequest | None = None  # a retraction ends a life; resuming starts a new one
 
     def ids(self) -> list[int]:
         """Prompt and outputs; the newest output has no KV yet."""
@@ -80,7 +80,7 @@ class Scheduler:
         self.expected: dict[str, torch.Tensor] = {}  # page key -> device bytes at submit
         self.client_aborts: dict[int, list[str]] = {}  # iteration -> rids a client aborts
         self.iteration = 0
-        self.lives: list[ManagedLifecycle] = []  # every life started, to report at the end
+        self.lives: list[OffloadRequest] = []  # every life started, to report at the end
         self.reused = False
 
     # -- the toy model: KV of a token is a function of the token and its position
@@ -199,7 +199,8 @@ def main() -> None:
         engine.close()
         store.close()
 
-        reasons = collections.Counter(life.finish_reason.name for life in sched.lives)  # type: ignore
+        ended = [life.snapshot().finish_reason for life in sched.lives]
+        reasons = collections.Counter(reason.name for reason in ended if reason is not None)
         print(f"{len(sched.lives)} lives of {len(reqs) + 1} requests ended: {dict(reasons)}")
         print(f"metrics: {manager.metrics().lifecycles_by_state}, "
               f"{len(sched.expected)} pages offloaded")

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from kvlife.engine.cpu import CpuCopyEngine
     from kvlife.engine.cuda import CudaCopyEngine
     from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
-    from kvlife.manager import ManagedLifecycle, ManagerMetrics, OffloadManager
+    from kvlife.manager import ManagerMetrics, OffloadManager, OffloadRequest
     from kvlife.pool import HostPagePool, PoolError
     from kvlife.store.base import StoreError
     from kvlife.store.directory import LocalDirectoryStore
@@ -63,9 +63,9 @@ _LAZY = {
     "LayerFirstLayout": "kvlife.layout",
     "MLALayout": "kvlife.layout",
     "PageFirstLayout": "kvlife.layout",
-    "ManagedLifecycle": "kvlife.manager",
     "ManagerMetrics": "kvlife.manager",
     "OffloadManager": "kvlife.manager",
+    "OffloadRequest": "kvlife.manager",
     "HostPagePool": "kvlife.pool",
     "PoolError": "kvlife.pool",
     "StoreError": "kvlife.store.base",
@@ -110,11 +110,11 @@ __all__ = [
     "LoadTicket",
     "LocalDirectoryStore",
     "MLALayout",
-    "ManagedLifecycle",
     "ManagerError",
     "ManagerMetrics",
     "MemoryStore",
     "OffloadManager",
+    "OffloadRequest",
     "PageFirstLayout",
     "PoolError",
     "ReleaseCallbackError",

@@ -337,6 +337,10 @@ class Lifecycle:
     the same rid are different objects, unequal, and each is reached only
     through its own tickets. ``on_release`` is called with the Lifecycle
     exactly once, when it is finished and nothing is in flight.
+
+    ``owner`` is free for whoever drives the Lifecycle to attach its own record
+    (an :class:`~kvlife.manager.OffloadManager` attaches its request record, so
+    that an ack's ticket leads back to it); the Lifecycle never reads it.
     """
 
     __slots__ = (
@@ -355,6 +359,7 @@ class Lifecycle:
         "_rid",
         "_state",
         "_tail",
+        "owner",
     )
 
     def __init__(
@@ -388,6 +393,7 @@ class Lifecycle:
         self._finish_reason: FinishReason | None = None
         self._loads: dict[int, LoadTicket] | None = None  # in flight, by seq (made at a load)
         self._loads_started = 0
+        self.owner: object = None
 
     # ---------------------------------------------------------------- reading
 

@@ -3,8 +3,9 @@
 The runtime's scheduler thread owns the manager (no locks on the hot path).
 Its primitives, one line each:
 
-* :meth:`OffloadManager.start` -- a request life begins: a new Lifecycle whose
-  hash chain continues from the prefill side's pages;
+* :meth:`OffloadManager.start` -- a request life begins: an
+  :class:`OffloadRequest` record holding a new Lifecycle whose hash chain
+  continues from the prefill side's pages (the runtime passes the record back);
 * :meth:`OffloadManager.offload` -- after a decode step: submit the chunk that
   is due under the stride policy, if any;
 * :meth:`OffloadManager.poll` -- each step: apply completed copies (ack the
@@ -12,11 +13,11 @@ Its primitives, one line each:
 * :meth:`OffloadManager.finish` -- decoding ended (finished, aborted,
   retracted); the release callback gets the device pages once nothing is in flight;
 * :meth:`OffloadManager.close` -- drain every copy and every store write;
-* :meth:`OffloadManager.metrics` -- a snapshot of counters.
+* :meth:`OffloadManager.metrics` -- a copy of the counters (:class:`ManagerMetrics`).
 
 Page accounting, end to end: a chunk's host pages are allocated before its
 Lifecycle is told of the chunk (so a full host pool changes nothing), are owned
-in the host pool by that Lifecycle (a free by anyone else is refused), belong to
+in the host pool by that request's record (a free by anyone else is refused), belong to
 that chunk alone, and are freed exactly once: when the store reports the pages
 written, or at once when the copy or the store failed. A chunk's device
 pages go back to the runtime only through the release callback, which the
@@ -37,12 +38,12 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvlife._lifecycle import FinishReason, Lifecycle, LoadTicket, State, Ticket
+from kvlife._lifecycle import FinishReason, Lifecycle, LifecycleSnapshot, State, Ticket
 from kvlife.engine.base import Ack, CopyFault
 from kvlife.errors import (
     ConfigError,
@@ -65,12 +66,17 @@ if TYPE_CHECKING:
     from kvlife.pool import HostPagePool
     from kvlife.store.base import Store, StoreResult
 
-_IDLE, _OFFLOADING = State.IDLE, State.OFFLOADING
+__all__ = [
+    "Agreement",
+    "ManagedLifecycle",
+    "ManagerMetrics",
+    "OffloadManager",
+    "OffloadRequest",
+    "ReleaseHandler",
+]
 
-__all__ = ["Agreement", "ManagedLifecycle", "ManagerMetrics", "OffloadManager", "ReleaseHandler"]
-
-#: The runtime's release callback: ``(lifecycle, device_pages)``, called exactly once.
-ReleaseHandler = Callable[["ManagedLifecycle", Sequence[int]], object]
+#: The runtime's release callback: ``(request, device_pages)``, called exactly once.
+ReleaseHandler = Callable[["OffloadRequest", Sequence[int]], object]
 
 
 class Agreement(Protocol):
@@ -96,59 +102,110 @@ class Agreement(Protocol):
         """Submissions not yet returned by :meth:`agree`."""
 
 
-class ManagedLifecycle(Lifecycle):
-    """A Lifecycle started by an :class:`OffloadManager`, with the request data the manager needs.
+class OffloadRequest:
+    """One request life under an :class:`OffloadManager`: it holds the life's Lifecycle and
+    the request data the manager needs.
 
-    The runtime keeps it on its own request object; the manager never needs the rid.
+    :meth:`OffloadManager.start` returns it; the runtime keeps it on its own request
+    object, passes it to :meth:`~OffloadManager.offload` and
+    :meth:`~OffloadManager.finish`, and its release handler receives it. It has no
+    events: chunks, acks and finish go through the manager, which keeps the counters
+    and the pages, so none can bypass them. The Lifecycle is the manager's; the
+    record shows it read-only (:attr:`state`, :attr:`inflight`, :meth:`snapshot`).
+    A ticket still names its Lifecycle (engines route acks by it): read it, never
+    drive it. The manager never needs the rid.
     """
 
-    __slots__ = ("_manager", "device_pages", "next_page", "prefill_len", "release_handler")
+    __slots__ = (
+        "__weakref__",
+        "_decoding",
+        "_lifecycle",
+        "device_pages",
+        "manager",
+        "next_page",
+        "prefill_len",
+        "release_handler",
+    )
 
-    _manager: OffloadManager
+    def __init__(
+        self,
+        manager: OffloadManager,
+        lifecycle: Lifecycle,
+        prefill_len: int,
+        release_handler: ReleaseHandler | None,
+    ) -> None:
+        #: The manager that started the life (the only one that takes it).
+        self.manager = manager
+        self._lifecycle = lifecycle
+        self._decoding = True  # until the manager's finish: steps are taken
+        #: The request's device page table as last given (page i holds tokens [i*P, (i+1)*P)).
+        #: Kept by reference, not copied (a copy per step would cost the hot path): the
+        #: release handler receives this same object, so mutate it only through steps.
+        self.device_pages: Sequence[int] = ()
+        #: Tokens the prefill side already stored (prompt rounded down to whole pages).
+        self.prefill_len = prefill_len
+        #: The first page not prefilled and not yet offloaded: where the next chunk starts.
+        self.next_page = prefill_len // manager.page_size
+        self.release_handler = release_handler
 
-    # Its events go through the manager, which keeps the counters and the pages;
-    # a direct call would bypass both, so it is refused before anything changes.
-    def submit(self, tokens: Sequence[int]) -> Ticket:
-        """Refused: use :meth:`OffloadManager.offload`."""
-        raise ManagerError(f"{self!r}: submit through its manager (offload)")
+    @property
+    def rid(self) -> object:
+        """The request id: a label for logs, never a key."""
+        return self._lifecycle.rid
 
-    def ack(self, ticket: Ticket | LoadTicket) -> None:
-        """Refused: the manager applies acks in :meth:`OffloadManager.poll`."""
-        raise ManagerError(f"{self!r}: acks reach it through its manager (poll)")
+    @property
+    def state(self) -> State:
+        """The Lifecycle's :class:`~kvlife.State`."""
+        return self._lifecycle.state
 
-    def finish(self, reason: FinishReason = FinishReason.FINISHED) -> None:
-        """Refused: use :meth:`OffloadManager.finish`."""
-        raise ManagerError(f"{self!r}: finish through its manager (finish)")
+    @property
+    def inflight(self) -> int:
+        """Chunks submitted and not yet acked."""
+        return self._lifecycle.inflight
 
-    #: The request's device page table as last given (page i holds tokens [i*P, (i+1)*P)).
-    #: Kept by reference, not copied (a copy per step would cost the hot path): the
-    #: release callback receives this same object, so mutate it only through steps.
-    device_pages: Sequence[int]
-    #: Tokens the prefill side already stored (prompt rounded down to whole pages).
-    prefill_len: int
-    #: The first page not prefilled and not yet offloaded: where the next chunk starts.
-    next_page: int
-    release_handler: ReleaseHandler | None
+    def snapshot(self) -> LifecycleSnapshot:
+        """Every observable field of the Lifecycle, for comparing whole states."""
+        return self._lifecycle.snapshot()
+
+    def __repr__(self) -> str:
+        lc = self._lifecycle
+        return (
+            f"<OffloadRequest rid={lc.rid!r} {lc.state.name} inflight={lc.inflight} "
+            f"id=0x{id(self):x}>"
+        )
+
+
+#: The record's former name, kept while callers move to :class:`OffloadRequest`.
+ManagedLifecycle = OffloadRequest
+
+
+def _metric(kind: str, help_text: str) -> Any:
+    """A scalar field of :class:`ManagerMetrics`: its Prometheus kind and help travel with it."""
+    return field(default=0, metadata={"kind": kind, "help": help_text})
 
 
 @dataclass
 class ManagerMetrics:
-    """A snapshot of the manager's counters (see :meth:`OffloadManager.metrics`)."""
+    """The manager's counters: it mutates one; :meth:`OffloadManager.metrics` returns a copy
+    with the gauges read at the call. Scalar fields carry their Prometheus kind and help
+    (``field.metadata``), which :mod:`kvlife.metrics` exposes as they are."""
 
-    lifecycles_started: int = 0
+    lifecycles_started: int = _metric("counter", "Request lives started")
     lifecycles_by_state: dict[str, int] = field(default_factory=dict)
-    chunks_submitted: int = 0
-    chunks_in_flight: int = 0
-    chunks_acked: int = 0
-    pages_offloaded: int = 0
-    bytes_offloaded: int = 0
-    pages_stored: int = 0
-    store_writes_pending: int = 0
-    host_pages_used: int = 0
-    host_pool_exhausted: int = 0
-    copy_failures: int = 0
-    store_failures: int = 0
-    release_callback_errors: int = 0
+    chunks_submitted: int = _metric("counter", "Chunks submitted for device-to-host copy")
+    chunks_in_flight: int = _metric("gauge", "Chunks submitted and not yet acked")
+    chunks_acked: int = _metric("counter", "Chunks whose copy completed (or failed)")
+    pages_offloaded: int = _metric("counter", "Pages copied to host successfully")
+    bytes_offloaded: int = _metric("counter", "Bytes copied to host successfully")
+    pages_stored: int = _metric("counter", "Pages the store reported written")
+    store_writes_pending: int = _metric("gauge", "Store writes not yet reported")
+    host_pages_used: int = _metric("gauge", "Host pages allocated")
+    host_pool_exhausted: int = _metric(
+        "counter", "Due chunks deferred because the host pool was full"
+    )
+    copy_failures: int = _metric("counter", "Chunks whose copy failed")
+    store_failures: int = _metric("counter", "Store writes that failed or were refused")
+    release_callback_errors: int = _metric("counter", "Release callbacks that raised")
     refused_events: dict[str, int] = field(default_factory=dict)
     ack_latency_count: int = 0
     ack_latency_sum_s: float = 0.0
@@ -224,23 +281,13 @@ class OffloadManager:
         self._page_bytes = host.tensor[0].numel() * host.tensor.element_size()
         self._thread: int | None = None  # the scheduler thread, bound at the first call
         self._thread_obj: threading.Thread | None = None
-        self._refused: Counter[str] = Counter()
         self._acks: deque[Ack] = deque()  # taken from the engine, not yet applied
         self._results: deque[StoreResult] = deque()  # taken from the store, not yet applied
-        self._live: set[ManagedLifecycle] = set()  # started, not yet released
-        self._started = 0
+        self._live: set[OffloadRequest] = set()  # started, not yet released
         self._released = 0
-        self._chunks_submitted = 0
-        self._chunks_acked = 0
-        self._pages_offloaded = 0
-        self._pages_stored = 0
-        self._exhausted = 0
-        self._copy_failures = 0
-        self._store_failures = 0
-        self._callback_errors = 0
-        self._latency_count = 0
-        self._latency_sum = 0.0
-        self._latency_max = 0.0
+        self._refused: Counter[str] = Counter()
+        #: The counters, mutated in place; :meth:`metrics` copies them.
+        self._metrics = ManagerMetrics(refused_events=self._refused)
         #: Errors raised by release callbacks, newest last (bounded), for the runtime to log.
         self.callback_errors: list[ReleaseCallbackError] = []
 
@@ -253,7 +300,7 @@ class OffloadManager:
         on_release: ReleaseHandler | None = None,
         *,
         prior_hash: str | None = None,
-    ) -> ManagedLifecycle:
+    ) -> OffloadRequest:
         """Begin one request life; the chain continues from the prompt's whole pages.
 
         ``prior_hash`` is the key of the prompt's last whole page if the
@@ -273,24 +320,20 @@ class OffloadManager:
         except (HashingError, TypeError) as exc:
             self._refused[InvalidStep.__name__] += 1
             raise InvalidStep(f"cannot start rid={rid!r}: {exc}") from None
-        lc = ManagedLifecycle(
+        lc = Lifecycle(
             rid,
             page_size=self.page_size,
             on_release=self._on_release,
             prior_hash=prior_hash,
             hasher=self.hasher,
         )
-        lc._manager = self
-        lc.device_pages = ()
-        lc.prefill_len = prefill_len
-        lc.next_page = prefill_len // self.page_size
-        lc.release_handler = on_release
-        self._live.add(lc)
-        self._started += 1
-        return lc
+        req = lc.owner = OffloadRequest(self, lc, prefill_len, on_release)
+        self._live.add(req)
+        self._metrics.lifecycles_started += 1
+        return req
 
     def offload(
-        self, lc: ManagedLifecycle, tokens: Sequence[int], device_pages: Sequence[int]
+        self, req: OffloadRequest, tokens: Sequence[int], device_pages: Sequence[int]
     ) -> Ticket | None:
         """After a decode step: submit the chunk that is due, if any; return its ticket.
 
@@ -301,74 +344,73 @@ class OffloadManager:
         before anything changes, the page table kept included.
         """
         # The hot path: most steps submit nothing, so this prefix must cost about
-        # what a dict lookup does. It reads the Lifecycle's slots directly. It
-        # changes only the page table (one atomic store), so the thread is checked
-        # only once a chunk is due.
-        if lc.__class__ is not ManagedLifecycle or lc._manager is not self:
-            self._check_owned(lc)
-        state = lc._state
-        if state is not _IDLE and state is not _OFFLOADING:
-            raise self._invalid_step(lc, "decoding has ended; no more steps")
-        first = lc.next_page  # pages prefilled or already offloaded
+        # what a dict lookup does: it reads the record's slots only. It changes
+        # only the page table (one atomic store), so the thread is checked only
+        # once a chunk is due.
+        if req.__class__ is not OffloadRequest or req.manager is not self:
+            self._check_owned(req)
+        if not req._decoding:
+            raise self._invalid_step(req, "decoding has ended; no more steps")
+        first = req.next_page  # pages prefilled or already offloaded
         start = first * self.page_size
         try:  # free in CPython 3.11+ unless it raises
             ready = len(tokens) - 1 - start  # tokens with KV not yet offloaded
             if ready < self.stride:
                 if ready < -1:
                     raise self._invalid_step(
-                        lc, f"{len(tokens)} tokens, but {start} are already offloaded or prefilled"
+                        req, f"{len(tokens)} tokens, but {start} are already offloaded or prefilled"
                     )
                 if len(device_pages) < first:
                     raise self._invalid_step(
-                        lc,
+                        req,
                         f"{len(device_pages)} device pages cannot hold the {start} tokens "
                         "before them",
                     )
-                lc.device_pages = device_pages
+                req.device_pages = device_pages
                 return None
             n_device = len(device_pages)
         except TypeError:
-            raise self._invalid_step(lc, "tokens and device_pages must be sequences") from None
+            raise self._invalid_step(req, "tokens and device_pages must be sequences") from None
         if get_ident() != self._thread:
             self._check_thread()
         n = ready // self.stride * self.stride
         end = (start + n) // self.page_size
         if n_device < end:
-            raise self._invalid_step(lc, f"{n_device} device pages cannot hold {start + n} tokens")
+            raise self._invalid_step(req, f"{n_device} device pages cannot hold {start + n} tokens")
         try:
             chunk_tokens = _tokens_of(tokens, start, start + n)
             chunk_pages = _tokens_of(device_pages, first, end)
         except TypeError as exc:
-            raise self._invalid_step(lc, str(exc)) from None
+            raise self._invalid_step(req, str(exc)) from None
         if self.agreement is not None and not self.agreement.admit(end - first):
-            self._exhausted += 1  # host pool full on some rank: no rank submits
+            self._metrics.host_pool_exhausted += 1  # host pool full on some rank: none submits
             return None
-        return self._submit(lc, chunk_tokens, chunk_pages, device_pages)
+        return self._submit(req, chunk_tokens, chunk_pages, device_pages)
 
     def _submit(
         self,
-        lc: ManagedLifecycle,
+        req: OffloadRequest,
         tokens: Sequence[int],
         chunk_pages: Sequence[int],
         device_pages: Sequence[int],
     ) -> Ticket | None:
         """Allocate host pages, then commit: until the Lifecycle holds the chunk,
         any exception (a refusal, a bug in a hasher or engine, Ctrl-C) gives them back."""
-        host_pages = self.host.alloc(len(chunk_pages), owner=lc)
+        host_pages = self.host.alloc(len(chunk_pages), owner=req)
         if host_pages is None:
-            self._exhausted += 1
+            self._metrics.host_pool_exhausted += 1
             return None
         try:
             self.engine.check(chunk_pages, host_pages)
-            ticket = Lifecycle.submit(lc, tokens)
+            ticket = req._lifecycle.submit(tokens)
         except BaseException as exc:
-            self.host.free(host_pages, owner=lc)
+            self.host.free(host_pages, owner=req)
             if isinstance(exc, KVLifeError):
                 self._refused[type(exc).__name__] += 1
             raise
-        lc.device_pages = device_pages
-        lc.next_page += len(chunk_pages)
-        self._chunks_submitted += 1
+        req.device_pages = device_pages
+        req.next_page += len(chunk_pages)
+        self._metrics.chunks_submitted += 1
         try:
             self.engine.submit(ticket, chunk_pages, host_pages)
         except BaseException as exc:
@@ -383,7 +425,7 @@ class OffloadManager:
 
     def finish(
         self,
-        lc: ManagedLifecycle,
+        req: OffloadRequest,
         reason: FinishReason = FinishReason.FINISHED,
         device_pages: Sequence[int] | None = None,
     ) -> None:
@@ -394,16 +436,17 @@ class OffloadManager:
         """
         if get_ident() != self._thread:
             self._check_thread()
-        self._check_owned(lc)
-        kept = lc.device_pages
+        self._check_owned(req)
+        kept, decoding = req.device_pages, req._decoding
         if device_pages is not None:
-            lc.device_pages = device_pages
+            req.device_pages = device_pages
+        req._decoding = False  # before the release handler runs: it may step no more
         try:
-            Lifecycle.finish(lc, reason)
+            req._lifecycle.finish(reason)
         except ReleaseCallbackError as exc:
             self._record_callback_error(exc)
-        except LifecycleError as exc:
-            lc.device_pages = kept
+        except LifecycleError as exc:  # refused before anything changed
+            req.device_pages, req._decoding = kept, decoding
             self._refused[type(exc).__name__] += 1
             raise
 
@@ -474,15 +517,16 @@ class OffloadManager:
     def _apply_ack(self, ack: Ack) -> None:
         ticket = ack.ticket
         lc = ticket.lifecycle
-        if lc.__class__ is not ManagedLifecycle:  # forged: no manager's to touch
+        req = getattr(lc, "owner", None)
+        if not isinstance(req, OffloadRequest):  # forged: no manager's to touch
             self._refused[ForeignLifecycle.__name__] += 1
             return
-        if lc._manager is not self:  # an engine shared with another manager: hand it over
-            lc._manager._acks.append(ack)
+        if req.manager is not self:  # an engine shared with another manager: hand it over
+            req.manager._acks.append(ack)
             return
-        inflight = lc._inflight
+        inflight = lc.inflight
         try:
-            Lifecycle.ack(lc, ticket)
+            lc.ack(ticket)
         except ReleaseCallbackError as exc:
             self._record_callback_error(exc)
         except LifecycleError as exc:  # a duplicate ack from the engine: its pages are not ours
@@ -491,29 +535,30 @@ class OffloadManager:
         except BaseException:
             # The release callback raised KeyboardInterrupt or SystemExit: the ack
             # is applied, so its pages are settled before the exception goes on.
-            if lc._inflight != inflight:
-                self._settle(lc, ack)
+            if lc.inflight != inflight:
+                self._settle(req, ack)
             raise
-        self._settle(lc, ack)
+        self._settle(req, ack)
 
-    def _settle(self, lc: ManagedLifecycle, ack: Ack) -> None:
+    def _settle(self, req: OffloadRequest, ack: Ack) -> None:
         """An applied ack's pages: freed if the copy failed, else handed to the store."""
-        self._chunks_acked += 1
+        m = self._metrics
+        m.chunks_acked += 1
         latency = ack.completed_at - ack.submitted_at
-        self._latency_count += 1
-        self._latency_sum += latency
-        self._latency_max = max(self._latency_max, latency)
+        m.ack_latency_count += 1
+        m.ack_latency_sum_s += latency
+        m.ack_latency_max_s = max(m.ack_latency_max_s, latency)
         if not ack.ok:
-            self._copy_failures += 1
-            self.host.free(ack.host_pages, owner=lc)
+            m.copy_failures += 1
+            self.host.free(ack.host_pages, owner=req)
             return
-        self._pages_offloaded += len(ack.host_pages)  # on the host now, whatever the store does
+        m.pages_offloaded += len(ack.host_pages)  # on the host now, whatever the store does
         try:
             rows = self._host_rows(ack.host_pages)
-            self.store.put((lc, ack.host_pages), ack.ticket.keys, rows)
+            self.store.put((req, ack.host_pages), ack.ticket.keys, rows)
         except BaseException as exc:  # refused or broken at once: never stored
-            self._store_failures += 1
-            self.host.free(ack.host_pages, owner=lc)
+            m.store_failures += 1
+            self.host.free(ack.host_pages, owner=req)
             if not isinstance(exc, StoreError):
                 raise
             self._refused[type(exc).__name__] += 1
@@ -523,17 +568,17 @@ class OffloadManager:
         pending.extend(results)
         while pending:
             result = pending.popleft()
-            owner: ManagedLifecycle
+            owner: OffloadRequest
             host_pages: tuple[int, ...]
             owner, host_pages = result.token  # type: ignore[misc]
-            if owner._manager is not self:  # a store shared with another manager
-                owner._manager._results.append(result)
+            if owner.manager is not self:  # a store shared with another manager
+                owner.manager._results.append(result)
                 continue
             self.host.free(host_pages, owner=owner)
             if result.ok:
-                self._pages_stored += len(result.keys)
+                self._metrics.pages_stored += len(result.keys)
             else:
-                self._store_failures += 1
+                self._metrics.store_failures += 1
 
     def _host_rows(self, pages: Sequence[int]) -> torch.Tensor:
         """The host pages as one [n, page_numel] tensor: a view when they are consecutive."""
@@ -543,12 +588,13 @@ class OffloadManager:
         return self.host.tensor[list(pages)]
 
     def _on_release(self, lc: Lifecycle) -> None:
-        assert isinstance(lc, ManagedLifecycle)
-        self._live.discard(lc)
+        req = lc.owner
+        assert isinstance(req, OffloadRequest)
+        self._live.discard(req)
         self._released += 1
-        handler = lc.release_handler
+        handler = req.release_handler
         if handler is not None:
-            handler(lc, lc.device_pages)
+            handler(req, req.device_pages)
 
     def _check_thread(self) -> None:
         """Bind the manager to the calling thread, or refuse a second thread.
@@ -568,49 +614,39 @@ class OffloadManager:
         self._thread_obj = threading.current_thread()
         self._thread = get_ident()
 
-    def _invalid_step(self, lc: ManagedLifecycle, why: str) -> InvalidStep:
+    def _invalid_step(self, req: OffloadRequest, why: str) -> InvalidStep:
         self._refused[InvalidStep.__name__] += 1
-        return InvalidStep(f"Lifecycle rid={lc.rid!r} id=0x{id(lc):x}: {why}")
+        return InvalidStep(f"request rid={req.rid!r} id=0x{id(req):x}: {why}")
 
     def _record_callback_error(self, exc: ReleaseCallbackError) -> None:
-        self._callback_errors += 1
+        self._metrics.release_callback_errors += 1
         self.callback_errors.append(exc)
         del self.callback_errors[:-100]
 
-    def _check_owned(self, lc: Lifecycle) -> None:
-        if not isinstance(lc, ManagedLifecycle) or lc._manager is not self:
+    def _check_owned(self, req: object) -> None:
+        if not isinstance(req, OffloadRequest) or req.manager is not self:
             self._refused[ForeignLifecycle.__name__] += 1
-            raise ForeignLifecycle(f"{lc!r} was not started by this manager")
+            raise ForeignLifecycle(f"{req!r} was not started by this manager")
 
     # ------------------------------------------------------------ metrics
 
     def metrics(self) -> ManagerMetrics:
-        """Counters now: Lifecycles per state, chunks, pages, bytes, failures, refusals, latency."""
-        by_state = Counter(lc._state.name for lc in tuple(self._live))  # any thread may read
-        return ManagerMetrics(
-            lifecycles_started=self._started,
+        """A copy of the counters, with the gauges read now (any thread may call it)."""
+        m = self._metrics
+        by_state = Counter(req.state.name for req in tuple(self._live))
+        return replace(
+            m,
             lifecycles_by_state={
                 State.IDLE.name: by_state[State.IDLE.name],
                 State.OFFLOADING.name: by_state[State.OFFLOADING.name],
                 State.FINISHED.name: by_state[State.FINISHED.name],
                 State.RELEASED.name: self._released,
             },
-            chunks_submitted=self._chunks_submitted,
-            chunks_in_flight=self._chunks_submitted - self._chunks_acked,
-            chunks_acked=self._chunks_acked,
-            pages_offloaded=self._pages_offloaded,
-            bytes_offloaded=self._pages_offloaded * self._page_bytes,
-            pages_stored=self._pages_stored,
+            chunks_in_flight=m.chunks_submitted - m.chunks_acked,
+            bytes_offloaded=m.pages_offloaded * self._page_bytes,
             store_writes_pending=self.store.pending,
             host_pages_used=self.host.num_used,
-            host_pool_exhausted=self._exhausted,
-            copy_failures=self._copy_failures,
-            store_failures=self._store_failures,
-            release_callback_errors=self._callback_errors,
             refused_events=dict(self._refused),
-            ack_latency_count=self._latency_count,
-            ack_latency_sum_s=self._latency_sum,
-            ack_latency_max_s=self._latency_max,
         )
 
 

@@ -1,7 +1,8 @@
 """Prometheus exposure of :class:`~kvlife.manager.ManagerMetrics` (needs ``prometheus_client``).
 
 The collector reads ``manager.metrics()`` at scrape time, so it adds nothing to
-the hot path and always shows the same figures as the snapshot::
+the hot path and always shows the same figures as the snapshot; each scalar
+field's kind and help are the dataclass field's metadata::
 
     from prometheus_client import REGISTRY
     REGISTRY.register(ManagerCollector(manager))
@@ -14,6 +15,7 @@ event half-counted across two metrics, never a torn value or an exception.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from kvlife.errors import KVLifeError
@@ -21,26 +23,22 @@ from kvlife.errors import KVLifeError
 if TYPE_CHECKING:
     from kvlife.manager import OffloadManager
 
-__all__ = ["ManagerCollector", "MetricsUnavailable"]
+__all__ = ["ManagerCollector", "MetricsUnavailable", "scalar_fields"]
 
 PREFIX = "kvlife"
 
-#: Snapshot field -> (metric kind, help). Counters only grow; gauges go both ways.
-FIELDS: dict[str, tuple[str, str]] = {
-    "lifecycles_started": ("counter", "Request lives started"),
-    "chunks_submitted": ("counter", "Chunks submitted for device-to-host copy"),
-    "chunks_acked": ("counter", "Chunks whose copy completed (or failed)"),
-    "pages_offloaded": ("counter", "Pages copied to host successfully"),
-    "bytes_offloaded": ("counter", "Bytes copied to host successfully"),
-    "pages_stored": ("counter", "Pages the store reported written"),
-    "host_pool_exhausted": ("counter", "Due chunks deferred because the host pool was full"),
-    "copy_failures": ("counter", "Chunks whose copy failed"),
-    "store_failures": ("counter", "Store writes that failed or were refused"),
-    "release_callback_errors": ("counter", "Release callbacks that raised"),
-    "chunks_in_flight": ("gauge", "Chunks submitted and not yet acked"),
-    "store_writes_pending": ("gauge", "Store writes not yet reported"),
-    "host_pages_used": ("gauge", "Host pages allocated"),
-}
+
+def scalar_fields() -> list[tuple[str, str, str]]:
+    """``(field, kind, help)`` of each scalar :class:`~kvlife.manager.ManagerMetrics` field
+    that is exposed as it is: read from the dataclass (counters only grow; gauges go both
+    ways)."""
+    from kvlife.manager import ManagerMetrics
+
+    return [
+        (f.name, f.metadata["kind"], f.metadata["help"])
+        for f in fields(ManagerMetrics)
+        if "kind" in f.metadata
+    ]
 
 
 class MetricsUnavailable(KVLifeError, ImportError):
@@ -74,7 +72,7 @@ class ManagerCollector:
 
         snap = self.manager.metrics()
         names, values = list(self.labels), list(self.labels.values())
-        for field, (kind, help_text) in FIELDS.items():
+        for field, kind, help_text in scalar_fields():
             family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             family = family_type(f"{PREFIX}_{field}", help_text, labels=names)
             family.add_metric(values, float(getattr(snap, field)))

@@ -19,7 +19,7 @@ from kvlife.engine.base import Ack
 from kvlife.engine.cpu import CpuCopyEngine
 from kvlife.hashing import page_hashes
 from kvlife.layout import LayerFirstLayout
-from kvlife.manager import ManagedLifecycle, OffloadManager, ReleaseHandler
+from kvlife.manager import OffloadManager, OffloadRequest, ReleaseHandler
 from kvlife.pool import HostPagePool
 from kvlife.store.base import Store
 from kvlife.testing import (
@@ -42,7 +42,7 @@ class RidKeyedProgress(OffloadManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._by_rid: dict[object, ManagedLifecycle] = {}
+        self._by_rid: dict[object, OffloadRequest] = {}
 
     def start(
         self,
@@ -51,13 +51,14 @@ class RidKeyedProgress(OffloadManager):
         on_release: ReleaseHandler | None = None,
         *,
         prior_hash: str | None = None,
-    ) -> ManagedLifecycle:
+    ) -> OffloadRequest:
         lc = super().start(rid, prompt, on_release, prior_hash=prior_hash)
         old = self._by_rid.get(rid)
         if old is not None and old.state is not State.RELEASED:
-            lc._pages_submitted = old._pages_submitted  # the bug: progress found by rid
+            new, former = lc._lifecycle, old._lifecycle
+            new._pages_submitted = former._pages_submitted  # the bug: progress found by rid
             lc.next_page = old.next_page
-            lc._tail = old.chain_tail
+            new._tail = former.chain_tail
         self._by_rid[rid] = lc
         return lc
 
@@ -65,7 +66,7 @@ class RidKeyedProgress(OffloadManager):
 class EarlyRelease(OffloadManager):
     """Release while a copy is in flight: an abort or a retraction frees device pages at once."""
 
-    def finish(self, lc: ManagedLifecycle, reason: FinishReason = FinishReason.FINISHED) -> None:
+    def finish(self, lc: OffloadRequest, reason: FinishReason = FinishReason.FINISHED) -> None:
         handler = lc.release_handler
         if reason is not FinishReason.FINISHED and handler is not None:
             lc.release_handler = None  # released now, so not again at the last ack
@@ -77,9 +78,9 @@ class DoubleHostFree(OffloadManager):
     """Host pages freed twice: a release-time cleanup frees what the pending store write frees."""
 
     def _on_release(self, lc: Any) -> None:
-        pages = self.host.owned_by(lc)
+        pages = self.host.owned_by(lc.owner)
         if pages:
-            self.host.free(pages, owner=lc)  # the bug: the store result frees them again
+            self.host.free(pages, owner=lc.owner)  # the bug: the store result frees them again
         super()._on_release(lc)
 
 
@@ -91,7 +92,7 @@ class _AckOrderKeys:
         self.manager = manager
 
     def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
-        lc: ManagedLifecycle = token[0]  # type: ignore[index]
+        lc: OffloadRequest = token[0]  # type: ignore[index]
         tokens = self.manager.chunk_tokens[tuple(keys)]
         head = self.manager.head.get(lc, self.manager.prior[lc])
         rehashed = self.manager.hasher(tokens, self.manager.page_size, head)
@@ -109,16 +110,16 @@ class AckOrderChain(OffloadManager):
         super().__init__(engine, host, store, **kwargs)
         self.store = _AckOrderKeys(store, self)
         self.chunk_tokens: dict[tuple[str, ...], list[int]] = {}
-        self.head: dict[ManagedLifecycle, str | None] = {}
-        self.prior: dict[ManagedLifecycle, str | None] = {}
+        self.head: dict[OffloadRequest, str | None] = {}
+        self.prior: dict[OffloadRequest, str | None] = {}
 
-    def start(self, *args: Any, **kwargs: Any) -> ManagedLifecycle:
+    def start(self, *args: Any, **kwargs: Any) -> OffloadRequest:
         lc = super().start(*args, **kwargs)
-        self.prior[lc] = lc.chain_tail
+        self.prior[lc] = lc.snapshot().chain_tail
         return lc
 
     def offload(
-        self, lc: ManagedLifecycle, tokens: Sequence[int], device_pages: Sequence[int]
+        self, lc: OffloadRequest, tokens: Sequence[int], device_pages: Sequence[int]
     ) -> Any:
         ticket = super().offload(lc, tokens, device_pages)
         if ticket is not None:
@@ -133,15 +134,15 @@ class NewestByRid(OffloadManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._newest: dict[object, ManagedLifecycle] = {}
+        self._newest: dict[object, OffloadRequest] = {}
 
-    def start(self, rid: object, *args: Any, **kwargs: Any) -> ManagedLifecycle:
+    def start(self, rid: object, *args: Any, **kwargs: Any) -> OffloadRequest:
         lc = super().start(rid, *args, **kwargs)
         self._newest[rid] = lc
         return lc
 
     def _apply_ack(self, ack: Ack) -> None:
-        newest = self._newest[ack.ticket.lifecycle.rid]
+        newest = self._newest[ack.ticket.lifecycle.rid]._lifecycle
         if newest is not ack.ticket.lifecycle and newest.chunks_in_flight():
             ack = replace(ack, ticket=newest.chunks_in_flight()[0])  # the bug
         super()._apply_ack(ack)

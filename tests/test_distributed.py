@@ -38,7 +38,7 @@ from kvlife.distributed import (
 from kvlife.engine.base import Ack
 from kvlife.engine.cpu import CpuCopyEngine, CpuCopyEvent
 from kvlife.layout import LayerFirstLayout
-from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool
 from kvlife.sim.distributed import init_rank, run_rank, spawn_ranks
 from kvlife.sim.runtime import SimConfig
@@ -127,7 +127,7 @@ class Rig:
     manager: OffloadManager
     released: list[str] = field(default_factory=list)
 
-    def on_release(self, lc: ManagedLifecycle, pages: object) -> None:
+    def on_release(self, lc: OffloadRequest, pages: object) -> None:
         self.released.append(str(lc.rid))
 
     def close_parts(self) -> None:

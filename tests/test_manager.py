@@ -24,11 +24,10 @@ from kvlife.errors import (
     InvalidEvent,
     InvalidStep,
     InvalidTransition,
-    ManagerError,
 )
 from kvlife.hashing import page_hashes
 from kvlife.layout import LayerFirstLayout
-from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool
 from kvlife.store.memory import MemoryStore
 
@@ -44,9 +43,9 @@ class Rig:
     engine: CpuCopyEngine
     store: MemoryStore
     manager: OffloadManager
-    released: list[tuple[ManagedLifecycle, tuple[int, ...]]] = field(default_factory=list)
+    released: list[tuple[OffloadRequest, tuple[int, ...]]] = field(default_factory=list)
 
-    def on_release(self, lc: ManagedLifecycle, pages: object) -> None:
+    def on_release(self, lc: OffloadRequest, pages: object) -> None:
         self.released.append((lc, tuple(pages)))  # type: ignore[call-overload]
 
     def fill(self, pages: list[int], tag: int) -> None:
@@ -125,7 +124,7 @@ def test_stride_larger_than_page_rounds_and_leaves_tail(rig: Rig) -> None:
     assert t2 is not None and t2.n_pages == 2 and t2.first_page == 4
     m.finish(lc)
     m.close()
-    assert lc.tokens_submitted == 6 * PAGE  # the short tail was never offloaded
+    assert lc.snapshot().tokens_submitted == 6 * PAGE  # the short tail was never offloaded
     assert [r[0] for r in rig.released] == [lc]
 
 
@@ -150,7 +149,7 @@ def test_scenario_device_pages_not_released_while_copy_reads_them(
     assert rig.released == []  # the copy is still reading page 5
     assert lc.state is State.FINISHED
 
-    def reuse_at_once(released: ManagedLifecycle, device_pages: object) -> None:
+    def reuse_at_once(released: OffloadRequest, device_pages: object) -> None:
         rig.on_release(released, device_pages)
         rig.fill(list(device_pages), tag=99)  # type: ignore[call-overload]
 
@@ -159,7 +158,7 @@ def test_scenario_device_pages_not_released_while_copy_reads_them(
     assert rig.released == [(lc, (5, 6))]
     m.close()
     assert torch.equal(rig.stored(ticket.keys[0]), before)
-    assert lc.state is State.RELEASED and lc.finish_reason is reason
+    assert lc.state is State.RELEASED and lc.snapshot().finish_reason is reason
 
 
 def test_scenario_reused_rid_late_ack_moves_only_its_own_request(rig: Rig) -> None:
@@ -182,10 +181,10 @@ def test_scenario_reused_rid_late_ack_moves_only_its_own_request(rig: Rig) -> No
     rig.wait_acks(1)
     assert [r[0] for r in rig.released] == [a] and a.state is State.RELEASED
     assert b.state is State.OFFLOADING and b.inflight == 1
-    assert b.tokens_submitted == 2 * PAGE and b.last_hash is None
+    assert b.snapshot().tokens_submitted == 2 * PAGE and b.snapshot().last_hash is None
     m.close()
     assert b.state is State.IDLE and [r[0] for r in rig.released] == [a]
-    assert b.last_hash == tb.keys[-1] and a.last_hash == ta.keys[-1]
+    assert b.snapshot().last_hash == tb.keys[-1] and a.snapshot().last_hash == ta.keys[-1]
     assert torch.equal(rig.stored(ta.keys[0]), a_page)
     for key, page in zip(tb.keys, b_pages, strict=True):
         assert torch.equal(rig.stored(key), page)
@@ -272,7 +271,7 @@ def test_release_callback_error_is_reported_and_never_released_twice(rig: Rig) -
     m = rig.manager
     calls = []
 
-    def broken(lc: ManagedLifecycle, pages: object) -> None:
+    def broken(lc: OffloadRequest, pages: object) -> None:
         calls.append(lc)
         raise RuntimeError("runtime bug")
 
@@ -456,18 +455,21 @@ def test_scenario_engine_failing_after_check_settles_the_chunk(rig: Rig) -> None
         engine.close()
 
 
-def test_a_managed_lifecycle_refuses_events_that_bypass_its_manager(rig: Rig) -> None:
+def test_a_request_record_has_no_events_that_bypass_its_manager(rig: Rig) -> None:
+    """The runtime holds a record, not a Lifecycle: it has no event to call behind the
+    manager's back, and its views are read-only, so nothing but the manager moves it."""
     m = rig.manager
     lc = m.start("r", [], rig.on_release)
     ticket = m.offload(lc, tokens_for(PAGE + 1, 19), [1])
     assert ticket is not None
     before, counters = lc.snapshot(), m.metrics()
-    with pytest.raises(ManagerError):
-        lc.finish()
-    with pytest.raises(ManagerError):
-        lc.ack(ticket)
-    with pytest.raises(ManagerError):
-        lc.submit(tokens_for(PAGE, 19))
+    for event in ("submit", "ack", "finish", "load", "lifecycle"):
+        assert not hasattr(lc, event), event
+    for view, value in (("state", State.RELEASED), ("inflight", 0), ("rid", "s")):
+        with pytest.raises(AttributeError):
+            setattr(lc, view, value)
+    with pytest.raises(AttributeError):
+        lc.sneaky = 1  # type: ignore[attr-defined]  # slots: no new attribute either
     assert lc.snapshot() == before and m.metrics() == counters
     m.finish(lc)
     m.close()
@@ -483,7 +485,7 @@ def test_start_refuses_a_prior_the_scheme_cannot_chain_from(rig: Rig) -> None:
         m.start("r", [1, 2**40, 3, 4, 5], rig.on_release)  # a prompt page it cannot hash
     assert m.metrics().lifecycles_started == 0
     good = m.start("r", [], rig.on_release, prior_hash="ab" * 32)
-    assert good.last_hash == good.chain_tail == "ab" * 32
+    assert good.snapshot().last_hash == good.snapshot().chain_tail == "ab" * 32
 
 
 class _PeerNeverCompletes:

@@ -22,7 +22,7 @@ from kvlife.engine.cpu import CpuCopyEngine
 from kvlife.errors import HashingError, InvalidChunk, InvalidStep, ManagerError
 from kvlife.hashing import sglang_page_hashes
 from kvlife.layout import LayerFirstLayout
-from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool, PoolError
 from kvlife.store.base import StoreResult
 from kvlife.store.memory import MemoryStore
@@ -51,12 +51,12 @@ class Parts:
         self.engine = engine or CpuCopyEngine(self.layout, self.host, copy_delay=0.01)
         self.store = store if store is not None else MemoryStore()
         self.manager = OffloadManager(self.engine, self.host, self.store, page_size=PAGE)
-        self.released: list[tuple[ManagedLifecycle, tuple[int, ...]]] = []
+        self.released: list[tuple[OffloadRequest, tuple[int, ...]]] = []
 
-    def on_release(self, lc: ManagedLifecycle, pages: Sequence[int]) -> None:
+    def on_release(self, lc: OffloadRequest, pages: Sequence[int]) -> None:
         self.released.append((lc, tuple(pages)))
 
-    def whole_state(self, lc: ManagedLifecycle) -> tuple[object, ...]:
+    def whole_state(self, lc: OffloadRequest) -> tuple[object, ...]:
         m = self.manager.metrics().as_dict()
         return (lc.snapshot(), tuple(lc.device_pages), self.host.num_used, m)
 
@@ -218,7 +218,7 @@ def test_defect4_a_release_callback_raising_keyboardinterrupt_leaves_no_half_app
     p = _scripted_parts()
     m = p.manager
 
-    def interrupted(lc: ManagedLifecycle, pages: Sequence[int]) -> None:
+    def interrupted(lc: OffloadRequest, pages: Sequence[int]) -> None:
         raise KeyboardInterrupt
 
     lc = m.start("r", [], interrupted)
@@ -275,9 +275,9 @@ def test_defect5_managers_sharing_an_engine_and_a_store_lose_no_ack(parts: Parts
 def test_defect7_close_drains_work_a_release_callback_starts(parts: Parts) -> None:
     """Scenario: during close, a release callback admits the next request and offloads it."""
     m = parts.manager
-    later: list[ManagedLifecycle] = []
+    later: list[OffloadRequest] = []
 
-    def admit_next(lc: ManagedLifecycle, pages: Sequence[int]) -> None:
+    def admit_next(lc: OffloadRequest, pages: Sequence[int]) -> None:
         nxt = m.start("next", [], parts.on_release)
         m.offload(nxt, tokens_for(PAGE + 1, 9), [30])
         later.append(nxt)
@@ -348,7 +348,7 @@ def test_defect8_a_second_thread_is_refused_and_corrupts_nothing() -> None:
 def test_defect8_a_manager_passes_to_another_thread_once_its_own_has_ended() -> None:
     p = _scripted_parts()
     m = p.manager
-    started: list[ManagedLifecycle] = []
+    started: list[OffloadRequest] = []
     worker = threading.Thread(target=lambda: started.append(m.start("r", [], p.on_release)))
     worker.start()
     worker.join()

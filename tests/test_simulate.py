@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvlife.engine.base import Ack
-from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.sim import SimConfig, run_simulation
 from kvlife.sim.runtime import LAYOUTS, Simulation
 
@@ -75,20 +75,22 @@ def test_scenario_rid_keyed_bookkeeping_is_caught() -> None:
 
 
 def test_nothing_outlives_its_request() -> None:
-    """Every Lifecycle and every ack is garbage once its request is done (weak references)."""
-    lifecycles: list[weakref.ref[ManagedLifecycle]] = []
+    """Every record, its Lifecycle and every ack are garbage once the request is done
+    (weak references)."""
+    lifecycles: list[weakref.ref[object]] = []
 
     class Recording(OffloadManager):
-        def start(self, *args: Any, **kwargs: Any) -> ManagedLifecycle:
-            lc = super().start(*args, **kwargs)
-            lifecycles.append(weakref.ref(lc))
-            return lc
+        def start(self, *args: Any, **kwargs: Any) -> OffloadRequest:
+            req = super().start(*args, **kwargs)
+            lifecycles.append(weakref.ref(req))
+            lifecycles.append(weakref.ref(req._lifecycle))  # the manager's, reached for the test
+            return req
 
     def factory(engine: Any, host: Any, store: Any, **kw: Any) -> Recording:
         return Recording(engine, host, store, **kw)
 
     report = run_simulation(SimConfig(**SMALL, seed=2), make_manager=factory)
-    assert report.ok and len(lifecycles) == report.lifecycles_started
+    assert report.ok and len(lifecycles) == 2 * report.lifecycles_started
     gc.collect()
     alive = [ref() for ref in lifecycles if ref() is not None]
     assert alive == []

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvlife.distributed import TorchAgreement
-from kvlife.manager import ManagedLifecycle, OffloadManager, ReleaseHandler
+from kvlife.manager import OffloadManager, OffloadRequest, ReleaseHandler
 from kvlife.sim.runtime import SimConfig, SimConfigError, SimManager, Simulation, make_store_dir
 
 __all__ = [
@@ -155,13 +155,13 @@ class RecordingManager(OffloadManager):
         on_release: ReleaseHandler | None = None,
         *,
         prior_hash: str | None = None,
-    ) -> ManagedLifecycle:
+    ) -> OffloadRequest:
         """Start a life as the base class does, recording its release."""
         life = self._lives
         self._lives += 1
         releases = self.releases
 
-        def recorded(lc: ManagedLifecycle, pages: Sequence[int]) -> object:
+        def recorded(lc: OffloadRequest, pages: Sequence[int]) -> object:
             releases.append(life)
             return on_release(lc, pages) if on_release is not None else None
 

@@ -55,7 +55,7 @@ from kvlife._lifecycle import FinishReason
 from kvlife.errors import KVLifeError
 from kvlife.hashing import page_hashes
 from kvlife.layout import LayerFirstLayout
-from kvlife.manager import ManagedLifecycle, OffloadManager
+from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool
 from kvlife.store.base import PageMismatch, Store, StoreResult, _check_put, check_key
 from kvlife.store.memory import MemoryStore
@@ -346,7 +346,7 @@ class ManagerAdapter:
         )
         self._free_pages = list(range(device_pages - 1, -1, -1))
         self._poison = torch.full((self.layout.page_numel,), -1, dtype=torch.int32)
-        self._requests: dict[ManagedLifecycle, RuntimeRequest] = {}
+        self._requests: dict[OffloadRequest, RuntimeRequest] = {}
         self._releases: list[Release] = []
         self._closed = False
 
@@ -384,7 +384,7 @@ class ManagerAdapter:
         """The request life whose Lifecycle submitted ``copy``."""
         if not isinstance(copy, ScriptedCopy):
             raise AdapterError(f"{copy!r} is not a copy of this adapter's engine")
-        return self._requests[copy.ticket.lifecycle]  # type: ignore[index]
+        return self._requests[copy.ticket.lifecycle.owner]  # type: ignore[index]
 
     def complete(self, copy: object, ok: bool = True) -> None:
         """Complete ``copy`` in the scripted engine (it reads the device pages now)."""
@@ -466,9 +466,10 @@ class ManagerAdapter:
             self.layout.write_page(req.pages[req.written], values)
             req.written += 1
 
-    def _on_release(self, lc: ManagedLifecycle, device_pages: Sequence[int]) -> None:
-        req = self._requests[lc]
-        self._releases.append(Release(req, tuple(device_pages), len(self.engine.in_flight(lc))))
+    def _on_release(self, record: OffloadRequest, device_pages: Sequence[int]) -> None:
+        req = self._requests[record]
+        reading = [c for c in self.engine.in_flight() if c.ticket.lifecycle.owner is record]
+        self._releases.append(Release(req, tuple(device_pages), len(reading)))
         # The runtime frees the pages it holds for the life: poisoned, reused first.
         for page in reversed(req.pages):
             self.layout.write_page(page, self._poison)
