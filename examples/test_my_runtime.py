@@ -16,7 +16,6 @@ from kvlife.manager import OffloadManager
 from kvlife.testing import (
     KIT_SETTINGS,
     CheckConfig,
-    InlineStore,
     KitOptions,
     ManagerAdapter,
     check_exhaustively,
@@ -56,9 +55,7 @@ def test_my_runtime_in_every_interleaving() -> None:
     """Every interleaving of two lives sharing a rid, one one-page chunk each."""
 
     def one_page_stride() -> ManagerAdapter:  # each decode step makes one chunk due
-        return ManagerAdapter(
-            page_size=4, host_pages=5, manager_factory=MyManager, store=InlineStore()
-        )
+        return ManagerAdapter(page_size=4, host_pages=5, manager_factory=MyManager)
 
     cfg = CheckConfig(requests=2, chunks=1, page_size=4, options=OPTIONS)
     report = check_exhaustively(cfg, one_page_stride)

@@ -14,7 +14,7 @@ from mutant_runtimes import MUTANTS
 
 from kvlife import FinishReason
 from kvlife.cli import main
-from kvlife.testing import InlineStore, KitOptions, ManagerAdapter
+from kvlife.testing import KitOptions, ManagerAdapter
 from kvlife.testing.exhaustive import (
     CheckConfig,
     CheckConfigError,
@@ -125,12 +125,10 @@ def test_a_one_page_host_pool_defers_chunks_and_breaks_no_rule() -> None:
     """Item 6: with one host page, chunks wait for the pool (deferred, not copy-owner); with
     config.host_pages_needed none is deferred."""
     cfg = CheckConfig(requests=2, chunks=2, options=_options(3, False))
-    small = check_exhaustively(cfg, lambda: ManagerAdapter(host_pages=1, store=InlineStore()))
+    small = check_exhaustively(cfg, lambda: ManagerAdapter(host_pages=1))
     assert small.ok, small.violations
     assert small.deferred > 0 and small.interleavings < small.total  # deferred prefixes prune
-    ample = check_exhaustively(
-        cfg, lambda: ManagerAdapter(host_pages=cfg.host_pages_needed, store=InlineStore())
-    )
+    ample = check_exhaustively(cfg, lambda: ManagerAdapter(host_pages=cfg.host_pages_needed))
     assert ample.ok and ample.deferred == 0
 
 

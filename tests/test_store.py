@@ -24,6 +24,7 @@ from kvlife.errors import KVLifeError
 from kvlife.store import (
     DrainTimeout,
     InjectedStoreFailure,
+    InlineStore,
     InvalidKey,
     InvalidNamespace,
     InvalidPut,
@@ -727,9 +728,7 @@ def test_defect9_truncated_page_is_a_miss_and_repaired_by_next_put(
         assert s.stats() == StoreStats(
             puts_ok=2, pages_written=3, bytes_written=3 * 32, pages_corrupt=3
         )
-        assert disk_files(s) == sorted(
-            str(Path(k[:2]) / f"{k}.page") for k in (key(1), key(2))
-        )
+        assert disk_files(s) == sorted(str(Path(k[:2]) / f"{k}.page") for k in (key(1), key(2)))
 
 
 def test_defect9_memory_store_verifies_its_pages_too(tmp_path: Path) -> None:
@@ -935,3 +934,15 @@ def test_defect17_unusable_root_or_namespace_is_a_typed_error_and_changes_nothin
         LocalDirectoryStore(root, namespace)
     assert isinstance(info.value, KVLifeError)
     assert tree(tmp_path) == before
+
+
+def test_inline_store_all_or_nothing_and_mismatch() -> None:
+    store = InlineStore()
+    rows = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+    store.put("a", ["aa", "bb"], rows)
+    (result,) = store.poll()
+    assert result.ok and store.get("aa") == rows[0].numpy().tobytes()
+    store.put("b", ["cc", "bb"], rows + 1)  # bb with other bytes: the whole put fails
+    (result,) = store.drain()
+    assert isinstance(result.error, PageMismatch) and not store.contains("cc")
+    assert sorted(store.keys()) == ["aa", "bb"] and store.pending == 0

@@ -17,7 +17,6 @@ from kvlife import FinishReason
 from kvlife.engine.base import HostPageBusy
 from kvlife.layout import LayerFirstLayout
 from kvlife.pool import HostPagePool
-from kvlife.store.base import PageMismatch
 from kvlife.testing import (
     Complete,
     CopyNotInFlight,
@@ -32,7 +31,7 @@ from kvlife.testing import (
     Step,
     run_kit,
 )
-from kvlife.testing.adapter import AdapterError, InlineStore
+from kvlife.testing.adapter import AdapterError
 from kvlife.testing.strategies import events, replay
 
 PAGE = 2
@@ -142,23 +141,11 @@ def test_reused_rid_late_ack_scenario_passes_on_kvlife() -> None:
     assert adapter.host_pages_allocated() == 0
 
 
-def test_inline_store_all_or_nothing_and_mismatch() -> None:
-    store = InlineStore()
-    rows = torch.arange(8, dtype=torch.int32).reshape(2, 4)
-    store.put("a", ["aa", "bb"], rows)
-    (result,) = store.poll()
-    assert result.ok and store.get("aa") == rows[0].numpy().tobytes()
-    store.put("b", ["cc", "bb"], rows + 1)  # bb with other bytes: the whole put fails
-    (result,) = store.drain()
-    assert isinstance(result.error, PageMismatch) and not store.contains("cc")
-    assert sorted(store.keys()) == ["aa", "bb"] and store.pending == 0
-
-
 # ----------------------------------------------------------------------------- the rules fire
 
 
 def test_oracle_catches_a_page_stored_with_another_pages_bytes() -> None:
-    adapter = ManagerAdapter(store=InlineStore())
+    adapter = ManagerAdapter()
     oracle = Oracle(adapter)
     oracle.apply(Start("r", (1, 2, 3)))
     oracle.apply(Step(0, (4, 5)))
@@ -172,7 +159,7 @@ def test_oracle_catches_a_page_stored_with_another_pages_bytes() -> None:
 
 
 def test_oracle_catches_a_key_off_the_chain() -> None:
-    adapter = ManagerAdapter(store=InlineStore())
+    adapter = ManagerAdapter()
     oracle = Oracle(adapter)
     oracle.apply(Start("r", (1, 2, 3)))
     adapter.store.put(None, ["ab" * 32], torch.zeros((1, 8), dtype=torch.int32))

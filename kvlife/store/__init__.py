@@ -1,7 +1,8 @@
 """The storage tier: host pages under content-hash keys, written asynchronously.
 
 :class:`Store` is the protocol the manager uses; :class:`LocalDirectoryStore`
-is the embedded default and :class:`MemoryStore` the in-process one. See
+is the embedded default, :class:`MemoryStore` the in-process one and
+:class:`InlineStore` the one that writes on the caller's thread (tests). See
 ``docs/store.md`` for atomicity, failure semantics and file naming.
 """
 
@@ -20,11 +21,12 @@ from kvlife.store.base import (
     StoreStats,
 )
 from kvlife.store.directory import LocalDirectoryStore
-from kvlife.store.memory import MemoryStore
+from kvlife.store.memory import InlineStore, MemoryStore
 
 __all__ = [
     "DrainTimeout",
     "InjectedStoreFailure",
+    "InlineStore",
     "InvalidKey",
     "InvalidNamespace",
     "InvalidPut",

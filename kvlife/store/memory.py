@@ -1,4 +1,5 @@
-"""MemoryStore: pages in a dict, written by a real writer thread.
+"""Pages in a dict: :class:`MemoryStore` behind a real writer thread, :class:`InlineStore`
+on the caller's thread.
 
 It completes asynchronously, exactly like the directory store: ``put`` queues,
 the writer thread copies the pages' bytes out of the host tensor and commits
@@ -21,18 +22,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from kvlife.store.base import (
     InjectedStoreFailure,
     PageMismatch,
     QueuedStore,
+    StoreResult,
     Written,
+    _check_put,
     check_key,
     frame_page,
+    page_views,
     unframe_page,
 )
 
-__all__ = ["MemoryStore"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["InlineStore", "MemoryStore"]
 
 
 class MemoryStore(QueuedStore):
@@ -95,3 +103,61 @@ class MemoryStore(QueuedStore):
         """Every stored key (a snapshot taken at the call)."""
         with self._pages_lock:
             return iter(list(self._pages))
+
+
+class InlineStore:
+    """A :class:`~kvlife.store.Store` that writes each put at once, on the caller's thread.
+
+    Pages in a dict, all-or-nothing, same refusals and mismatch rule as
+    :class:`MemoryStore`; results come at the next poll, so every write is
+    complete at each poll. No thread, so a run is cheap and deterministic (the
+    testing kit's default store; the exhaustive checker builds one per
+    interleaving).
+    """
+
+    def __init__(self) -> None:
+        self._pages: dict[str, bytes] = {}
+        self._done: list[StoreResult] = []
+
+    def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
+        """Store every page under its key now, or none; the result comes at the next poll."""
+        checked = _check_put(keys, pages)
+        copies = {key: bytes(view) for key, view in zip(checked, page_views(pages), strict=True)}
+        error: BaseException | None = None
+        for key, page in copies.items():
+            held = self._pages.get(key)
+            if held is not None and held != page:
+                error = PageMismatch(f"key {key} is stored with different bytes", key=key)
+                break
+        if error is None:
+            self._pages.update(copies)
+        self._done.append(StoreResult(token, checked, error))
+
+    def poll(self) -> list[StoreResult]:
+        """Results of the puts since the last poll or drain."""
+        done, self._done = self._done, []
+        return done
+
+    def drain(self, timeout: float | None = None) -> list[StoreResult]:
+        """Same as :meth:`poll`: every put is already complete."""
+        return self.poll()
+
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes under ``key``."""
+        return self._pages.get(check_key(key))
+
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is stored."""
+        return check_key(key) in self._pages
+
+    def keys(self) -> Iterator[str]:
+        """Every stored key."""
+        return iter(list(self._pages))
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+    @property
+    def pending(self) -> int:
+        """Results not yet returned by poll or drain."""
+        return len(self._done)

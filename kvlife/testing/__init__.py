@@ -3,7 +3,10 @@
 Three parts, for engineers who test their own runtime:
 
 * :class:`RuntimeAdapter` -- all the kit needs from a runtime; :class:`ManagerAdapter`
-  is the one for runtimes built on kvlife's manager (with :class:`ScriptedEngine`);
+  is the one for runtimes built on kvlife's manager (with :class:`ScriptedEngine`
+  and an :class:`~kvlife.store.InlineStore`) (``adapter``); the kit's events
+  (``events``) and :class:`Oracle`, the model that checks every rule after each
+  one (``oracle``);
 * :func:`run_kit` / :class:`RuntimeMachine` -- the hypothesis state machine:
   reused rids, late and out-of-order completions, aborts, retractions, resumes;
 * :func:`check_exhaustively` -- every interleaving of a small configuration
@@ -21,24 +24,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvlife.store.memory import InlineStore
 from kvlife.testing.adapter import (
-    Close,
-    Complete,
     DevicePages,
-    Finish,
-    InlineStore,
-    InvariantViolation,
-    KitEvent,
     ManagerAdapter,
-    Oracle,
-    Poll,
     Release,
-    Resume,
     RuntimeAdapter,
-    Start,
-    Step,
     page_bytes_of,
 )
+from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
 from kvlife.testing.exhaustive import (
     CheckConfig,
     CheckConfigError,
@@ -47,6 +41,7 @@ from kvlife.testing.exhaustive import (
     check_exhaustively,
 )
 from kvlife.testing.options import KitOptions, KitOptionsError, Progress
+from kvlife.testing.oracle import InvariantViolation, Oracle
 from kvlife.testing.report import KitFailure, format_trace, replay_trace
 from kvlife.testing.scripted import CopyNotInFlight, ScriptedCopy, ScriptedEngine
 

@@ -41,22 +41,10 @@ from typing import Any
 
 from kvlife._lifecycle import FinishReason
 from kvlife.errors import KVLifeError
-from kvlife.testing.adapter import (
-    Close,
-    Complete,
-    Finish,
-    InlineStore,
-    InvariantViolation,
-    KitEvent,
-    ManagerAdapter,
-    Oracle,
-    Poll,
-    Resume,
-    RuntimeAdapter,
-    Start,
-    Step,
-)
+from kvlife.testing.adapter import ManagerAdapter, RuntimeAdapter
+from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
 from kvlife.testing.options import KitOptions, Progress, progress_of
+from kvlife.testing.oracle import InvariantViolation, Oracle
 from kvlife.testing.report import format_trace
 
 __all__ = [
@@ -388,7 +376,6 @@ def _default_factory(cfg: CheckConfig) -> Callable[[], RuntimeAdapter]:
             page_size=cfg.page_size,
             host_pages=cfg.host_pages_needed,
             device_pages=cfg.requests * (cfg.requests * cfg.chunks + 2),  # resumes grow
-            store=InlineStore(),
         )
 
     return factory

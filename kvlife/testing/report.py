@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-from kvlife.testing.adapter import Close, InvariantViolation, KitEvent, Oracle, RuntimeAdapter
+from kvlife.testing.adapter import RuntimeAdapter
+from kvlife.testing.events import Close, KitEvent
 from kvlife.testing.options import KitOptions
+from kvlife.testing.oracle import InvariantViolation, Oracle
 
 __all__ = ["KitFailure", "format_trace", "replay_trace", "rule_of"]
 

@@ -31,8 +31,10 @@ from hypothesis.stateful import (
 )
 
 from kvlife._lifecycle import FinishReason
-from kvlife.testing.adapter import Finish, Oracle, Poll, Resume, RuntimeAdapter, Start, Step
+from kvlife.testing.adapter import RuntimeAdapter
+from kvlife.testing.events import Finish, Poll, Resume, Start, Step
 from kvlife.testing.options import KitOptions
+from kvlife.testing.oracle import Oracle
 from kvlife.testing.report import KitFailure, rule_of
 from kvlife.testing.strategies import RIDS, copy_outcomes, decode_tokens, prompts
 

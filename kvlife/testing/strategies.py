@@ -15,17 +15,9 @@ from collections.abc import Callable, Sequence
 from hypothesis import strategies as st
 
 from kvlife._lifecycle import FinishReason
-from kvlife.testing.adapter import (
-    Complete,
-    Finish,
-    KitEvent,
-    Oracle,
-    Poll,
-    Resume,
-    RuntimeAdapter,
-    Start,
-    Step,
-)
+from kvlife.testing.adapter import RuntimeAdapter
+from kvlife.testing.events import Complete, Finish, KitEvent, Poll, Resume, Start, Step
+from kvlife.testing.oracle import Oracle
 
 __all__ = [
     "RIDS",

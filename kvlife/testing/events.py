@@ -1,0 +1,93 @@
+"""The kit's events: one step of a run, as data.
+
+A run is a sequence of these (the exhaustive checker's traces, the hypothesis
+strategies' sequences, a replayed trace); :meth:`kvlife.testing.oracle.Oracle.apply`
+runs one on an adapter and checks every rule after it. Lives are numbered in
+start order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlife._lifecycle import FinishReason
+
+__all__ = ["Close", "Complete", "Finish", "KitEvent", "Poll", "Resume", "Start", "Step"]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start a new life with ``rid`` and ``prompt``."""
+
+    rid: str
+    prompt: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"start rid={self.rid} prompt={len(self.prompt)} tokens"
+
+
+@dataclass(frozen=True)
+class Step:
+    """Decode ``tokens`` for life number ``life`` (lives are numbered in start order)."""
+
+    life: int
+    tokens: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"step life {self.life} +{len(self.tokens)} tokens"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """End life ``life`` with ``reason``."""
+
+    life: int
+    reason: FinishReason
+
+    def __str__(self) -> str:
+        return f"finish life {self.life} {self.reason.value}"
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Resume retracted life ``life`` as a new life (:meth:`RuntimeAdapter.resume`): same rid
+    (often the same request object), its tokens so far as the prompt."""
+
+    life: int
+
+    def __str__(self) -> str:
+        return f"resume life {self.life}"
+
+
+@dataclass(frozen=True)
+class Complete:
+    """Complete the ``chunk``-th copy life ``life`` submitted (``ok`` or failed), then poll."""
+
+    life: int
+    chunk: int
+    ok: bool = True
+    poll: bool = True
+
+    def __str__(self) -> str:
+        then = ", poll" if self.poll else ""
+        return f"complete life {self.life} chunk {self.chunk} {'ok' if self.ok else 'FAIL'}{then}"
+
+
+@dataclass(frozen=True)
+class Poll:
+    """One scheduler poll."""
+
+    def __str__(self) -> str:
+        return "poll"
+
+
+@dataclass(frozen=True)
+class Close:
+    """The end of a run: finish every running life, complete every copy, poll, close, check."""
+
+    def __str__(self) -> str:
+        return "close"
+
+
+#: One event of a run, as data (the exhaustive checker's traces, the strategies' sequences).
+KitEvent = Start | Step | Finish | Resume | Complete | Poll | Close
