@@ -36,6 +36,7 @@ from kvlife.errors import (
     KVLifeError,
     LifecycleError,
     ManagerError,
+    MissingDependency,
     ReleaseCallbackError,
     UnknownChunk,
 )
@@ -113,6 +114,7 @@ __all__ = [
     "ManagerError",
     "ManagerMetrics",
     "MemoryStore",
+    "MissingDependency",
     "OffloadManager",
     "OffloadRequest",
     "PageFirstLayout",

@@ -14,14 +14,13 @@ import subprocess
 from collections.abc import Callable
 
 from kvlife._lifecycle import TABLE, State
-from kvlife.errors import KVLifeError
+from kvlife.errors import KVLifeError, MissingDependency
 
 __all__ = [
     "DIAGRAMS",
     "GRAPHVIZ_HELP",
     "IMAGE_FORMATS",
     "DiagramError",
-    "GraphvizMissing",
     "lifecycle_dot",
     "lifecycle_mermaid",
     "render",
@@ -39,10 +38,6 @@ TITLE = "kvlife Lifecycle"
 
 class DiagramError(KVLifeError):
     """A diagram that cannot be made in the asked format."""
-
-
-class GraphvizMissing(DiagramError):
-    """The Graphviz ``dot`` program, needed for svg and png, is not installed."""
 
 
 def _terminal() -> list[State]:
@@ -148,7 +143,7 @@ def dot_to_image(dot_source: str, fmt: str) -> bytes:
     """``dot_source`` run through Graphviz's ``dot -T<fmt>``."""
     dot = shutil.which("dot")
     if dot is None:
-        raise GraphvizMissing(f"cannot make {fmt}: {GRAPHVIZ_HELP}")
+        raise MissingDependency(f"cannot make {fmt}: {GRAPHVIZ_HELP}")
     done = subprocess.run(
         [dot, f"-T{fmt}"], input=dot_source.encode(), capture_output=True, check=False
     )

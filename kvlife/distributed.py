@@ -76,13 +76,12 @@ import torch.distributed as dist
 
 from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
 from kvlife.engine.base import Ack
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError, KVLifeError
 
 if TYPE_CHECKING:
     from kvlife.pool import HostPagePool
 
 __all__ = [
-    "AgreementConfigError",
     "AgreementError",
     "AgreementTimeout",
     "InvalidSubmission",
@@ -101,10 +100,6 @@ _WORDS = 7
 
 class AgreementError(KVLifeError):
     """The ranks could not agree; after one, the agreement refuses every later call."""
-
-
-class AgreementConfigError(AgreementError, ValueError):
-    """An agreement constructed without a usable process group or with an impossible timeout."""
 
 
 class InvalidSubmission(AgreementError, ValueError):
@@ -177,9 +172,9 @@ class TorchAgreement:
             or not isinstance(timeout, (int, float))
             or not (timeout > 0 and math.isfinite(timeout))
         ):
-            raise AgreementConfigError(f"timeout must be a positive number of seconds: {timeout!r}")
+            raise ConfigError(f"timeout must be a positive number of seconds: {timeout!r}")
         if not (dist.is_available() and dist.is_initialized()):
-            raise AgreementConfigError(
+            raise ConfigError(
                 "torch.distributed is not initialized: call init_process_group first "
                 "(one process needs no agreement: pass agreement=None)"
             )

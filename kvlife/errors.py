@@ -80,6 +80,11 @@ class ConfigError(KVLifeError, ValueError):
     an engine already driven by another manager); nothing was built."""
 
 
+class MissingDependency(KVLifeError, ImportError):
+    """An optional part is not installed (``prometheus_client``, Graphviz's ``dot``,
+    Mooncake's client); the message says what to install."""
+
+
 class DrainTimeout(KVLifeError, TimeoutError):
     """A drain ran out of time (copies or store writes); nothing was lost, poll again."""
 
@@ -103,6 +108,7 @@ __all__ = [
     "KVLifeError",
     "LifecycleError",
     "ManagerError",
+    "MissingDependency",
     "ReleaseCallbackError",
     "UnknownChunk",
 ]

@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from kvlife.errors import KVLifeError
+from kvlife.errors import MissingDependency
 
 if TYPE_CHECKING:
     from kvlife.manager import OffloadManager
 
-__all__ = ["ManagerCollector", "MetricsUnavailable", "scalar_fields"]
+__all__ = ["ManagerCollector", "MissingDependency", "scalar_fields"]
 
 PREFIX = "kvlife"
 
@@ -41,10 +41,6 @@ def scalar_fields() -> list[tuple[str, str, str]]:
     ]
 
 
-class MetricsUnavailable(KVLifeError, ImportError):
-    """``prometheus_client`` is not installed (``pip install 'kvlife[metrics]'``)."""
-
-
 class ManagerCollector:
     """A ``prometheus_client`` collector of one :class:`~kvlife.manager.OffloadManager`."""
 
@@ -52,7 +48,7 @@ class ManagerCollector:
         try:
             import prometheus_client  # noqa: F401
         except ImportError:
-            raise MetricsUnavailable(
+            raise MissingDependency(
                 "prometheus_client is not installed: pip install 'kvlife[metrics]'"
             ) from None
         self.manager = manager

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from kvlife import cli
 from kvlife._lifecycle import Lifecycle, Ticket
 from kvlife.distributed import (
-    AgreementConfigError,
     AgreementTimeout,
     InvalidSubmission,
     PeerCopyFailed,
@@ -37,6 +36,7 @@ from kvlife.distributed import (
 )
 from kvlife.engine.base import Ack
 from kvlife.engine.cpu import CpuCopyEngine, CpuCopyEvent
+from kvlife.errors import ConfigError
 from kvlife.layout import LayerFirstLayout
 from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool
@@ -455,10 +455,10 @@ def world1() -> Iterator[None]:
 
 def test_agreement_needs_a_process_group_and_a_sane_timeout() -> None:
     assert not dist.is_initialized()
-    with pytest.raises(AgreementConfigError, match="not initialized"):
+    with pytest.raises(ConfigError, match="not initialized"):
         TorchAgreement()
     for bad in (0, -1.0, float("inf"), float("nan"), True):
-        with pytest.raises(AgreementConfigError, match="timeout"):
+        with pytest.raises(ConfigError, match="timeout"):
             TorchAgreement(timeout=bad)
 
 

@@ -16,10 +16,8 @@ from kvlife.engine import (
     CopyFault,
     CpuCopyEngine,
     DevicePageBusy,
-    DrainTimeout,
     DuplicatePage,
     EngineClosed,
-    EngineConfigError,
     EngineError,
     HostPageBusy,
     InvalidTicket,
@@ -29,6 +27,7 @@ from kvlife.engine import (
     UnallocatedHostPage,
     host_runs,
 )
+from kvlife.errors import ConfigError, DrainTimeout
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.pool import HostPagePool
 
@@ -430,7 +429,7 @@ def test_layout_and_pool_must_agree() -> None:
 def test_bad_engine_settings_are_refused(kwargs: dict[str, float]) -> None:
     layout = make_layout("page_first")
     host = HostPagePool(4, layout.page_numel, layout.dtype, pin_memory=False)
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ConfigError):
         CpuCopyEngine(layout, host, **kwargs)  # type: ignore[arg-type]
 
 
@@ -455,9 +454,9 @@ def test_defect13_close_wakes_sleeping_copies_and_is_bounded(
 
 def test_bad_fault_injection_is_refused(engines: Callable[..., CpuCopyEngine]) -> None:
     _, _, engine = setup(engines)
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ConfigError):
         engine.fail_next(0)
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ConfigError):
         engine.slow_next(-1.0)
 
 

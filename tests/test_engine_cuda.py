@@ -14,12 +14,12 @@ from kvlife.engine import (
     DevicePageBusy,
     DuplicatePage,
     EngineClosed,
-    EngineConfigError,
     HostPageBusy,
     LengthMismatch,
     PageOutOfRange,
     UnallocatedHostPage,
 )
+from kvlife.errors import ConfigError
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.pool import HostPagePool
 
@@ -177,10 +177,10 @@ def test_refusals_change_nothing() -> None:
 
 def test_unpinned_host_and_cpu_layouts_are_refused() -> None:
     layout = make_layout("page_first")
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ConfigError):
         CudaCopyEngine(layout, HostPagePool(4, layout.page_numel, layout.dtype, pin_memory=False))
     cpu_layout = PageFirstLayout.zeros(2, 8, PAGE, 2, 4, dtype=torch.float32)
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ConfigError):
         CudaCopyEngine(cpu_layout, HostPagePool(4, cpu_layout.page_numel, torch.float32))
 
 
@@ -194,7 +194,7 @@ def test_defect18_a_stream_on_another_device_is_refused() -> None:
     layout = make_layout("layer_first")
     host = HostPagePool(4, layout.page_numel, layout.dtype, pin_memory=True)
     other = torch.cuda.Stream(device="cuda:1")  # type: ignore[no-untyped-call]
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ConfigError):
         CudaCopyEngine(layout, host, stream=other)
 
 

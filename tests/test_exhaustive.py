@@ -14,10 +14,10 @@ from mutant_runtimes import MUTANTS
 
 from kvlife import FinishReason
 from kvlife.cli import main
+from kvlife.errors import ConfigError
 from kvlife.testing import KitOptions, ManagerAdapter
 from kvlife.testing.exhaustive import (
     CheckConfig,
-    CheckConfigError,
     check_exhaustively,
     count_interleavings,
 )
@@ -197,9 +197,9 @@ def test_cli_json_and_exit_status(
 
 
 def test_bad_bounds_are_refused() -> None:
-    with pytest.raises(CheckConfigError):
+    with pytest.raises(ConfigError):
         CheckConfig(chunks=7)
-    with pytest.raises(CheckConfigError):
+    with pytest.raises(ConfigError):
         CheckConfig(options=None)  # type: ignore[arg-type]
     assert main(["check", "--requests", "0"]) == 2
     assert main(["check", "--reasons", "aborted"]) == 2

@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError, DrainTimeout, KVLifeError
 from kvlife.store import (
-    DrainTimeout,
     InjectedStoreFailure,
     InlineStore,
     InvalidKey,
@@ -33,7 +32,6 @@ from kvlife.store import (
     PageMismatch,
     Store,
     StoreClosed,
-    StoreConfigError,
     StoreError,
     StoreResult,
     StoreStats,
@@ -335,11 +333,11 @@ def test_bad_keys_are_refused_on_reads_too(store: QueuedStore) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_fault_settings_are_refused(tmp_path: Path, kind: str) -> None:
     for rate in (-0.1, 1.5, float("nan")):
-        with pytest.raises(StoreConfigError):
+        with pytest.raises(ConfigError):
             make_store(kind, tmp_path, fail_rate=rate)
     with make_store(kind, tmp_path) as s:
         for n in (-1, 1.5, True):
-            with pytest.raises(StoreConfigError):
+            with pytest.raises(ConfigError):
                 s.fail_next(n)  # type: ignore[arg-type]
         s.put(0, [key(0)], pages_of(1))
         assert s.drain()[0].ok  # no fault was recorded by the refusals
@@ -917,7 +915,7 @@ def test_defect17_unusable_root_or_namespace_is_a_typed_error_and_changes_nothin
     creates nothing: not even the parents it could have made.
     """
     (tmp_path / "file").write_bytes(b"keep")
-    error: type[StoreError] = StoreConfigError
+    error: type[StoreError] = ConfigError
     namespace = "ns"
     if case == "root_is_a_file":
         root = tmp_path / "file"

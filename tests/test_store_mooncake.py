@@ -31,8 +31,8 @@ from kvlife.store.base import (
 
 try:
     from kvlife.store.mooncake import (
+        MissingDependency,
         MooncakeError,
-        MooncakeNotInstalled,
         MooncakeStore,
         MooncakeUnavailable,
         load_client_class,
@@ -40,7 +40,7 @@ try:
     from kvlife.store.mooncake_local import LocalMooncake
 
     load_client_class()
-except MooncakeNotInstalled as exc:  # pragma: no cover - depends on the machine
+except MissingDependency as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"mooncake is not installed ({exc}); run .ci/mooncake.sh", allow_module_level=True)
 
 os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
@@ -286,7 +286,7 @@ def test_no_master_is_a_typed_error_within_seconds() -> None:
 
 def test_not_installed_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
-    with pytest.raises(MooncakeNotInstalled, match="kvlife\\[mooncake\\]"):
+    with pytest.raises(MissingDependency, match="kvlife\\[mooncake\\]"):
         MooncakeStore("127.0.0.1:1", "http://127.0.0.1:2/metadata")
 
 

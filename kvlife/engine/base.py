@@ -42,7 +42,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from kvlife import errors
 from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
 from kvlife.errors import KVLifeError
 
@@ -55,10 +54,8 @@ __all__ = [
     "CopyEngine",
     "CopyFault",
     "DevicePageBusy",
-    "DrainTimeout",
     "DuplicatePage",
     "EngineClosed",
-    "EngineConfigError",
     "EngineError",
     "HostPageBusy",
     "InvalidTicket",
@@ -73,10 +70,6 @@ __all__ = [
 
 class EngineError(KVLifeError):
     """A copy engine refused a call; nothing was submitted and nothing changed."""
-
-
-class EngineConfigError(EngineError, ValueError):
-    """An engine constructed with impossible settings (a negative delay, a CUDA layout on CPU)."""
 
 
 class InvalidTicket(EngineError, TypeError):
@@ -120,10 +113,6 @@ class LayoutMismatch(EngineError, ValueError):
 
 class EngineClosed(EngineError, RuntimeError):
     """The engine was closed; it takes no more chunks."""
-
-
-class DrainTimeout(EngineError, errors.DrainTimeout):
-    """``drain`` ran out of time; acks collected so far come with the next poll or drain."""
 
 
 class CopyFault(EngineError):

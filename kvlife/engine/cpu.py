@@ -37,11 +37,10 @@ from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import (
     Ack,
     CopyFault,
-    DrainTimeout,
-    EngineConfigError,
     PageCopyEngine,
     host_runs,
 )
+from kvlife.errors import ConfigError, DrainTimeout
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 
@@ -131,13 +130,13 @@ class CpuCopyEngine(PageCopyEngine):
     ) -> None:
         super().__init__(layout, host)
         if layout.device.type != "cpu":
-            raise EngineConfigError(f"CpuCopyEngine copies from a CPU layout, not {layout.device}")
+            raise ConfigError(f"CpuCopyEngine copies from a CPU layout, not {layout.device}")
         if not (0 <= copy_delay < math.inf and 0 <= delay_jitter < math.inf):
-            raise EngineConfigError("copy_delay and delay_jitter must be finite, >= 0 seconds")
+            raise ConfigError("copy_delay and delay_jitter must be finite, >= 0 seconds")
         if not 0.0 <= fail_rate <= 1.0:
-            raise EngineConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
+            raise ConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise EngineConfigError(f"workers must be a positive int, got {workers!r}")
+            raise ConfigError(f"workers must be a positive int, got {workers!r}")
         self.copy_delay = float(copy_delay)
         self.delay_jitter = float(delay_jitter)
         self.fail_rate = float(fail_rate)
@@ -168,13 +167,13 @@ class CpuCopyEngine(PageCopyEngine):
     def fail_next(self, n: int = 1, error: BaseException | None = None) -> None:
         """Make the next ``n`` submitted chunks fail with ``error`` (default :class:`CopyFault`)."""
         if not isinstance(n, int) or n < 1:
-            raise EngineConfigError(f"n must be a positive int, got {n!r}")
+            raise ConfigError(f"n must be a positive int, got {n!r}")
         self._fail_next.extend([error] * n)
 
     def slow_next(self, seconds: float) -> None:
         """Delay the next submitted chunk's copy by ``seconds`` more."""
         if not seconds >= 0:
-            raise EngineConfigError(f"seconds must be >= 0, got {seconds!r}")
+            raise ConfigError(f"seconds must be >= 0, got {seconds!r}")
         self._slow_next.append(float(seconds))
 
     def hold_next(self) -> Gate:

@@ -33,11 +33,10 @@ import torch
 from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import (
     Ack,
-    DrainTimeout,
-    EngineConfigError,
     PageCopyEngine,
     host_runs,
 )
+from kvlife.errors import ConfigError, DrainTimeout
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 
@@ -77,14 +76,14 @@ class CudaCopyEngine(PageCopyEngine):
     ) -> None:
         super().__init__(layout, host)
         if not torch.cuda.is_available() or layout.device.type != "cuda":
-            raise EngineConfigError(f"CudaCopyEngine needs a CUDA layout, not {layout.device}")
+            raise ConfigError(f"CudaCopyEngine needs a CUDA layout, not {layout.device}")
         if not host.pinned:
-            raise EngineConfigError("the host pool must be pinned for asynchronous copies")
+            raise ConfigError("the host pool must be pinned for asynchronous copies")
         if max_staging_bytes < layout.page_nbytes:
-            raise EngineConfigError("max_staging_bytes must hold at least one page")
+            raise ConfigError("max_staging_bytes must hold at least one page")
         self.device = layout.device
         if stream is not None and _index(stream.device) != _index(self.device):
-            raise EngineConfigError(
+            raise ConfigError(
                 f"the stream is on {stream.device}, the layout on {self.device}: "
                 "a copy must run on the layout's device"
             )

@@ -51,8 +51,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvlife.distributed import TorchAgreement
+from kvlife.errors import ConfigError
 from kvlife.manager import OffloadManager, OffloadRequest, ReleaseHandler
-from kvlife.sim.runtime import SimConfig, SimConfigError, SimManager, Simulation, make_store_dir
+from kvlife.sim.runtime import (
+    SimConfig,
+    SimManager,
+    Simulation,
+    make_store_dir,
+)
 
 __all__ = [
     "RecordingManager",
@@ -71,15 +77,15 @@ MAX_AGREEMENT_TIMEOUT_S = 86_400.0
 def check_ranks(
     cfg: SimConfig, world_size: int, timeout: float, copy_delays: Sequence[float] | None
 ) -> None:
-    """Refuse a run of ``world_size`` ranks no rank can use (:class:`SimConfigError`)."""
+    """Refuse a run of ``world_size`` ranks no rank can use (:class:`ConfigError`)."""
     if world_size < 1:
-        raise SimConfigError(f"world_size must be >= 1, got {world_size}")
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if not 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S:
-        raise SimConfigError(
+        raise ConfigError(
             f"the agreement timeout must be > 0 and <= {MAX_AGREEMENT_TIMEOUT_S} s, got {timeout}"
         )
     if copy_delays is not None and len(copy_delays) != world_size:
-        raise SimConfigError(f"{len(copy_delays)} copy delays for {world_size} ranks")
+        raise ConfigError(f"{len(copy_delays)} copy delays for {world_size} ranks")
     for delay in copy_delays or [cfg.copy_delay]:
         replace(cfg, copy_delay=delay).check(processes=world_size)
 

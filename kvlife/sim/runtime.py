@@ -37,7 +37,7 @@ import torch
 
 from kvlife._lifecycle import FinishReason
 from kvlife.engine.cpu import CpuCopyEngine
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError, KVLifeError
 from kvlife.hashing import sglang_page_hashes
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.manager import OffloadManager
@@ -47,16 +47,11 @@ from kvlife.store.directory import LocalDirectoryStore
 
 __all__ = [
     "SimConfig",
-    "SimConfigError",
     "SimManager",
     "SimReport",
     "make_store_dir",
     "run_simulation",
 ]
-
-
-class SimConfigError(KVLifeError, ValueError):
-    """A simulator configuration no run can use; nothing was started."""
 
 
 VOCAB = 32_000
@@ -84,9 +79,9 @@ def make_store_dir(store_dir: str | None) -> str:
     try:
         Path(store_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SimConfigError(f"cannot create the store directory: {exc}") from None
+        raise ConfigError(f"cannot create the store directory: {exc}") from None
     if not os.access(store_dir, os.W_OK | os.X_OK):
-        raise SimConfigError(f"the store directory {store_dir} is not writable")
+        raise ConfigError(f"the store directory {store_dir} is not writable")
     return store_dir
 
 
@@ -144,7 +139,7 @@ class SimConfig:
         return pages * self.page_numel * DTYPES[self.dtype].itemsize + tokens * TOKEN_BYTES
 
     def check(self, processes: int = 1) -> None:
-        """Refuse a configuration no run can use, with the field named (:class:`SimConfigError`).
+        """Refuse a configuration no run can use, with the field named (:class:`ConfigError`).
 
         Nothing is allocated, created or started: the memory ``processes`` runs
         need is computed, and refused if it exceeds this machine's.
@@ -152,37 +147,37 @@ class SimConfig:
         positive = ("concurrency", "rid_pool", "prompt_pool", "page_size", "layers", "heads")
         for name in (*positive, "head_dim", "host_pages"):
             if getattr(self, name) <= 0:
-                raise SimConfigError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.requests < 0 or self.rank < 0:
-            raise SimConfigError("requests and rank must be >= 0")
+            raise ConfigError("requests and rank must be >= 0")
         if self.stride is not None and self.stride < self.page_size:
-            raise SimConfigError(f"stride {self.stride} is shorter than a page of {self.page_size}")
+            raise ConfigError(f"stride {self.stride} is shorter than a page of {self.page_size}")
         if self.layout not in LAYOUTS:
-            raise SimConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+            raise ConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.store not in STORES:
-            raise SimConfigError(f"store must be one of {STORES}, got {self.store!r}")
+            raise ConfigError(f"store must be one of {STORES}, got {self.store!r}")
         if self.store == "mooncake" and not (self.mooncake_master and self.mooncake_metadata):
-            raise SimConfigError(
+            raise ConfigError(
                 "store mooncake needs the master's HOST:PORT and the metadata URL "
                 "(--mooncake-master, --mooncake-metadata, or MOONCAKE_MASTER and "
                 "MOONCAKE_TE_META_DATA_SERVER)"
             )
         if self.dtype not in DTYPES:
-            raise SimConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.copy_delay <= MAX_COPY_DELAY_S:
-            raise SimConfigError(
+            raise ConfigError(
                 f"copy_delay must be 0 to {MAX_COPY_DELAY_S} seconds, got {self.copy_delay}"
             )
         for name in ("copy_fail_rate", "store_fail_rate", "abort_rate", "retract_rate"):
             if not 0 <= getattr(self, name) <= 1:
-                raise SimConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("prompt_len", "output_len"):
             low, high = getattr(self, name)
             if not 0 < low <= high:
-                raise SimConfigError(f"{name} must be 0 < low <= high, got {(low, high)}")
+                raise ConfigError(f"{name} must be 0 < low <= high, got {(low, high)}")
         needed, have = processes * self.memory_needed(), memory_bytes()
         if needed > have:
-            raise SimConfigError(
+            raise ConfigError(
                 f"this configuration needs {needed / 2**30:.1f} GiB; "
                 f"this machine has {have / 2**30:.1f} GiB"
             )
@@ -328,7 +323,7 @@ def make_layout(cfg: SimConfig, num_pages: int) -> KVLayout:
         return MLALayout.zeros(
             cfg.layers, num_pages, cfg.page_size, cfg.heads * cfg.head_dim, dtype
         )
-    raise SimConfigError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
+    raise ConfigError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
 
 
 def kvlife_manager(

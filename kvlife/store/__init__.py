@@ -7,7 +7,6 @@ is the embedded default, :class:`MemoryStore` the in-process one and
 """
 
 from kvlife.store.base import (
-    DrainTimeout,
     InjectedStoreFailure,
     InvalidKey,
     InvalidNamespace,
@@ -15,7 +14,6 @@ from kvlife.store.base import (
     PageMismatch,
     Store,
     StoreClosed,
-    StoreConfigError,
     StoreError,
     StoreResult,
     StoreStats,
@@ -24,7 +22,6 @@ from kvlife.store.directory import LocalDirectoryStore
 from kvlife.store.memory import InlineStore, MemoryStore
 
 __all__ = [
-    "DrainTimeout",
     "InjectedStoreFailure",
     "InlineStore",
     "InvalidKey",
@@ -35,7 +32,6 @@ __all__ = [
     "PageMismatch",
     "Store",
     "StoreClosed",
-    "StoreConfigError",
     "StoreError",
     "StoreResult",
     "StoreStats",

@@ -60,11 +60,9 @@ from typing import Protocol, overload, runtime_checkable
 
 import torch
 
-from kvlife import errors
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError, DrainTimeout, KVLifeError
 
 __all__ = [
-    "DrainTimeout",
     "InjectedStoreFailure",
     "InvalidKey",
     "InvalidNamespace",
@@ -73,7 +71,6 @@ __all__ = [
     "QueuedStore",
     "Store",
     "StoreClosed",
-    "StoreConfigError",
     "StoreError",
     "StoreResult",
     "StoreStats",
@@ -105,16 +102,8 @@ class InvalidNamespace(StoreError, ValueError):
     """A namespace that could escape the store's root or collide with its layout."""
 
 
-class StoreConfigError(StoreError, ValueError):
-    """A bad store setting (fail rate outside [0, 1], negative fail count)."""
-
-
 class StoreClosed(StoreError):
     """A put on a closed store."""
-
-
-class DrainTimeout(StoreError, errors.DrainTimeout):
-    """``drain(timeout)`` ran out of time; no result was consumed, poll again later."""
 
 
 class InjectedStoreFailure(StoreError):
@@ -317,7 +306,7 @@ def _check_put(keys: Sequence[str], pages: torch.Tensor) -> tuple[str, ...]:
 
 def _check_rate(rate: object) -> float:
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
-        raise StoreConfigError(f"fail_rate must be in [0, 1], got {rate!r}")
+        raise ConfigError(f"fail_rate must be in [0, 1], got {rate!r}")
     return float(rate)
 
 
@@ -454,7 +443,7 @@ class QueuedStore(abc.ABC):
     def fail_next(self, n: int = 1) -> None:
         """Make the next ``n`` accepted puts fail (fault injection)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise StoreConfigError(f"fail_next needs a count >= 0, got {n!r}")
+            raise ConfigError(f"fail_next needs a count >= 0, got {n!r}")
         with self._lock:
             self._fail_next += n
 

@@ -15,7 +15,7 @@ File naming
 - Opening a store creates the missing directories up to ``@pages``, or none of
   them: a root that is a file (or under one), a path the file system refuses,
   or a namespace that makes the longest page path too long is refused with
-  ``StoreConfigError`` or ``InvalidNamespace`` and leaves the disk as it was.
+  ``ConfigError`` or ``InvalidNamespace`` and leaves the disk as it was.
 
 File format and verification
 ============================
@@ -86,12 +86,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from kvlife.errors import ConfigError
 from kvlife.store.base import (
     InjectedStoreFailure,
     InvalidNamespace,
     PageMismatch,
     QueuedStore,
-    StoreConfigError,
     Written,
     check_key,
     frame_page,
@@ -156,7 +156,7 @@ class LocalDirectoryStore(QueuedStore):
         longest = len(os.fsencode(os.path.abspath(self._directory))) + _LONGEST_BELOW
         if longest >= _path_max():
             base = len(os.fsencode(os.path.abspath(self._root.joinpath(PAGES_DIR))))
-            error = StoreConfigError if base + _LONGEST_BELOW >= _path_max() else InvalidNamespace
+            error = ConfigError if base + _LONGEST_BELOW >= _path_max() else InvalidNamespace
             raise error(
                 f"root {str(root)[:40]!r}... with namespace {namespace[:40]!r}... gives page "
                 f"paths of up to {longest} bytes; the file system takes {_path_max() - 1}"
@@ -354,7 +354,7 @@ def _path_max() -> int:
 def _make_directories(directory: Path) -> None:
     """Create ``directory`` and its missing parents, or none of them.
 
-    Raises StoreConfigError (nothing created) when a parent is a file, or the
+    Raises ConfigError (nothing created) when a parent is a file, or the
     file system refuses (permissions, read-only, name too long).
     """
     missing: list[Path] = []
@@ -383,7 +383,7 @@ def _make_directories(directory: Path) -> None:
         for path in reversed(created):
             with contextlib.suppress(OSError):
                 path.rmdir()
-        raise StoreConfigError(f"cannot use {str(directory)!r} as a store: {exc}") from exc
+        raise ConfigError(f"cannot use {str(directory)!r} as a store: {exc}") from exc
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -77,11 +77,11 @@ from typing import Any
 
 import numpy as np
 
+from kvlife.errors import ConfigError, MissingDependency
 from kvlife.store.base import (
     InjectedStoreFailure,
     PageMismatch,
     QueuedStore,
-    StoreConfigError,
     StoreError,
     Written,
     check_key,
@@ -93,7 +93,6 @@ from kvlife.store.directory import check_namespace
 
 __all__ = [
     "MooncakeError",
-    "MooncakeNotInstalled",
     "MooncakeStore",
     "MooncakeUnavailable",
     "load_client_class",
@@ -135,10 +134,6 @@ ENV_PROTOCOL = "MOONCAKE_PROTOCOL"
 ENV_LOCAL_HOSTNAME = "MOONCAKE_LOCAL_HOSTNAME"
 
 
-class MooncakeNotInstalled(StoreConfigError, ImportError):
-    """``mooncake.store`` cannot be imported (the extra, or ``libibverbs.so.1``, is missing)."""
-
-
 class MooncakeError(StoreError):
     """A Mooncake call answered an error code; ``code`` and ``call`` say which."""
 
@@ -165,11 +160,11 @@ def _error(call: str, code: int, what: str) -> MooncakeError:
 
 
 def load_client_class() -> Any:
-    """``mooncake.store.MooncakeDistributedStore``; MooncakeNotInstalled says what to install."""
+    """``mooncake.store.MooncakeDistributedStore``; MissingDependency says what to install."""
     try:
         module = importlib.import_module("mooncake.store")
     except ImportError as exc:
-        raise MooncakeNotInstalled(
+        raise MissingDependency(
             f"MooncakeStore needs {PACKAGE}: pip install 'kvlife[mooncake]' "
             f"(and apt-get install libibverbs1, needed even over TCP): {exc}"
         ) from exc
@@ -231,7 +226,7 @@ class MooncakeStore(QueuedStore):
     ) -> None:
         check_namespace(namespace)
         if not isinstance(master, str) or not master or not isinstance(metadata, str):
-            raise StoreConfigError(
+            raise ConfigError(
                 f"master must be HOST:PORT and metadata a URL, got {master!r}, {metadata!r}"
             )
         if (
@@ -240,7 +235,7 @@ class MooncakeStore(QueuedStore):
             or max_batch_bytes <= 0
             or local_buffer_size <= 0
         ):
-            raise StoreConfigError(
+            raise ConfigError(
                 "retry_after must be >= 0 and the buffer sizes positive, got "
                 f"{retry_after!r}, {max_batch_bytes!r}, {local_buffer_size!r}"
             )
@@ -293,7 +288,7 @@ class MooncakeStore(QueuedStore):
         master = os.environ.get(ENV_MASTER)
         metadata = os.environ.get(ENV_METADATA)
         if not master or not metadata:
-            raise StoreConfigError(
+            raise ConfigError(
                 f"set {ENV_MASTER} (HOST:PORT) and {ENV_METADATA} (a metadata URL) "
                 "to name the Mooncake cluster"
             )

@@ -25,8 +25,11 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from kvlife.store.base import StoreConfigError
-from kvlife.store.mooncake import MooncakeNotInstalled, MooncakeUnavailable, load_client_class
+from kvlife.errors import ConfigError, MissingDependency
+from kvlife.store.mooncake import (
+    MooncakeUnavailable,
+    load_client_class,
+)
 
 __all__ = ["LocalMooncake", "free_port"]
 
@@ -51,7 +54,7 @@ class LocalMooncake:
     def __init__(self, pool_size: str = "512MB", log_dir: str | os.PathLike[str] | None = None):
         for binary in ("mooncake_master", "mooncake_client"):
             if shutil.which(binary) is None:
-                raise MooncakeNotInstalled(
+                raise MissingDependency(
                     f"{binary} is not on PATH: pip install 'kvlife[mooncake]' in this environment"
                 )
         load_client_class()  # the library loads (libibverbs.so.1 is there)
@@ -210,4 +213,4 @@ class LocalMooncake:
 
 def _check_size(pool_size: str) -> None:
     if not pool_size or not pool_size[0].isdigit():
-        raise StoreConfigError(f"pool size must be like 512MB or 1GB, got {pool_size!r}")
+        raise ConfigError(f"pool size must be like 512MB or 1GB, got {pool_size!r}")

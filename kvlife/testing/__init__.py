@@ -35,12 +35,14 @@ from kvlife.testing.adapter import (
 from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
 from kvlife.testing.exhaustive import (
     CheckConfig,
-    CheckConfigError,
     CheckReport,
     Violation,
     check_exhaustively,
 )
-from kvlife.testing.options import KitOptions, KitOptionsError, Progress
+from kvlife.testing.options import (
+    KitOptions,
+    Progress,
+)
 from kvlife.testing.oracle import InvariantViolation, Oracle
 from kvlife.testing.report import KitFailure, format_trace, replay_trace
 from kvlife.testing.scripted import CopyNotInFlight, ScriptedCopy, ScriptedEngine
@@ -51,7 +53,6 @@ if TYPE_CHECKING:
 __all__ = [
     "KIT_SETTINGS",
     "CheckConfig",
-    "CheckConfigError",
     "CheckReport",
     "Close",
     "Complete",
@@ -63,7 +64,6 @@ __all__ = [
     "KitEvent",
     "KitFailure",
     "KitOptions",
-    "KitOptionsError",
     "ManagerAdapter",
     "Oracle",
     "Poll",

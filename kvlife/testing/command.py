@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import cast
 
 from kvlife._lifecycle import FinishReason
+from kvlife.errors import ConfigError
 from kvlife.testing.adapter import RuntimeAdapter
 from kvlife.testing.exhaustive import (
     CheckConfig,
-    CheckConfigError,
     CheckReport,
     check_exhaustively,
 )
@@ -41,24 +41,24 @@ def load_factory(spec: str) -> Callable[[], RuntimeAdapter]:
     """``"module:factory"`` (``factory`` may be dotted: ``module:Class.method``) -> callable.
 
     The current directory is searched first, as ``python -m`` does. Refused with
-    :class:`~kvlife.testing.exhaustive.CheckConfigError` if it cannot be imported or called.
+    :class:`~kvlife.testing.exhaustive.ConfigError` if it cannot be imported or called.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise CheckConfigError(f"--runtime wants module:factory, got {spec!r}")
+        raise ConfigError(f"--runtime wants module:factory, got {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         target: object = importlib.import_module(module_name)
     except ImportError as exc:
-        raise CheckConfigError(f"--runtime {spec}: cannot import {module_name!r}: {exc}") from None
+        raise ConfigError(f"--runtime {spec}: cannot import {module_name!r}: {exc}") from None
     for part in attr.split("."):
         try:
             target = getattr(target, part)
         except AttributeError:
-            raise CheckConfigError(f"--runtime {spec}: {module_name} has no {attr!r}") from None
+            raise ConfigError(f"--runtime {spec}: {module_name} has no {attr!r}") from None
     if not callable(target):
-        raise CheckConfigError(f"--runtime {spec}: {attr!r} is not callable")
+        raise ConfigError(f"--runtime {spec}: {attr!r} is not callable")
     return cast(Callable[[], RuntimeAdapter], target)
 
 
@@ -124,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _config(args: argparse.Namespace) -> CheckConfig:
     reasons = args.reasons or tuple(FinishReason)
     if FinishReason.FINISHED not in reasons:
-        raise CheckConfigError("--reasons must include finished")
+        raise ConfigError("--reasons must include finished")
     options = KitOptions(
         failures=args.failures,
         aborts=FinishReason.ABORTED in reasons,

@@ -40,7 +40,7 @@ from functools import cache
 from typing import Any
 
 from kvlife._lifecycle import FinishReason
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError
 from kvlife.testing.adapter import ManagerAdapter, RuntimeAdapter
 from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
 from kvlife.testing.options import KitOptions, Progress, progress_of
@@ -49,7 +49,6 @@ from kvlife.testing.report import format_trace
 
 __all__ = [
     "CheckConfig",
-    "CheckConfigError",
     "CheckReport",
     "Violation",
     "check_exhaustively",
@@ -58,10 +57,6 @@ __all__ = [
 
 #: The rid every life of the configuration shares.
 RID = "r"
-
-
-class CheckConfigError(KVLifeError, ValueError):
-    """Bounds the exhaustive checker refuses (out of range, or not finish reasons)."""
 
 
 @dataclass(frozen=True)
@@ -80,11 +75,11 @@ class CheckConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.requests <= 4 or not 0 <= self.chunks <= 6:
-            raise CheckConfigError("requests must be in [1, 4] and chunks in [0, 6]")
+            raise ConfigError("requests must be in [1, 4] and chunks in [0, 6]")
         if self.page_size < 1:
-            raise CheckConfigError(f"page_size must be positive, got {self.page_size}")
+            raise ConfigError(f"page_size must be positive, got {self.page_size}")
         if not isinstance(self.options, KitOptions):
-            raise CheckConfigError(f"options must be KitOptions, got {self.options!r}")
+            raise ConfigError(f"options must be KitOptions, got {self.options!r}")
 
     @property
     def reasons(self) -> tuple[FinishReason, ...]:

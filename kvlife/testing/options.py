@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvlife._lifecycle import FinishReason
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError
 
-__all__ = ["PROGRESS_MODELS", "KitOptions", "KitOptionsError", "Progress", "progress_of"]
+__all__ = ["PROGRESS_MODELS", "ConfigError", "KitOptions", "Progress", "progress_of"]
 
 #: How a runtime's progress check (its poll) treats copies still queued:
 #: ``"poll"``: non-blocking, it applies only the copies that already completed (the kit
@@ -17,10 +17,6 @@ __all__ = ["PROGRESS_MODELS", "KitOptions", "KitOptionsError", "Progress", "prog
 #: (SGLang's ``check_offload_progress``), so every copy in flight completes during the poll.
 Progress = Literal["poll", "drain"]
 PROGRESS_MODELS: tuple[Progress, ...] = ("poll", "drain")
-
-
-class KitOptionsError(KVLifeError, ValueError):
-    """An option out of range (a non-positive stuck-copy deadline, an unknown progress model)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +44,7 @@ class KitOptions:
 
     def __post_init__(self) -> None:
         if self.stuck_after is not None and not 0 < self.stuck_after < 3600:
-            raise KitOptionsError(f"stuck_after must be in (0, 3600) s, got {self.stuck_after}")
+            raise ConfigError(f"stuck_after must be in (0, 3600) s, got {self.stuck_after}")
 
     @property
     def reasons(self) -> tuple[FinishReason, ...]:
@@ -75,5 +71,5 @@ def progress_of(adapter: object) -> Progress:
     """The adapter's declared progress model (``progress`` attribute; default ``"poll"``)."""
     model = getattr(adapter, "progress", "poll")
     if model not in PROGRESS_MODELS:
-        raise KitOptionsError(f"adapter.progress must be 'poll' or 'drain', got {model!r}")
+        raise ConfigError(f"adapter.progress must be 'poll' or 'drain', got {model!r}")
     return model
