@@ -246,3 +246,31 @@ def test_kit_full_size_on_kvlifes_manager() -> None:
             suppress_health_check=list(HealthCheck),
         ),
     )
+
+
+def test_the_scripted_engine_copies_a_load_host_to_device() -> None:
+    """A LoadTicket's copy goes host -> device, and its pages are busy as a load's until then."""
+    import torch
+
+    from kvlife import Lifecycle
+    from kvlife.engine import DevicePageBusy
+    from kvlife.layout import PageFirstLayout
+    from kvlife.pool import HostPagePool
+    from kvlife.testing.scripted import ScriptedEngine
+
+    layout = PageFirstLayout.zeros(1, 4, 2, 1, 2, dtype=torch.float32)
+    host = HostPagePool(2, layout.page_numel, torch.float32)
+    engine = ScriptedEngine(layout, host)
+    lc = Lifecycle("r", page_size=1)
+    load = lc.load(["k"])
+    pages = host.alloc(1, owner=lc)
+    assert pages is not None
+    host.tensor[pages[0]] = torch.arange(layout.page_numel, dtype=torch.float32) + 7
+    copy = engine.submit(load, [3], pages)
+    with pytest.raises(DevicePageBusy):  # a second writer of device page 3
+        engine.check([3], pages, load=True)
+    engine.complete(copy)
+    (ack,) = engine.poll()
+    assert ack.ok and ack.ticket is load
+    assert torch.equal(layout.read_page(3), host.tensor[pages[0]])
+    engine.check([3], pages, load=True)  # free again

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvlife._lifecycle import Lifecycle, Ticket
+from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
 from kvlife.engine.base import (
     Ack,
     CopyFault,
@@ -48,11 +48,12 @@ class CopyNotInFlight(EngineError, ValueError):
 class ScriptedCopy:
     """One submitted chunk waiting for the test to complete it; compared by identity."""
 
-    #: The chunk's ticket (``ticket.lifecycle`` is the life that submitted it).
-    ticket: Ticket
-    #: Device pages the copy will read when completed, in page order.
+    #: The chunk's ticket (``ticket.lifecycle`` is the life that submitted it); a
+    #: ``LoadTicket`` for a load.
+    ticket: Ticket | LoadTicket
+    #: Device pages the copy will read (a load: write) when completed, in page order.
     device_pages: tuple[int, ...]
-    #: Host pages it will write.
+    #: Host pages it will write (a load: read).
     host_pages: tuple[int, ...]
     #: Submission number in this engine: 0, 1, 2, ...
     number: int
@@ -92,7 +93,8 @@ class ScriptedEngine(PageCopyEngine):
         return [c for c in self._in_flight if c.ticket.lifecycle is lifecycle]
 
     def complete(self, copy: ScriptedCopy, ok: bool = True) -> None:
-        """Complete ``copy`` now: read its device pages into its host pages (or fail it).
+        """Complete ``copy`` now: a store reads its device pages into its host pages, a
+        load its host pages into its device pages (or fail it).
 
         The ack appears at the next :meth:`poll`. Refused with
         :class:`CopyNotInFlight` (nothing changes) if ``copy`` is not in flight.
@@ -100,13 +102,18 @@ class ScriptedEngine(PageCopyEngine):
         if not any(c is copy for c in self._in_flight):
             raise CopyNotInFlight(f"{copy!r} is not in flight in this engine")
         error: BaseException | None = None
+        load = type(copy.ticket) is LoadTicket
         if ok:
             index = torch.tensor(copy.device_pages, dtype=torch.int64)
-            self.layout.gather_runs(index, self.host.tensor, host_runs(copy.host_pages))
+            runs = host_runs(copy.host_pages)
+            if load:  # host -> device
+                self.layout.scatter_runs(index, self.host.tensor, runs)
+            else:
+                self.layout.gather_runs(index, self.host.tensor, runs)
         else:
             error = CopyFault(f"scripted copy fault in {copy!r}")
         self._in_flight = [c for c in self._in_flight if c is not copy]
-        self._busy.difference_update(copy.host_pages)
+        self._unclaim(load, copy.device_pages, copy.host_pages)
         self._ready.append(
             Ack(
                 copy.ticket,
@@ -126,14 +133,14 @@ class ScriptedEngine(PageCopyEngine):
         return len(self._in_flight) + len(self._ready)
 
     def submit(
-        self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
+        self, ticket: Ticket | LoadTicket, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> ScriptedCopy:
         """Validate the chunk and hold it until :meth:`complete` (returns the copy to
         complete); refusals change nothing."""
-        _, dev, hst = self._checked(ticket, device_pages, host_pages)
+        load, dev, hst = self._checked(ticket, device_pages, host_pages)
         copy = ScriptedCopy(ticket, dev, hst, self._submitted, time.perf_counter())
         self._submitted += 1
-        self._busy.update(hst)
+        self._claim(load, dev, hst)
         self._in_flight.append(copy)
         return copy
 
