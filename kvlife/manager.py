@@ -68,7 +68,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Agreement",
-    "ManagedLifecycle",
     "ManagerMetrics",
     "OffloadManager",
     "OffloadRequest",
@@ -173,10 +172,6 @@ class OffloadRequest:
             f"<OffloadRequest rid={lc.rid!r} {lc.state.name} inflight={lc.inflight} "
             f"id=0x{id(self):x}>"
         )
-
-
-#: The record's former name, kept while callers move to :class:`OffloadRequest`.
-ManagedLifecycle = OffloadRequest
 
 
 def _metric(kind: str, help_text: str) -> Any:
