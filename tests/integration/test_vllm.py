@@ -34,7 +34,6 @@ pytest.importorskip(
 
 import torch
 from vllm import LLM, SamplingParams
-from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 from kvlife.engine import CpuCopyEngine
@@ -44,6 +43,7 @@ from kvlife.integrations.vllm import (
     KVLifeWorker,
     live_managers,
     live_workers,
+    transfer_config,
 )
 
 pytestmark = pytest.mark.vllm
@@ -86,15 +86,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _llm(model_dir: str, extra: dict[str, Any] | None, **kwargs: Any) -> LLM:
     transfer = None
     if extra is not None:
-        transfer = KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "KVLifeOffloadingSpec",
-                "spec_module_path": "kvlife.integrations.vllm",
-                **extra,
-            },
-        )
+        transfer = transfer_config(**extra)
     return LLM(
         model=model_dir,
         skip_tokenizer_init=True,

@@ -20,8 +20,9 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         args = json.load(f)
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+
+    from kvlife.integrations.vllm import transfer_config
 
     llm = LLM(
         model=args["model_dir"],
@@ -32,16 +33,8 @@ def main() -> None:
         enforce_eager=True,
         seed=0,
         gpu_memory_utilization=0.5,  # of CPU memory on vLLM's CPU build: a shared machine
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "KVLifeOffloadingSpec",
-                "spec_module_path": "kvlife.integrations.vllm",
-                "host_bytes": 8 << 20,
-                "store_dir": args["store_dir"],
-                "report_dir": args["report_dir"],
-            },
+        kv_transfer_config=transfer_config(
+            8 << 20, store_dir=args["store_dir"], report_dir=args["report_dir"]
         ),
     )
     params = SamplingParams(
