@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model is built here
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 
 from kvlife import FinishReason, Ticket
