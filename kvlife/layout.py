@@ -22,7 +22,7 @@ layer, as a runtime does.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,26 @@ __all__ = [
 _MIN_RUN = 4
 #: Scattered page rows this large or larger are restored with one ``copy_`` each.
 _BIG_ROW_BYTES = 1 << 20
+
+
+def staging_windows(
+    n: int, runs: Sequence[tuple[int, int, int]], window: int
+) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
+    """A chunk of ``n`` pages, copied through staging ``window`` pages at a time.
+
+    ``runs`` are the chunk's host rows as ``(offset, first row, length)``. Yields
+    ``(lo, hi, pieces)`` per window of chunk pages ``[lo, hi)``; each piece
+    ``(first, last, row)`` is staging rows ``[first, last)`` and host rows
+    ``[row, row + last - first)``. Used by both directions, so they cannot differ.
+    """
+    for lo in range(0, n, window):
+        hi = min(n, lo + window)
+        pieces = []
+        for offset, row, length in runs:
+            a, b = max(offset, lo), min(offset + length, hi)
+            if a < b:
+                pieces.append((a - lo, b - lo, row + a - offset))
+        yield lo, hi, pieces
 
 
 class LayoutError(KVLifeError, ValueError):
@@ -214,19 +234,12 @@ class KVLayout:
             for offset, row, length in runs:
                 self._gather_into(pages[offset : offset + length], host[row : row + length])
             return
-        window = max(1, max_staging_bytes // max(1, self.page_nbytes))
         non_blocking = host.is_pinned()
-        n = pages.numel()
-        for lo in range(0, n, window):
-            hi = min(n, lo + window)
+        for lo, hi, pieces in staging_windows(pages.numel(), runs, self._window(max_staging_bytes)):
             staging = torch.empty((hi - lo, self._page_numel), dtype=self.dtype, device=self.device)
             self._gather_into(pages[lo:hi], staging)
-            for offset, row, length in runs:
-                a, b = max(offset, lo), min(offset + length, hi)
-                if a < b:
-                    host[row + a - offset : row + b - offset].copy_(
-                        staging[a - lo : b - lo], non_blocking=non_blocking
-                    )
+            for first, last, row in pieces:
+                host[row : row + last - first].copy_(staging[first:last], non_blocking=non_blocking)
 
     def scatter(self, pages: torch.Tensor, src: torch.Tensor) -> None:
         """Write ``src`` ``[n, page_numel]`` back into ``pages`` (restore from host)."""
@@ -257,19 +270,16 @@ class KVLayout:
             for offset, row, length in runs:
                 self._scatter_from(pages[offset : offset + length], host[row : row + length])
             return
-        window = max(1, max_staging_bytes // max(1, self.page_nbytes))
         non_blocking = host.is_pinned()
-        n = pages.numel()
-        for lo in range(0, n, window):
-            hi = min(n, lo + window)
+        for lo, hi, pieces in staging_windows(pages.numel(), runs, self._window(max_staging_bytes)):
             staging = torch.empty((hi - lo, self._page_numel), dtype=self.dtype, device=self.device)
-            for offset, row, length in runs:
-                a, b = max(offset, lo), min(offset + length, hi)
-                if a < b:
-                    staging[a - lo : b - lo].copy_(
-                        host[row + a - offset : row + b - offset], non_blocking=non_blocking
-                    )
+            for first, last, row in pieces:
+                staging[first:last].copy_(host[row : row + last - first], non_blocking=non_blocking)
             self._scatter_from(pages[lo:hi], staging)
+
+    def _window(self, max_staging_bytes: int) -> int:
+        """Pages per device staging buffer of at most ``max_staging_bytes`` (one at least)."""
+        return max(1, max_staging_bytes // max(1, self.page_nbytes))
 
     def _scatter_from(self, pages: torch.Tensor, src: torch.Tensor) -> None:
         """Write rows ``src`` ``[n, page_numel]`` (on this device) into ``pages`` (checked)."""

@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvlife.layout import KVLayout, LayerFirstLayout, LayoutError, MLALayout, PageFirstLayout
 
@@ -333,3 +335,32 @@ def test_bad_scatter_runs_is_refused_and_copies_nothing(kind: str) -> None:
         with pytest.raises(LayoutError):
             layout.scatter_runs(torch.tensor([0, 1]), host, [(0, 0, 2)])
         assert unchanged(layout, before)
+
+
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    window=st.integers(1, 9),
+    gap=st.integers(0, 3),
+)
+def test_staging_windows_map_each_chunk_page_to_its_host_row_once(
+    lengths: list[int], window: int, gap: int
+) -> None:
+    """The device-staging path of both directions (GPU only) walks these windows: each chunk
+    page lands in exactly one window, in order, paired with its own host row."""
+    from kvlife.layout import staging_windows
+
+    runs, offset, row = [], 0, 3
+    for length in lengths:
+        runs.append((offset, row, length))
+        offset, row = offset + length, row + length + gap
+    expected = {o + i: r + i for o, r, n in runs for i in range(n)}
+    seen: dict[int, int] = {}
+    for lo, hi, pieces in staging_windows(offset, runs, window):
+        assert 0 < hi - lo <= window
+        for first, last, host_row in pieces:
+            assert 0 <= first < last <= hi - lo
+            for i in range(last - first):
+                page = lo + first + i
+                assert page not in seen
+                seen[page] = host_row + i
+    assert seen == expected
