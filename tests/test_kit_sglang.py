@@ -6,6 +6,7 @@ kit's reporting, options, deadline and accounting hooks work as documented.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -142,7 +143,10 @@ def test_a_failure_from_a_script_is_one_readable_trace_with_a_seed() -> None:
     out = done.stdout
     assert "CAUGHT KitFailure release-in-flight" in out, out
     assert "shortest failing run found" in out and "seed" in out
-    assert "   1. start rid=" in out and "finish life 0 retracted" in out
+    # The shrunk trace is numbered and ends in the retraction that frees pages under a copy
+    # (which life retracts depends on where shrinking lands: no seed is fixed here).
+    assert re.search(r"^ +1\. start rid=", out, re.M), out
+    assert re.search(r"^ +\d+\. finish life \d+ retracted$", out, re.M), out
     assert "ExceptionGroup" not in out + done.stderr
 
 
