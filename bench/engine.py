@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvlife import Lifecycle
+from kvlife import Lifecycle, LoadTicket, Ticket
 from kvlife.engine import CpuCopyEngine
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.pool import HostPagePool
@@ -89,9 +89,8 @@ def main() -> None:
     page_list = pages.tolist()
     load_keys = [f"k{i}" for i in range(n)]
 
-    def engine_round() -> float:
-        lc = Lifecycle("bench", page_size=args.page_size)
-        ticket = lc.submit([0] * (n * args.page_size))
+    def engine_copy(ticket: Ticket | LoadTicket) -> float:
+        """One chunk through the CPU engine, submit to ack (a store or a load by its ticket)."""
         host_pages = host.alloc(n, ticket)
         assert host_pages is not None
         start = time.perf_counter()
@@ -99,22 +98,16 @@ def main() -> None:
         (ack,) = engine.drain()
         elapsed = time.perf_counter() - start
         assert ack.ok
+        ticket.lifecycle.ack(ticket)
         host.free(host_pages, ticket)
         return elapsed
 
+    def engine_round() -> float:
+        lc = Lifecycle("bench", page_size=args.page_size)
+        return engine_copy(lc.submit([0] * (n * args.page_size)))
+
     def engine_load_round() -> float:
-        lc = Lifecycle("bench-load", page_size=args.page_size)
-        ticket = lc.load(load_keys)
-        host_pages = host.alloc(n, ticket)
-        assert host_pages is not None
-        start = time.perf_counter()
-        engine.submit(ticket, page_list, host_pages)
-        (ack,) = engine.drain()
-        elapsed = time.perf_counter() - start
-        assert ack.ok
-        lc.ack(ack.ticket)
-        host.free(host_pages, ticket)
-        return elapsed
+        return engine_copy(Lifecycle("bench-load", page_size=args.page_size).load(load_keys))
 
     tmp = torch.empty((n, layer_first.page_rows()[0].shape[1]), dtype=dtype)
     rows_index = torch.arange(n)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvlife import Lifecycle, Ticket
+from kvlife import Lifecycle, LoadTicket, Ticket
 from kvlife.engine import CudaCopyEngine
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.pool import HostPagePool
@@ -180,9 +180,9 @@ def main() -> int:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def restore(name: str) -> float:
+    def timed_copy(name: str, ticket: Ticket | LoadTicket) -> float:
+        """One chunk through engine ``name``, submit to ack (a store or a load by its ticket)."""
         engine = engines[name]
-        ticket = Lifecycle("gpu-check-load", page_size=page).load([f"k{i}" for i in range(n)])
         host_pages = host.alloc(n, ticket)
         assert host_pages is not None
         torch.cuda.synchronize()
@@ -194,19 +194,12 @@ def main() -> int:
         host.free(host_pages, ticket)
         return elapsed
 
+    def restore(name: str) -> float:
+        keys = [f"k{i}" for i in range(n)]
+        return timed_copy(name, Lifecycle("gpu-check-load", page_size=page).load(keys))
+
     def offload(name: str) -> float:
-        engine = engines[name]
-        ticket = ticket_for(n, page)
-        host_pages = host.alloc(n, ticket)
-        assert host_pages is not None
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.submit(ticket, pages, host_pages)
-        (ack,) = engine.drain()
-        elapsed = time.perf_counter() - start
-        assert ack.ok
-        host.free(host_pages, ticket)
-        return elapsed
+        return timed_copy(name, ticket_for(n, page))
 
     variants: dict[str, Callable[[], float]] = {
         "contiguous": contiguous,

@@ -65,6 +65,17 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _put_and_drain(
+    store: Any, token: object, keys: list[str], pages: torch.Tensor, call_us: list[float]
+) -> None:
+    """One batched put, its time on the caller's thread recorded (µs), then its result."""
+    t0 = time.perf_counter()
+    store.put(token, keys, pages)
+    call_us.append((time.perf_counter() - t0) * 1e6)
+    (result,) = store.drain()
+    assert result.ok, result.error
+
+
 def bench_directory(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="kvlife-bench-store-"))
     raw_dir = root / "raw"
@@ -85,11 +96,7 @@ def bench_directory(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
                         f.write(row)
 
             def put() -> None:
-                t0 = time.perf_counter()
-                store.put(r, keys, pages)
-                call_us.append((time.perf_counter() - t0) * 1e6)
-                (result,) = store.drain()
-                assert result.ok, result.error
+                _put_and_drain(store, r, keys, pages, call_us)
 
             def raw_get() -> None:
                 for k in keys:
@@ -154,11 +161,7 @@ def bench_mooncake(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
                     assert all(c == 0 for c in codes), set(codes)
 
                 def put() -> None:
-                    t0 = time.perf_counter()
-                    store.put(r, keys, pages)
-                    call_us.append((time.perf_counter() - t0) * 1e6)
-                    (result,) = store.drain()
-                    assert result.ok, result.error
+                    _put_and_drain(store, r, keys, pages, call_us)
 
                 def raw_get() -> None:  # the buffer is reused: each page handed back as bytes
                     codes = client.batch_get_into(raw_keys, ptrs, sizes)

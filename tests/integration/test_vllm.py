@@ -12,6 +12,7 @@ Run in the vLLM venv: ``python -m pytest -q tests/integration/test_vllm.py``.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import random
@@ -62,24 +63,15 @@ PROMPTS = _prompts(0, 16)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=128,
-        vocab_size=1024,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+    """The example's tiny random-init Llama (head_dim 32), built here: no downloads."""
+    spec = importlib.util.spec_from_file_location(
+        "vllm_offload_example", Path(__file__).parents[2] / "examples" / "vllm_offload.py"
     )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     path = tmp_path_factory.mktemp("tinyllama")
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    example.build_tiny_llama(str(path))
     return str(path)
 
 
