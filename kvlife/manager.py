@@ -224,18 +224,18 @@ def _count(name: str, value: object, least: int) -> int:
     return number
 
 
-def _tokens_of(tokens: Sequence[int], start: int, stop: int) -> Sequence[int]:
-    """``tokens[start:stop]`` for any ordered sequence (a deque cannot be sliced)."""
-    if type(tokens) is list or type(tokens) is tuple:
-        return tokens[start:stop]
-    if isinstance(tokens, (Set, Mapping)):
-        raise TypeError(f"tokens must be an ordered sequence, got {type(tokens).__name__}")
+def _slice(items: Sequence[int], start: int, stop: int) -> Sequence[int]:
+    """``items[start:stop]`` (tokens or pages) of any ordered sequence; a deque cannot be sliced."""
+    if type(items) is list or type(items) is tuple:
+        return items[start:stop]
+    if isinstance(items, (Set, Mapping)):
+        raise TypeError(f"expected an ordered sequence, got {type(items).__name__}")
     try:
-        return tokens[start:stop]
+        return items[start:stop]
     except TypeError:
-        if not isinstance(tokens, Sequence):
+        if not isinstance(items, Sequence):
             raise
-        return tuple(islice(tokens, start, stop))
+        return tuple(islice(items, start, stop))
 
 
 class OffloadManager:
@@ -308,7 +308,7 @@ class OffloadManager:
             if prior_hash is None:
                 prior_hash = self._seed
                 if prefill_len:
-                    prefix = _tokens_of(prompt, 0, prefill_len)
+                    prefix = _slice(prompt, 0, prefill_len)
                     prior_hash = self.hasher(prefix, self.page_size, prior_hash)[-1]
             else:  # the scheme checks a prior it is given even with no page to hash
                 self.hasher((), self.page_size, prior_hash)
@@ -373,8 +373,8 @@ class OffloadManager:
         if n_device < end:
             raise self._invalid_step(req, f"{n_device} device pages cannot hold {start + n} tokens")
         try:
-            chunk_tokens = _tokens_of(tokens, start, start + n)
-            chunk_pages = _tokens_of(device_pages, first, end)
+            chunk_tokens = _slice(tokens, start, start + n)
+            chunk_pages = _slice(device_pages, first, end)
         except TypeError as exc:
             raise self._invalid_step(req, str(exc)) from None
         if self.agreement is not None and not self.agreement.admit(end - first):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,13 +59,7 @@ class KitOptions:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict, for JSON."""
-        return {
-            "failures": self.failures,
-            "aborts": self.aborts,
-            "retractions": self.retractions,
-            "resumes": self.resumes,
-            "stuck_after": self.stuck_after,
-        }
+        return dataclasses.asdict(self)
 
 
 def progress_of(adapter: object) -> Progress:
