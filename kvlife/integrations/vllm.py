@@ -831,6 +831,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def _start(self, job_id: int, load: bool, blocks: int) -> tuple[_WorkerJob, Lifecycle]:
         if not self._pages_claimed:
             self._claim_pages()
+        if job_id in self._jobs:  # vLLM reused a job id in flight: both still get results
+            self._error_once("job_id_in_flight", f"job {job_id} submitted while in flight")
         job = _WorkerJob(job_id, load, blocks, time.perf_counter())
         lifecycle = Lifecycle(
             job_id, page_size=1, hasher=_given_bytes, on_release=partial(self._released, job)
@@ -892,7 +894,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _released(self, job: _WorkerJob, lifecycle: Lifecycle) -> None:
         """The job's Lifecycle released: every copy of the job is over. Its one result."""
-        del self._jobs[job.job_id]
+        if self._jobs.get(job.job_id) is job:  # not a later job that reused the id
+            del self._jobs[job.job_id]
         del self._by_life[lifecycle]
         done = job.copy_done or time.perf_counter()
         elapsed = done - job.started

@@ -30,6 +30,7 @@ import torch
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from kvlife import Lifecycle, State
+from kvlife.engine import CpuCopyEngine
 from kvlife.integrations import vllm as backend
 from kvlife.integrations.vllm import KVLifeOffloadingManager, OffloadRefused, store_namespace
 from kvlife.pool import HostPagePool
@@ -207,3 +208,39 @@ def test_the_prometheus_collector_reads_the_backend() -> None:
     assert sample("kvlife_vllm_pending") == before[1] + 1
     seconds = registry.get_sample_value("kvlife_vllm_transfer_seconds_total", {"direction": "load"})
     assert seconds is not None and seconds >= 0.0
+
+
+def test_a_job_id_reused_while_in_flight_is_counted_and_both_jobs_finish() -> None:
+    """Scenario: vLLM submits a job id that is still in flight (it never should).
+
+    The worker counts and logs it, never raises into vLLM, and each job still
+    ends in its own one result; the earlier job's release does not drop the later one.
+    """
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from kvlife.integrations.vllm import HostBlocksSpec, KVLifeWorker
+
+    views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(v, 16) for v in views],
+        group_data_refs=[[CanonicalKVCacheRef(i, 16) for i in range(2)]],
+    )
+    worker = KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
+    assert isinstance(worker.engine, CpuCopyEngine)
+    gates = [worker.engine.hold_next(), worker.engine.hold_next()]  # both stay in flight
+    for host_page, block in ((0, 1), (1, 2)):
+        spec = GPULoadStoreSpec([block], [1], [0])
+        assert worker.submit_store(7, spec, HostBlocksSpec([host_page], [key(block)]))
+    assert worker.inflight == 1  # one job id, two jobs
+    for gate in gates:
+        gate.open()
+    worker.flush(timeout=10)
+    results = worker.get_finished()
+    assert [r.job_id for r in results] == [7, 7] and all(r.success for r in results)
+    assert worker.stats["job_id_in_flight"] == 1 and worker.inflight == 0
+    worker.shutdown()
