@@ -6,6 +6,7 @@ kit's reporting, options, deadline and accounting hooks work as documented.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -122,27 +123,47 @@ def test_switched_off_failures_and_retractions_are_never_drawn() -> None:
 # ----------------------------------------------------------------------------- reporting
 
 
-def test_a_failure_from_a_script_is_one_readable_trace_with_a_seed() -> None:
-    script = textwrap.dedent(
-        """
-        import sys
-        sys.path.insert(0, "tests")
-        from mutant_runtimes import sglang_free_at_retract
-        from kvlife.testing import InvariantViolation, KitOptions, run_kit
-        try:
-            run_kit(sglang_free_at_retract, options=KitOptions(failures=False))
-        except InvariantViolation as exc:
-            print("CAUGHT", type(exc).__name__, exc.rule, exc.seed)
-            print(exc)
-        """
-    )
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests")
+    from mutant_runtimes import sglang_free_at_retract
+    from kvlife.testing import InvariantViolation, KitOptions, run_kit
+    try:
+        run_kit(sglang_free_at_retract, options=KitOptions(failures=False))
+    except InvariantViolation as exc:
+        print("CAUGHT", type(exc).__name__, exc.rule, exc.seed)
+        print(exc)
+    """
+)
+
+
+@pytest.mark.parametrize("ci", [False, True], ids=["seeded", "ci-derandomized"])
+def test_a_failure_from_a_script_is_one_readable_trace(ci: bool) -> None:
+    """Run as a user runs it. Under CI (the ``CI`` variable set) Hypothesis loads its
+    derandomized ``ci`` profile: there is no seed then, and the report says so."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "HYPOTHESIS_PROFILE")}
+    if ci:
+        env["CI"] = "true"
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", SCRIPT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "CAUGHT KitFailure release-in-flight" in out, out
-    assert "shortest failing run found" in out and "seed" in out
+    assert "shortest failing run found" in out, out
+    if ci:
+        assert "CAUGHT KitFailure release-in-flight None" in out, out
+        assert "derandomized: the same settings rerun the same search" in out, out
+    else:
+        assert re.search(r"CAUGHT KitFailure release-in-flight \d+$", out, re.M), out
+        assert re.search(r"events, seed \d+\)", out), out
+        assert "run_kit(adapter_factory, ..., seed=" in out, out
     # The shrunk trace is numbered and ends in the retraction that frees pages under a copy
     # (which life retracts depends on where shrinking lands: no seed is fixed here).
     assert re.search(r"^ +1\. start rid=", out, re.M), out
@@ -153,7 +174,8 @@ def test_a_failure_from_a_script_is_one_readable_trace_with_a_seed() -> None:
 def test_a_seed_reruns_the_same_failure() -> None:
     from mutant_runtimes import sglang_unchained_keys
 
-    quick = settings(KIT_SETTINGS, max_examples=50, database=None)
+    # derandomize=False explicitly: under CI Hypothesis's own profile turns it on.
+    quick = settings(KIT_SETTINGS, max_examples=50, database=None, derandomize=False)
     with pytest.raises(KitFailure) as first:
         run_kit(sglang_unchained_keys, quick, options=NO_FAILURES)
     seed = first.value.seed

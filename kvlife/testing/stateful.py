@@ -212,4 +212,6 @@ def run_kit(
         how = "replay: kvlife.testing.replay_trace(adapter_factory, failure.events)"
         if seed is not None:
             how += f"; rerun: run_kit(adapter_factory, ..., seed={seed})"
+        else:
+            how += "; derandomized: the same settings rerun the same search"
         raise KitFailure(rule, detail, events, seed=seed, how=how) from exc
