@@ -484,9 +484,12 @@ class Lifecycle:
             raise self._refuse(
                 InvalidChunk, _SUBMIT, f"{n} tokens are not one or more whole pages of {page_size}"
             )
-        dest = _ON_SUBMIT.get(self._state)
-        if dest is None:
-            raise self._refuse(InvalidTransition, _SUBMIT, "the table has no such transition")
+        try:
+            dest = _ON_SUBMIT[self._state]
+        except KeyError:
+            raise self._refuse(
+                InvalidTransition, _SUBMIT, "the table has no such transition"
+            ) from None
         try:
             keys = tuple(self._hasher(tokens, page_size, self._tail))
         except (HashingError, TypeError) as exc:
@@ -512,6 +515,37 @@ class Lifecycle:
         :class:`DuplicateAck` if it was already acked, :class:`UnknownChunk` if
         this Lifecycle never issued it. May release the Lifecycle.
         """
+        chunks = self._chunks
+        if not chunks or chunks[0] is not ticket:
+            return self._ack_other(ticket)
+        # The oldest chunk in flight, the common case: it is this Lifecycle's (only its
+        # own tickets are in _chunks) and in flight, so it needs no further check.
+        inflight = self._inflight
+        dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
+        if dest is None:  # unreachable while the table and the checks agree
+            raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
+        # The acked prefix grows over this chunk and any acked early after it.
+        del chunks[0]
+        last = ticket[3][-1]
+        settled = ticket[1] + 1
+        while chunks:
+            head: Ticket | _Settled = chunks[0]
+            if type(head) is not _Settled:
+                break
+            del chunks[0]
+            last = head.last_key
+            settled += 1
+        self._acked_seq = settled
+        self._last_hash = last
+        self._inflight = inflight - 1
+        self._state = dest
+        if dest is _FINISHED and inflight == 1:
+            self._release()
+        return None
+
+    def _ack_other(self, ticket: Ticket | LoadTicket) -> None:
+        """Every ack but the oldest chunk's own ticket: a load, a chunk acked out of order,
+        an equal copy of a ticket (one that crossed a process), or a refusal."""
         if type(ticket) is LoadTicket:
             return self._ack_load(ticket)
         chunks = self._chunks
@@ -525,25 +559,18 @@ class Lifecycle:
             raise self._refuse(ForeignAck, _ACK, f"chunk {seq} belongs to {owner!r}")
         if chunk is not ticket and chunk != ticket:  # None, an acked chunk's key, or a forgery
             raise self._ack_refusal(seq, chunk)
+        if not index:  # an equal copy of the oldest chunk's ticket: settle the original
+            return self.ack(chunk)
         inflight = self._inflight
         dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:  # unreachable while the table and the checks above agree
             raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
-        if index:  # an earlier chunk is still in flight: remember this one's last key
-            chunks[index] = _Settled(keys[-1])
-        else:  # the acked prefix grows over this chunk and any acked early after it
-            last = keys[-1]
-            del chunks[0]
-            settled = seq + 1
-            while chunks and type(chunks[0]) is _Settled:
-                last = chunks.pop(0).last_key  # type: ignore[union-attr]
-                settled += 1
-            self._acked_seq = settled
-            self._last_hash = last
+        # An earlier chunk is still in flight: remember this one's last key. That earlier
+        # chunk keeps the Lifecycle from draining, so nothing is released here.
+        chunks[index] = _Settled(keys[-1])
         self._inflight = inflight - 1
         self._state = dest
-        if dest is _FINISHED and inflight == 1:
-            self._release()
+        return None
 
     def load(self, keys: Sequence[str]) -> LoadTicket:
         """Record a load of the pages stored under ``keys`` into device pages; return its ticket.
@@ -559,9 +586,12 @@ class Lifecycle:
         for key in loaded:  # a plain loop: no generator frame per load
             if type(key) is not str:
                 raise self._refuse(InvalidChunk, _LOAD, f"key {key!r} is not a str")
-        dest = _ON_LOAD.get(self._state)
-        if dest is None:
-            raise self._refuse(InvalidTransition, _LOAD, "the table has no such transition")
+        try:
+            dest = _ON_LOAD[self._state]
+        except KeyError:
+            raise self._refuse(
+                InvalidTransition, _LOAD, "the table has no such transition"
+            ) from None
         seq = self._loads_started
         ticket = _new_ticket(LoadTicket, (self, seq, loaded))
         if self._loads is None:
@@ -595,9 +625,12 @@ class Lifecycle:
         """End decoding. Releases at once if nothing is in flight, else when the last ack comes."""
         if type(reason) is not FinishReason:
             raise self._refuse(InvalidEvent, _FINISH, f"reason {reason!r} is not a FinishReason")
-        dest = _ON_FINISH.get(self._state)
-        if dest is None:
-            raise self._refuse(InvalidTransition, _FINISH, "the table has no such transition")
+        try:
+            dest = _ON_FINISH[self._state]
+        except KeyError:
+            raise self._refuse(
+                InvalidTransition, _FINISH, "the table has no such transition"
+            ) from None
         self._finish_reason = reason
         self._state = dest
         if not self._inflight:

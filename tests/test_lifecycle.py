@@ -340,6 +340,21 @@ def test_a_duplicate_of_an_out_of_order_ack_is_refused() -> None:
     assert lc.chunks_in_flight() == (t0,)
 
 
+def test_an_equal_copy_of_a_ticket_acks_its_chunk_in_and_out_of_order() -> None:
+    """A ticket that crossed a process comes back as an equal copy, not the same object."""
+    lc, _ = make()
+    t0, t1, t2 = lc.submit(page(1)), lc.submit(page(2)), lc.submit(page(3))
+    lc.ack(Ticket(*t1))  # out of order
+    assert lc.chunks_in_flight() == (t0, t2) and lc.last_hash is None
+    lc.ack(Ticket(*t0))  # the oldest: the prefix grows over t0 and t1
+    assert lc.snapshot() == snap(
+        State.OFFLOADING, inflight=1, tokens=6, last="k2", tail="k3", seqs=(2,), next_seq=3
+    )
+    assert_refused(lc, lambda: lc.ack(Ticket(*t0)), DuplicateAck, Event.ACK, "already acked")
+    lc.ack(Ticket(*t2))
+    assert lc.snapshot() == snap(State.IDLE, tokens=6, last="k3", tail="k3", next_seq=3)
+
+
 @pytest.mark.parametrize("state", list(State))
 def test_an_ack_of_a_chunk_never_submitted_is_refused(state: State) -> None:
     lc, tickets = _in_state(state)
