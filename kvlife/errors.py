@@ -63,16 +63,12 @@ class ReleaseCallbackError(KVLifeError):
         self.ident = ident
 
 
-class ManagerError(KVLifeError):
-    """A call the offload manager refused; nothing changed."""
-
-
-class ForeignLifecycle(ManagerError, ValueError):
-    """The Lifecycle was not started by this manager."""
-
-
-class InvalidStep(ManagerError, ValueError):
-    """A step's tokens or device pages do not fit the request (too few pages, tokens went back)."""
+class ManagerError(KVLifeError, ValueError):
+    """A call the offload manager refused; nothing changed. The message says why: a
+    request this manager did not start, a step whose tokens or device pages do not fit
+    the request (too few pages, tokens went back, a step after finish), a prompt it
+    cannot hash, a second thread, or (vLLM backend, with ``strict``) a call naming no
+    known job. Catch it to drop the one call; the request and the manager go on."""
 
 
 class ConfigError(KVLifeError, ValueError):
@@ -99,11 +95,9 @@ __all__ = [
     "DrainTimeout",
     "DuplicateAck",
     "ForeignAck",
-    "ForeignLifecycle",
     "HashingError",
     "InvalidChunk",
     "InvalidEvent",
-    "InvalidStep",
     "InvalidTransition",
     "KVLifeError",
     "LifecycleError",

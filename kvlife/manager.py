@@ -48,9 +48,7 @@ from kvlife.engine.base import Ack, CopyFault
 from kvlife.errors import (
     ConfigError,
     DrainTimeout,
-    ForeignLifecycle,
     HashingError,
-    InvalidStep,
     KVLifeError,
     LifecycleError,
     ManagerError,
@@ -313,8 +311,8 @@ class OffloadManager:
             else:  # the scheme checks a prior it is given even with no page to hash
                 self.hasher((), self.page_size, prior_hash)
         except (HashingError, TypeError) as exc:
-            self._refused[InvalidStep.__name__] += 1
-            raise InvalidStep(f"cannot start rid={rid!r}: {exc}") from None
+            self._refused[ManagerError.__name__] += 1
+            raise ManagerError(f"cannot start rid={rid!r}: {exc}") from None
         lc = Lifecycle(
             rid,
             page_size=self.page_size,
@@ -514,7 +512,7 @@ class OffloadManager:
         lc = ticket.lifecycle
         req = getattr(lc, "owner", None)
         if not isinstance(req, OffloadRequest):  # forged: no manager's to touch
-            self._refused[ForeignLifecycle.__name__] += 1
+            self._refused[ManagerError.__name__] += 1
             return
         if req.manager is not self:  # an engine shared with another manager: hand it over
             req.manager._acks.append(ack)
@@ -609,9 +607,9 @@ class OffloadManager:
         self._thread_obj = threading.current_thread()
         self._thread = get_ident()
 
-    def _invalid_step(self, req: OffloadRequest, why: str) -> InvalidStep:
-        self._refused[InvalidStep.__name__] += 1
-        return InvalidStep(f"request rid={req.rid!r} id=0x{id(req):x}: {why}")
+    def _invalid_step(self, req: OffloadRequest, why: str) -> ManagerError:
+        self._refused[ManagerError.__name__] += 1
+        return ManagerError(f"request rid={req.rid!r} id=0x{id(req):x}: {why}")
 
     def _record_callback_error(self, exc: ReleaseCallbackError) -> None:
         self._metrics.release_callback_errors += 1
@@ -620,8 +618,8 @@ class OffloadManager:
 
     def _check_owned(self, req: object) -> None:
         if not isinstance(req, OffloadRequest) or req.manager is not self:
-            self._refused[ForeignLifecycle.__name__] += 1
-            raise ForeignLifecycle(f"{req!r} was not started by this manager")
+            self._refused[ManagerError.__name__] += 1
+            raise ManagerError(f"{req!r} was not started by this manager")
 
     # ------------------------------------------------------------ metrics
 

@@ -593,6 +593,21 @@ SHAPED: dict[str, tuple[str, Callable[[], Any]]] = {
 }
 
 
+def reported(rules: set[str], rule: str, message: str) -> bool:
+    """Whether a failure (its rule and message) is one of ``rules``.
+
+    A rule written ``"ManagerError: are already offloaded"`` is an error the runtime
+    raised: its type's name, and a phrase its message must hold, since one error class
+    covers several refusals (a foreign request and a refused step are both a
+    ``ManagerError``; the message says which).
+    """
+    for expected in rules:
+        name, _, phrase = expected.partition(": ")
+        if name == rule and phrase in message:
+            return True
+    return False
+
+
 # Module-level names, for ``kvlife check --runtime mutant_runtimes:<name>``.
 sglang_rid_keyed_acks = _sglang(RidKeyedAcks)
 sglang_free_at_retract = _sglang(FreeAtRetract)

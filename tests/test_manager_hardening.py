@@ -19,7 +19,7 @@ import torch
 
 from kvlife import ConfigError, KVLifeError, Lifecycle, State
 from kvlife.engine.cpu import CpuCopyEngine
-from kvlife.errors import HashingError, InvalidChunk, InvalidStep, ManagerError
+from kvlife.errors import HashingError, InvalidChunk, ManagerError
 from kvlife.hashing import sglang_page_hashes
 from kvlife.layout import LayerFirstLayout
 from kvlife.manager import OffloadManager, OffloadRequest
@@ -125,7 +125,7 @@ def test_defect2_a_refused_offload_keeps_the_page_table(parts: Parts) -> None:
     lc = m.start("r", [], parts.on_release)
     m.offload(lc, tokens_for(PAGE), [7])
     before = parts.whole_state(lc)
-    with pytest.raises(InvalidStep):
+    with pytest.raises(ManagerError, match="device pages cannot hold"):
         m.offload(lc, tokens_for(3 * PAGE + 1), [8])  # one page cannot hold 12 tokens
     with pytest.raises(KVLifeError):
         m.offload(lc, tokens_for(PAGE + 1), [10_000])  # out of the device pool
@@ -141,7 +141,7 @@ def test_defect6_a_page_table_shorter_than_the_offloaded_pages_is_refused(parts:
     lc = m.start("r", [], parts.on_release)
     assert m.offload(lc, tokens_for(2 * PAGE + 1), [3, 4, 5]) is not None
     before = parts.whole_state(lc)
-    with pytest.raises(InvalidStep):
+    with pytest.raises(ManagerError, match="device pages cannot hold"):
         m.offload(lc, tokens_for(2 * PAGE + 2), [])  # no chunk due, but 2 pages are offloaded
     assert parts.whole_state(lc)[:3] == before[:3]
     m.finish(lc)
@@ -407,9 +407,9 @@ def test_defect17_lifecycle_submit_refuses_what_is_not_a_token_sequence(tokens: 
 def test_defect17_a_prior_hash_that_is_not_a_digest_is_typed(parts: Parts) -> None:
     with pytest.raises(HashingError):
         Lifecycle("r", page_size=PAGE, prior_hash=5)  # type: ignore[arg-type]
-    with pytest.raises(InvalidStep):
+    with pytest.raises(ManagerError, match="cannot start rid='r'"):
         parts.manager.start("r", [], prior_hash=5)  # type: ignore[arg-type]
-    with pytest.raises(InvalidStep):
+    with pytest.raises(ManagerError, match="cannot start rid='r'"):
         parts.manager.start("r", None)  # type: ignore[arg-type]
     assert parts.manager.metrics().lifecycles_started == 0
 
@@ -417,7 +417,7 @@ def test_defect17_a_prior_hash_that_is_not_a_digest_is_typed(parts: Parts) -> No
 def test_defect17_offload_of_a_generator_is_typed_and_changes_nothing(parts: Parts) -> None:
     lc = parts.manager.start("r", [], parts.on_release)
     before = parts.whole_state(lc)
-    with pytest.raises(InvalidStep):
+    with pytest.raises(ManagerError, match="must be sequences"):
         parts.manager.offload(lc, (t for t in tokens_for(PAGE + 1)), [0])  # type: ignore[arg-type]
     assert parts.whole_state(lc)[:3] == before[:3]
 

@@ -7,7 +7,7 @@ import torch
 
 from kvlife import FinishReason
 from kvlife.engine.cpu import CpuCopyEngine
-from kvlife.errors import InvalidStep
+from kvlife.errors import ManagerError
 from kvlife.layout import PageFirstLayout
 from kvlife.manager import OffloadManager
 from kvlife.pool import HostPagePool
@@ -29,7 +29,8 @@ def test_collector_matches_snapshot() -> None:
         lc = manager.start("r", [], None)
         manager.offload(lc, list(range(9)), [0, 1, 2])
         manager.finish(lc, FinishReason.ABORTED)
-        with pytest.raises(InvalidStep):  # a step after finish is refused and counted
+        # a step after finish is refused and counted
+        with pytest.raises(ManagerError, match="decoding has ended"):
             manager.offload(lc, list(range(9)), [0, 1, 2])
         manager.close()
     store.close()
@@ -41,5 +42,5 @@ def test_collector_matches_snapshot() -> None:
         assert sample(name, {"rank": "0"}) == getattr(snap, field), field
     assert sample("kvlife_pages_stored_total", {"rank": "0"}) == 2
     assert sample("kvlife_lifecycles", {"rank": "0", "state": "RELEASED"}) == 1
-    assert sample("kvlife_refused_events_total", {"rank": "0", "error": "InvalidStep"}) == 1
+    assert sample("kvlife_refused_events_total", {"rank": "0", "error": "ManagerError"}) == 1
     assert sample("kvlife_ack_latency_seconds_count", {"rank": "0"}) == 1

@@ -42,7 +42,8 @@ it asks for the :class:`KVLifeOffloadingManager`, in each worker process for a
   is in flight - vLLM may complete a job after it finished the request.
 - Lifecycle refusals (:class:`~kvlife.errors.LifecycleError`) and calls that
   name no known job are counted per kind and logged once per kind; with
-  ``strict`` they raise.
+  ``strict`` they raise (a call naming no known job as
+  :class:`~kvlife.errors.ManagerError`).
 
 *Worker side* holds the bytes. The scheduler process hands out page indices
 only, so where the bytes live depends on the process layout:
@@ -144,7 +145,7 @@ from kvlife.engine import (
     UnallocatedHostPage,
     host_runs,
 )
-from kvlife.errors import ConfigError, KVLifeError, LifecycleError
+from kvlife.errors import ConfigError, KVLifeError, LifecycleError, ManagerError
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 from kvlife.store.base import StoreError
@@ -157,7 +158,6 @@ __all__ = [
     "KVLifeOffloadingSpec",
     "KVLifeWorker",
     "OffloadCollector",
-    "OffloadRefused",
     "live_managers",
     "live_workers",
     "store_namespace",
@@ -165,10 +165,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class OffloadRefused(KVLifeError):
-    """With ``strict``: a vLLM call the backend cannot apply (e.g. it names no known job)."""
 
 
 # ----------------------------------------------------------------------------- keys
@@ -394,7 +390,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self._strict:
             if exc is not None:
                 raise exc
-            raise OffloadRefused(message)
+            raise ManagerError(message)
         self.counts.refused += 1
         self.refusals[kind] += 1
         if self.refusals[kind] == 1:

@@ -31,8 +31,9 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from kvlife import Lifecycle, State
 from kvlife.engine import CpuCopyEngine
+from kvlife.errors import ManagerError
 from kvlife.integrations import vllm as backend
-from kvlife.integrations.vllm import KVLifeOffloadingManager, OffloadRefused, store_namespace
+from kvlife.integrations.vllm import KVLifeOffloadingManager, store_namespace
 from kvlife.pool import HostPagePool
 
 pytestmark = pytest.mark.vllm
@@ -162,7 +163,7 @@ def test_refusals_change_nothing_counted_once_logged_or_raised_when_strict(
     strict.on_new_request(ctx2 := ReqContext("s"))
     stored(strict, ctx2, key(1))
     before = strict.accounting()
-    with pytest.raises(OffloadRefused):
+    with pytest.raises(ManagerError, match="no store of these 1 keys"):
         strict.complete_store({key(9)}, ctx2)
     assert strict.accounting() == before
 
