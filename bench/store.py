@@ -1,8 +1,13 @@
 """Store throughput against the raw calls each store wraps, and the scheduler thread's cost.
 
 For each store, the same pages in the same run, interleaved round by round
-(raw put, store put, raw get, store get, in alternating order), median of the
-rounds with the slowest and fastest round:
+(raw put, store put, raw get, store get, in alternating order), after one
+warm-up round that is not counted (it registers and faults in every buffer on
+both sides). Each ratio is the median over the rounds of that round's store
+figure over its raw figure (each pair ran side by side, so a slow moment of
+the shared machine mostly hits both); the ratio of the median figures is
+reported too (``*_ratio_of_medians``), and each figure's median with its
+slowest and fastest round:
 
 - ``directory``: ``LocalDirectoryStore`` vs writing and reading one file per
   page with ``open``/``write``/``read`` in a temporary folder (no framing,
@@ -21,7 +26,7 @@ rounds with the slowest and fastest round:
 Also the scheduler thread's time per ``put`` call (validation and queueing;
 the writing is on the writer thread). The last line printed is one JSON object.
 
-    python bench/store.py [--pages 512] [--page-kib 64] [--rounds 7] [--stores directory,mooncake]
+    python bench/store.py [--pages 512] [--page-kib 64] [--rounds 11] [--stores directory,mooncake]
 """
 
 # The per-round closures run within their own round (B023 is about later calls).
@@ -65,6 +70,24 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _recorder(
+    figures: dict[str, list[float]], nbytes: int, *, counted: bool
+) -> Callable[[str, Callable[[], object]], None]:
+    """``record(name, fn)``: run ``fn``, and (in a counted round) add its MiB/s to ``figures``."""
+
+    def record(name: str, fn: Callable[[], object]) -> None:
+        mib_s = _mib_s(nbytes, _timed(fn))
+        if counted:
+            figures[name].append(mib_s)
+
+    return record
+
+
+def _paired(figures: dict[str, list[float]], name: str, raw: str) -> float:
+    """The median over the rounds of ``name``'s figure over ``raw``'s in the same round."""
+    return statistics.median(a / b for a, b in zip(figures[name], figures[raw], strict=True))
+
+
 def _put_and_drain(
     store: Any, token: object, keys: list[str], pages: torch.Tensor, call_us: list[float]
 ) -> None:
@@ -85,9 +108,10 @@ def bench_directory(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
     call_us: list[float] = []
     nbytes = n * page_bytes
     try:
-        for r in range(rounds):
+        for r in range(rounds + 1):  # round 0 warms up and is not counted
             pages = _pages(n, page_bytes, r)
             keys = _keys(n, r, 1)
+            record = _recorder(figures, nbytes, counted=r > 0)
             rows = [pages[i].numpy().data for i in range(n)]
 
             def raw_put() -> None:
@@ -108,10 +132,10 @@ def bench_directory(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
 
             order = [("raw_put", raw_put), ("put", put)]
             for name, fn in order if r % 2 == 0 else order[::-1]:
-                figures[name].append(_mib_s(nbytes, _timed(fn)))
+                record(name, fn)
             order = [("raw_get", raw_get), ("get", get)]
             for name, fn in order if r % 2 == 0 else order[::-1]:
-                figures[name].append(_mib_s(nbytes, _timed(fn)))
+                record(name, fn)
     finally:
         store.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -140,9 +164,10 @@ def bench_mooncake(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
         slots = raw_buf.reshape(n, stride)
         assert client.register_buffer(raw_ptr, raw_buf.nbytes) == 0
         try:
-            for r in range(rounds):
+            for r in range(rounds + 1):  # round 0 warms up and is not counted
                 pages = _pages(n, page_bytes, r)
                 keys = _keys(n, r, 2)
+                record = _recorder(figures, nbytes, counted=r > 0)
                 raw_keys = [f"raw/{k}" for k in keys]
                 page_keys = [f"page/{k}" for k in keys]
                 ptrs = [raw_ptr + i * stride for i in range(n)]
@@ -179,14 +204,14 @@ def bench_mooncake(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
 
                 order = [("raw_put", raw_put), ("put", put), ("raw_put_page", raw_put_page)]
                 for name, fn in order if r % 2 == 0 else order[::-1]:
-                    figures[name].append(_mib_s(nbytes, _timed(fn)))
+                    record(name, fn)
                 order = [
                     ("raw_get", raw_get),
                     ("get", get),
                     ("raw_get_page_into", raw_get_page_into),
                 ]
                 for name, fn in order if r % 2 == 0 else order[::-1]:
-                    figures[name].append(_mib_s(nbytes, _timed(fn)))
+                    record(name, fn)
                 client.batch_remove(
                     raw_keys + page_keys + [store.object_key(k) for k in keys], True
                 )
@@ -204,18 +229,24 @@ def _summary(
     for k, v in figures.items():
         out[f"{k}_mib_s"] = round(med[k], 1)
         out[f"{k}_mib_s_min_max"] = [round(min(v), 1), round(max(v), 1)]
-    out["put_ratio"] = round(med["put"] / med["raw_put"], 3)
-    out["get_ratio"] = round(med["get"] / med["raw_get"], 3)
+    out["put_ratio"] = round(_paired(figures, "put", "raw_put"), 3)
+    out["get_ratio"] = round(_paired(figures, "get", "raw_get"), 3)
+    out["put_ratio_of_medians"] = round(med["put"] / med["raw_put"], 3)
+    out["get_ratio_of_medians"] = round(med["get"] / med["raw_get"], 3)
     if "raw_put_page" in med:
-        out["put_ratio_to_page_objects"] = round(med["put"] / med["raw_put_page"], 3)
-        out["get_ratio_to_page_transfer"] = round(med["get"] / med["raw_get_page_into"], 3)
+        out["put_ratio_to_page_objects"] = round(_paired(figures, "put", "raw_put_page"), 3)
+        out["get_ratio_to_page_transfer"] = round(_paired(figures, "get", "raw_get_page_into"), 3)
     out["put_call_us"] = round(statistics.median(call_us), 1)
     out["put_call_us_per_page"] = round(statistics.median(call_us) / n, 3)
     print(
         f"{name:10s} put {out['put_mib_s']:8.1f} MiB/s (raw {out['raw_put_mib_s']:8.1f}, "
-        f"ratio {out['put_ratio']:.2f})  get {out['get_mib_s']:8.1f} MiB/s "
-        f"(raw {out['raw_get_mib_s']:8.1f}, ratio {out['get_ratio']:.2f})  "
+        f"paired ratio {out['put_ratio']:.2f})  get {out['get_mib_s']:8.1f} MiB/s "
+        f"(raw {out['raw_get_mib_s']:8.1f}, paired ratio {out['get_ratio']:.2f})  "
         f"put() on the caller's thread {out['put_call_us']:.0f} us for {n} pages"
+    )
+    print(
+        f"{'':10s} ratios of the medians: put {out['put_ratio_of_medians']:.2f}  "
+        f"get {out['get_ratio_of_medians']:.2f}"
     )
     for k, v in figures.items():
         print(f"{'':10s} {k:17s} median {med[k]:8.1f}  min {min(v):8.1f}  max {max(v):8.1f} MiB/s")
@@ -232,7 +263,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=int, default=512, help="pages per batch")
     parser.add_argument("--page-kib", type=int, default=64, help="KiB per page")
-    parser.add_argument("--rounds", type=int, default=7, help="rounds (the median is reported)")
+    parser.add_argument(
+        "--rounds", type=int, default=11, help="counted rounds (the median is reported)"
+    )
     parser.add_argument("--stores", default="directory,mooncake")
     args = parser.parse_args()
     if args.rounds < 7:
