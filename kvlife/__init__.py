@@ -35,6 +35,7 @@ from kvlife.errors import (
     LifecycleError,
     ManagerError,
     MissingDependency,
+    PoolError,
     ReleaseCallbackError,
     UnknownChunk,
 )
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from kvlife.engine.cuda import CudaCopyEngine
     from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
     from kvlife.manager import ManagerMetrics, OffloadManager, OffloadRequest
-    from kvlife.pool import HostPagePool, PoolError
+    from kvlife.pool import HostPagePool
     from kvlife.store.base import StoreError
     from kvlife.store.directory import LocalDirectoryStore
     from kvlife.store.memory import MemoryStore
@@ -66,7 +67,6 @@ _LAZY = {
     "OffloadManager": "kvlife.manager",
     "OffloadRequest": "kvlife.manager",
     "HostPagePool": "kvlife.pool",
-    "PoolError": "kvlife.pool",
     "StoreError": "kvlife.store.base",
     "LocalDirectoryStore": "kvlife.store.directory",
     "MemoryStore": "kvlife.store.memory",

@@ -71,6 +71,14 @@ class ManagerError(KVLifeError, ValueError):
     known job. Catch it to drop the one call; the request and the manager go on."""
 
 
+class PoolError(KVLifeError, ValueError):
+    """A host pool call refused; the pool is unchanged. The message says why: a page out
+    of range or not an int, a page already free (or named twice in one ``free``), a page
+    another owner holds, an allocation of ``n`` not a positive int or for owner ``None``.
+    It is a bug in the caller's page bookkeeping, never a full pool (``alloc`` returns
+    ``None`` then): catch it to log the bug, not to retry."""
+
+
 class ConfigError(KVLifeError, ValueError):
     """A constructor argument no run can use (a page size of ``True``, a NaN stride,
     an engine already driven by another manager); nothing was built."""
@@ -103,6 +111,7 @@ __all__ = [
     "LifecycleError",
     "ManagerError",
     "MissingDependency",
+    "PoolError",
     "ReleaseCallbackError",
     "UnknownChunk",
 ]

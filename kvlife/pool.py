@@ -12,8 +12,9 @@ Rules the allocator enforces, each with a typed error and no change on refusal:
 
 - an allocation is all ``n`` pages or nothing: running out returns ``None``
   (the caller retries later), never a partial allocation;
-- a page is freed only by its owner (:class:`ForeignFree`) and only once
-  (:class:`DoubleFree`); a ``free`` call checks every page before it frees any.
+- a page is freed only by its owner and only once; a ``free`` call checks every
+  page before it frees any. Each refusal is a :class:`~kvlife.errors.PoolError`
+  whose message says which rule.
 
 Free pages are a stack: a freed chunk's pages come back in their order, so
 the next allocation of the same size gets the same consecutive run, and copy
@@ -29,36 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError, PoolError
 
-__all__ = [
-    "DoubleFree",
-    "ForeignFree",
-    "HostPageOutOfRange",
-    "HostPagePool",
-    "InvalidAlloc",
-    "PoolError",
-]
-
-
-class PoolError(KVLifeError):
-    """A host pool call refused; the pool is unchanged."""
-
-
-class HostPageOutOfRange(PoolError, IndexError):
-    """A host page index outside ``[0, capacity)`` or not an int."""
-
-
-class DoubleFree(PoolError):
-    """The page is already free (or named twice in one ``free``)."""
-
-
-class ForeignFree(PoolError):
-    """The page is owned by another owner than the one freeing it."""
-
-
-class InvalidAlloc(PoolError, ValueError):
-    """An allocation request that is malformed (``n`` not a positive int, owner ``None``)."""
+__all__ = ["HostPagePool"]
 
 
 class HostPagePool:
@@ -76,9 +50,9 @@ class HostPagePool:
     ) -> None:
         for name, value in (("num_pages", num_pages), ("page_numel", page_numel)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidAlloc(f"{name} must be a positive int, got {value!r}")
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(dtype, torch.dtype):
-            raise InvalidAlloc(f"dtype must be a torch.dtype, got {dtype!r}")
+            raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
         pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         #: The host pages, one per row.
         self.tensor = torch.zeros((num_pages, page_numel), dtype=dtype, pin_memory=pin)
@@ -143,9 +117,9 @@ class HostPagePool:
     def alloc(self, n: int, owner: object) -> list[int] | None:
         """``n`` free pages, now owned by ``owner``; ``None`` (nothing taken) if fewer are free."""
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise InvalidAlloc(f"n must be a positive int, got {n!r}")
+            raise PoolError(f"n must be a positive int, got {n!r}")
         if owner is None:
-            raise InvalidAlloc("owner must not be None (None marks a free page)")
+            raise PoolError("owner must not be None (None marks a free page)")
         free = self._free
         if n > len(free):
             return None
@@ -171,9 +145,9 @@ class HostPagePool:
         for p in pages:
             current = owners[self._check(p)]
             if current is None or p in seen:
-                raise DoubleFree(f"host page {p} is already free")
+                raise PoolError(f"host page {p} is already free")
             if current is not owner:
-                raise ForeignFree(f"host page {p} is owned by {current!r}, not {owner!r}")
+                raise PoolError(f"host page {p} is owned by {current!r}, not {owner!r}")
             seen.add(p)
         if not seen:
             return
@@ -188,5 +162,5 @@ class HostPagePool:
 
     def _check(self, page: object) -> int:
         if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < len(self._owner):
-            raise HostPageOutOfRange(f"host page {page!r} out of range [0, {len(self._owner)})")
+            raise PoolError(f"host page {page!r} out of range [0, {len(self._owner)})")
         return page

@@ -596,10 +596,10 @@ SHAPED: dict[str, tuple[str, Callable[[], Any]]] = {
 def reported(rules: set[str], rule: str, message: str) -> bool:
     """Whether a failure (its rule and message) is one of ``rules``.
 
-    A rule written ``"ManagerError: are already offloaded"`` is an error the runtime
-    raised: its type's name, and a phrase its message must hold, since one error class
-    covers several refusals (a foreign request and a refused step are both a
-    ``ManagerError``; the message says which).
+    A rule written ``"PoolError: is already free"`` is an error the runtime raised: its
+    type's name, and a phrase its message must hold, since one error class covers
+    several refusals (a double free and a foreign free are both a ``PoolError``; the
+    message says which).
     """
     for expected in rules:
         name, _, phrase = expected.partition(": ")

@@ -139,9 +139,9 @@ BOUNDS = {
         {"copy-owner", "ManagerError: are already offloaded"},
     ),
     "release-in-flight": (CheckConfig(requests=1, chunks=1), {"release-in-flight"}),
-    "host-double-free": (CheckConfig(requests=1, chunks=1), {"DoubleFree"}),
+    "host-double-free": (CheckConfig(requests=1, chunks=1), {"PoolError: is already free"}),
     "ack-order-chain": (CheckConfig(requests=1, chunks=2), {"hash-chain"}),
-    "late-ack-to-newest": (CheckConfig(requests=2, chunks=1), {"ForeignFree"}),
+    "late-ack-to-newest": (CheckConfig(requests=2, chunks=1), {"PoolError: is owned by"}),
 }  # the per-shape seeded bugs are in test_mutants.py
 
 

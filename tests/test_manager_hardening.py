@@ -19,11 +19,11 @@ import torch
 
 from kvlife import ConfigError, KVLifeError, Lifecycle, State
 from kvlife.engine.cpu import CpuCopyEngine
-from kvlife.errors import HashingError, InvalidChunk, ManagerError
+from kvlife.errors import HashingError, InvalidChunk, ManagerError, PoolError
 from kvlife.hashing import sglang_page_hashes
 from kvlife.layout import LayerFirstLayout
 from kvlife.manager import OffloadManager, OffloadRequest
-from kvlife.pool import HostPagePool, PoolError
+from kvlife.pool import HostPagePool
 from kvlife.store.base import StoreResult
 from kvlife.store.memory import MemoryStore
 from kvlife.testing.scripted import ScriptedEngine as ScriptedCopyEngine
@@ -428,6 +428,6 @@ def test_defect17_pool_free_of_a_generator_or_set_is_typed(kind: str) -> None:
     pages = pool.alloc(2, owner="a")
     assert pages is not None
     arg = (p for p in pages) if kind == "generator" else set(pages)
-    with pytest.raises(PoolError):
+    with pytest.raises(PoolError, match="pages must be a sequence of ints"):
         pool.free(arg, owner="a")  # type: ignore[arg-type]
     assert pool.num_used == 2 and pool.owned_by("a") == sorted(pages)

@@ -7,15 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlife.errors import KVLifeError
-from kvlife.pool import (
-    DoubleFree,
-    ForeignFree,
-    HostPageOutOfRange,
-    HostPagePool,
-    InvalidAlloc,
-    PoolError,
-)
+from kvlife.errors import ConfigError, KVLifeError, PoolError
+from kvlife.pool import HostPagePool
 
 
 class Owner:
@@ -85,7 +78,7 @@ def test_double_free_is_refused_and_changes_nothing() -> None:
     assert pages is not None
     pool.free(pages, a)
     before = state(pool)
-    with pytest.raises(DoubleFree):
+    with pytest.raises(PoolError, match="host page 0 is already free"):
         pool.free(pages, a)
     assert state(pool) == before
 
@@ -95,7 +88,7 @@ def test_page_twice_in_one_free_is_a_double_free() -> None:
     a = Owner()
     pool.alloc(2, a)
     before = state(pool)
-    with pytest.raises(DoubleFree):
+    with pytest.raises(PoolError, match="host page 0 is already free"):
         pool.free([0, 1, 0], a)
     assert state(pool) == before
 
@@ -106,7 +99,7 @@ def test_foreign_free_is_refused_even_for_an_equal_owner() -> None:
     assert a == b  # equal, but not the same owner
     pool.alloc(2, a)
     before = state(pool)
-    with pytest.raises(ForeignFree):
+    with pytest.raises(PoolError, match="host page 0 is owned by"):
         pool.free([0], b)
     assert state(pool) == before
     assert pool.owned_by(a) == [0, 1]
@@ -119,36 +112,35 @@ def test_free_checks_every_page_before_freeing_any() -> None:
     pool.alloc(2, a)
     pool.alloc(2, b)
     before = state(pool)
-    for pages, error in (
-        ([0, 1, 2], ForeignFree),
-        ([0, 1, 5], DoubleFree),
-        ([0, 1, 6], HostPageOutOfRange),
-        ([0, 1, -1], HostPageOutOfRange),
-        ([0, True], HostPageOutOfRange),
+    for pages, why in (
+        ([0, 1, 2], "host page 2 is owned by"),
+        ([0, 1, 5], "host page 5 is already free"),
+        ([0, 1, 6], r"host page 6 out of range \[0, 6\)"),
+        ([0, 1, -1], r"host page -1 out of range"),
+        ([0, True], r"host page True out of range"),
     ):
-        with pytest.raises(error):
+        with pytest.raises(PoolError, match=why):
             pool.free(pages, a)
         assert state(pool) == before
     assert pool.owned_by(a) == [0, 1]
 
 
 def test_errors_are_kvlife_errors() -> None:
-    for error in (DoubleFree, ForeignFree, HostPageOutOfRange, InvalidAlloc):
-        assert issubclass(error, PoolError) and issubclass(error, KVLifeError)
+    assert issubclass(PoolError, KVLifeError) and issubclass(PoolError, ValueError)
 
 
 @pytest.mark.parametrize("n", [0, -1, 1.0, True, "2"])
 def test_bad_alloc_size_is_refused(n: object) -> None:
     pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
     before = state(pool)
-    with pytest.raises(InvalidAlloc):
+    with pytest.raises(PoolError, match="n must be a positive int"):
         pool.alloc(n, Owner())  # type: ignore[arg-type]
     assert state(pool) == before
 
 
 def test_none_owner_is_refused() -> None:
     pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
-    with pytest.raises(InvalidAlloc):
+    with pytest.raises(PoolError, match="owner must not be None"):
         pool.alloc(1, None)
     assert pool.num_free == 4
 
@@ -158,16 +150,16 @@ def test_none_owner_is_refused() -> None:
     [(0, 4, torch.float32), (4, 0, torch.float32), (4, 4, "float32"), (True, 4, torch.float32)],
 )
 def test_bad_pool_shape_is_refused(num_pages: object, page_numel: object, dtype: object) -> None:
-    with pytest.raises(InvalidAlloc):
+    with pytest.raises(ConfigError, match=r"must be a positive int|must be a torch\.dtype"):
         HostPagePool(num_pages, page_numel, dtype)  # type: ignore[arg-type]
 
 
 def test_reading_an_out_of_range_page_is_refused() -> None:
     pool = HostPagePool(4, 2, torch.float32, pin_memory=False)
     for bad in (4, -1, 1.5):
-        with pytest.raises(HostPageOutOfRange):
+        with pytest.raises(PoolError, match="out of range"):
             pool.owner_of(bad)  # type: ignore[arg-type]
-        with pytest.raises(HostPageOutOfRange):
+        with pytest.raises(PoolError, match="out of range"):
             pool.page(bad)  # type: ignore[arg-type]
 
 
@@ -205,7 +197,7 @@ def test_pool_agrees_with_a_model(ops: list[tuple[str, int, int]]) -> None:
         elif held:
             owner_index, pages = held[n % len(held)]
             if op == "foreign":
-                with pytest.raises(ForeignFree):
+                with pytest.raises(PoolError, match="is owned by"):
                     pool.free(pages, owners[(owner_index + 1) % 4])
                 assert state(pool) == before
             else:

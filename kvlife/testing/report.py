@@ -21,7 +21,7 @@ __all__ = ["KitFailure", "format_trace", "replay_trace", "rule_of"]
 
 def rule_of(exc: BaseException) -> str:
     """The rule an exception broke: an :class:`InvariantViolation`'s rule, else its type name
-    (a runtime that raised: ``DoubleFree``, ``InvalidStep``, ...)."""
+    (a runtime that raised: ``PoolError``, ``ManagerError``, ...)."""
     return exc.rule if isinstance(exc, InvariantViolation) else type(exc).__name__
 
 
