@@ -26,6 +26,7 @@ from kvlife.errors import (
     ConfigError,
     DrainTimeout,
     DuplicateAck,
+    EngineError,
     ForeignAck,
     HashingError,
     InvalidChunk,
@@ -41,7 +42,7 @@ from kvlife.errors import (
 )
 
 if TYPE_CHECKING:
-    from kvlife.engine.base import Ack, EngineError
+    from kvlife.engine.base import Ack
     from kvlife.engine.cpu import CpuCopyEngine
     from kvlife.engine.cuda import CudaCopyEngine
     from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
@@ -56,7 +57,6 @@ __version__ = "0.1.0"
 #: Public names whose modules need torch: name -> module, imported on first use.
 _LAZY = {
     "Ack": "kvlife.engine.base",
-    "EngineError": "kvlife.engine.base",
     "CpuCopyEngine": "kvlife.engine.cpu",
     "CudaCopyEngine": "kvlife.engine.cuda",
     "KVLayout": "kvlife.layout",

@@ -79,9 +79,41 @@ class PoolError(KVLifeError, ValueError):
     ``None`` then): catch it to log the bug, not to retry."""
 
 
+class EngineError(KVLifeError, ValueError):
+    """A copy engine refused a call; nothing was submitted and nothing changed. Raised as
+    is for a chunk that is malformed (not a ticket, lengths that disagree with the ticket
+    or each other, a page out of range, not an int or named twice) or, in the testing
+    kit's scripted engine, a copy completed that is not in flight: a bug in the caller,
+    the message says which. :class:`PageBusy`, :class:`UnallocatedHostPage` and
+    :class:`EngineClosed` are the refusals a caller handles apart; :class:`CopyFault`
+    is a failed copy."""
+
+
+class PageBusy(EngineError):
+    """A page of the chunk is still in use by a copy in flight: a host page a store is
+    writing (or, for a store, one a load reads), a device page a load is writing (or,
+    for a load, one a store reads). Wait for the copies in flight (``drain``), then
+    submit again."""
+
+
+class UnallocatedHostPage(EngineError):
+    """A host page of the chunk is free in the pool: a chunk must copy into pages it was
+    given. A runtime that freed the pages (a reset) skips the stale chunk."""
+
+
+class EngineClosed(EngineError, RuntimeError):
+    """The engine was closed; it takes no more chunks. Stop submitting to it."""
+
+
+class CopyFault(EngineError):
+    """A copy that failed: the error an :class:`~kvlife.engine.base.Ack` carries (the
+    default error of fault injection). Never raised by ``submit``."""
+
+
 class ConfigError(KVLifeError, ValueError):
     """A constructor argument no run can use (a page size of ``True``, a NaN stride,
-    an engine already driven by another manager); nothing was built."""
+    an engine already driven by another manager, a device layout and host pool that
+    disagree on dtype or page width); nothing was built."""
 
 
 class MissingDependency(KVLifeError, ImportError):
@@ -100,8 +132,11 @@ class HashingError(KVLifeError, ValueError):
 __all__ = [
     "AckError",
     "ConfigError",
+    "CopyFault",
     "DrainTimeout",
     "DuplicateAck",
+    "EngineClosed",
+    "EngineError",
     "ForeignAck",
     "HashingError",
     "InvalidChunk",
@@ -111,7 +146,9 @@ __all__ = [
     "LifecycleError",
     "ManagerError",
     "MissingDependency",
+    "PageBusy",
     "PoolError",
     "ReleaseCallbackError",
+    "UnallocatedHostPage",
     "UnknownChunk",
 ]

@@ -44,9 +44,10 @@ from threading import get_ident
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlife._lifecycle import FinishReason, Lifecycle, LifecycleSnapshot, State, Ticket
-from kvlife.engine.base import Ack, CopyFault
+from kvlife.engine.base import Ack
 from kvlife.errors import (
     ConfigError,
+    CopyFault,
     DrainTimeout,
     HashingError,
     KVLifeError,

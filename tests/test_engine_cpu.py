@@ -10,24 +10,16 @@ import pytest
 import torch
 
 from kvlife import Lifecycle, LoadTicket, State, Ticket
-from kvlife.engine import (
-    Ack,
-    CopyEngine,
+from kvlife.engine import Ack, CopyEngine, CpuCopyEngine, host_runs
+from kvlife.errors import (
+    ConfigError,
     CopyFault,
-    CpuCopyEngine,
-    DevicePageBusy,
-    DuplicatePage,
+    DrainTimeout,
     EngineClosed,
     EngineError,
-    HostPageBusy,
-    InvalidTicket,
-    LayoutMismatch,
-    LengthMismatch,
-    PageOutOfRange,
+    PageBusy,
     UnallocatedHostPage,
-    host_runs,
 )
-from kvlife.errors import ConfigError, DrainTimeout
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.pool import HostPagePool
 
@@ -35,6 +27,16 @@ PAGE = 4
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 KINDS = ["layer_first", "page_first", "mla"]
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+#: A refusal: the exact error class, and what its message says was wrong.
+Refusal = tuple[type[EngineError], str]
+LENGTHS: Refusal = (EngineError, "pages but")
+OUT_OF_RANGE: Refusal = (EngineError, "out of range")
+TWICE: Refusal = (EngineError, "appears twice")
+NOT_A_TICKET: Refusal = (EngineError, "expected a Ticket or a LoadTicket")
+UNALLOCATED: Refusal = (UnallocatedHostPage, "is free; allocate it")
+HOST_BUSY: Refusal = (PageBusy, r"host page \d+ is still being")
+DEVICE_BUSY: Refusal = (PageBusy, r"device page \d+ is still being")
 
 
 def make_layout(kind: str, dtype: torch.dtype = torch.float32, num_pages: int = 8) -> KVLayout:
@@ -354,27 +356,28 @@ def test_every_refusal_leaves_engine_and_pool_unchanged(
     mine = host.alloc(2, ticket)  # pages 2, 3
     assert mine == [2, 3]
     engine.fail_next()  # must still apply to the next *accepted* chunk
-    cases: list[tuple[object, object, object, type[EngineError]]] = [
-        (ticket, [2], mine, LengthMismatch),
-        (ticket, [2, 3], [2], LengthMismatch),
-        (ticket, [2, 3, 4], [2, 3, 4], LengthMismatch),
-        (ticket, [2, 8], mine, PageOutOfRange),
-        (ticket, [-1, 2], mine, PageOutOfRange),
-        (ticket, [2, 2.0], mine, PageOutOfRange),
-        (ticket, [2, True], mine, PageOutOfRange),
-        (ticket, [2, 3], [2, 8], PageOutOfRange),
-        (ticket, [3, 3], mine, DuplicatePage),
-        (ticket, [2, 3], [3, 3], DuplicatePage),
-        (ticket, [2, 3], [2, 4], UnallocatedHostPage),
-        (ticket, [2, 3], [1, 2], HostPageBusy),
-        ("not a ticket", [2, 3], mine, InvalidTicket),
+    cases: list[tuple[object, object, object, Refusal]] = [
+        (ticket, [2], mine, LENGTHS),
+        (ticket, [2, 3], [2], LENGTHS),
+        (ticket, [2, 3, 4], [2, 3, 4], LENGTHS),
+        (ticket, [2, 8], mine, OUT_OF_RANGE),
+        (ticket, [-1, 2], mine, OUT_OF_RANGE),
+        (ticket, [2, 2.0], mine, OUT_OF_RANGE),
+        (ticket, [2, True], mine, OUT_OF_RANGE),
+        (ticket, [2, 3], [2, 8], OUT_OF_RANGE),
+        (ticket, [3, 3], mine, TWICE),
+        (ticket, [2, 3], [3, 3], TWICE),
+        (ticket, [2, 3], [2, 4], UNALLOCATED),
+        (ticket, [2, 3], [1, 2], HOST_BUSY),
+        ("not a ticket", [2, 3], mine, NOT_A_TICKET),
     ]
-    for t, dev, hst, error in cases:
+    for t, dev, hst, (error, why) in cases:
         before = engine_state(engine, host)
-        with pytest.raises(error):
+        with pytest.raises(error, match=why) as refused:
             engine.submit(t, dev, hst)  # type: ignore[arg-type]
-        if t is ticket and error is not LengthMismatch:
-            with pytest.raises(error):
+        assert type(refused.value) is error
+        if t is ticket and why != LENGTHS[1]:
+            with pytest.raises(error, match=why):
                 engine.check(dev, hst)  # type: ignore[arg-type]
         assert same(engine_state(engine, host), before)
         assert engine.poll() == []
@@ -409,9 +412,9 @@ def test_refusal_of_a_closed_engine(engines: Callable[..., CpuCopyEngine]) -> No
 
 def test_layout_and_pool_must_agree() -> None:
     layout = make_layout("layer_first")
-    with pytest.raises(LayoutMismatch):
+    with pytest.raises(ConfigError, match=r"host pool pages are torch\.float16"):
         CpuCopyEngine(layout, HostPagePool(4, layout.page_numel, torch.float16, pin_memory=False))
-    with pytest.raises(LayoutMismatch):
+    with pytest.raises(ConfigError, match="host pool pages are"):
         CpuCopyEngine(layout, HostPagePool(4, layout.page_numel + 1, torch.float32))
 
 
@@ -661,7 +664,7 @@ def test_two_loads_may_read_one_host_page(engines: Callable[..., CpuCopyEngine])
     t1 = load(Lifecycle("b", page_size=PAGE), 1)
     engine.submit(t0, [1], [h])
     engine.submit(t1, [2], [h])
-    with pytest.raises(HostPageBusy):  # but no store may write it while they read
+    with pytest.raises(PageBusy, match="being read by a load"):  # no store may write it now
         engine.check([5], [h])
     gate.open()
     assert [ack.ok for ack in engine.drain()] == [True, True]
@@ -699,28 +702,29 @@ def test_every_load_refusal_leaves_engine_pool_and_device_unchanged(
     assert mine == [3, 4]
     engine.fail_next()  # must still apply to the next *accepted* chunk
     other_lc = Lifecycle("other", page_size=PAGE)
-    cases: list[tuple[object, object, object, type[EngineError]]] = [
-        (ticket, [5], mine, LengthMismatch),
-        (ticket, [5, 6], [3], LengthMismatch),
-        (ticket, [5, 6, 7], [3, 4, 5], LengthMismatch),
-        (ticket, [5, 8], mine, PageOutOfRange),
-        (ticket, [5, 6], [3, 8], PageOutOfRange),
-        (ticket, [5, 5], mine, DuplicatePage),
-        (ticket, [5, 6], [3, 3], DuplicatePage),
-        (ticket, [5, 6], [3, 5], UnallocatedHostPage),
-        (ticket, [5, 6], [1, 3], HostPageBusy),  # host page 1 is being written by the store
-        (ticket, [5, 2], mine, DevicePageBusy),  # device page 2 is being written by a load
-        (ticket, [1, 5], mine, DevicePageBusy),  # device page 1 is being read by the store
+    cases: list[tuple[object, object, object, Refusal]] = [
+        (ticket, [5], mine, LENGTHS),
+        (ticket, [5, 6], [3], LENGTHS),
+        (ticket, [5, 6, 7], [3, 4, 5], LENGTHS),
+        (ticket, [5, 8], mine, OUT_OF_RANGE),
+        (ticket, [5, 6], [3, 8], OUT_OF_RANGE),
+        (ticket, [5, 5], mine, TWICE),
+        (ticket, [5, 6], [3, 3], TWICE),
+        (ticket, [5, 6], [3, 5], UNALLOCATED),
+        (ticket, [5, 6], [1, 3], HOST_BUSY),  # host page 1 is being written by the store
+        (ticket, [5, 2], mine, DEVICE_BUSY),  # device page 2 is being written by a load
+        (ticket, [1, 5], mine, DEVICE_BUSY),  # device page 1 is being read by the store
         # a store may not read device pages a load writes, nor write host pages it reads
-        (chunk(other_lc, 1), [2], [3], DevicePageBusy),
-        (chunk(other_lc, 1), [6], [2], HostPageBusy),
+        (chunk(other_lc, 1), [2], [3], DEVICE_BUSY),
+        (chunk(other_lc, 1), [6], [2], HOST_BUSY),
     ]
-    for t, dev, hst, error in cases:
+    for t, dev, hst, (error, why) in cases:
         before = full_state(engine, host, layout)
-        with pytest.raises(error):
+        with pytest.raises(error, match=why) as refused:
             engine.submit(t, dev, hst)  # type: ignore[arg-type]
-        if error is not LengthMismatch:
-            with pytest.raises(error):
+        assert type(refused.value) is error
+        if why != LENGTHS[1]:
+            with pytest.raises(error, match=why):
                 engine.check(dev, hst, load=type(t) is LoadTicket)  # type: ignore[arg-type]
         assert same_full(full_state(engine, host, layout), before)
         assert engine.poll() == []

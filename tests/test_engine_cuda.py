@@ -8,18 +8,8 @@ import pytest
 import torch
 
 from kvlife import Lifecycle, LoadTicket, Ticket
-from kvlife.engine import (
-    CopyEngine,
-    CudaCopyEngine,
-    DevicePageBusy,
-    DuplicatePage,
-    EngineClosed,
-    HostPageBusy,
-    LengthMismatch,
-    PageOutOfRange,
-    UnallocatedHostPage,
-)
-from kvlife.errors import ConfigError
+from kvlife.engine import CopyEngine, CudaCopyEngine
+from kvlife.errors import ConfigError, EngineClosed, EngineError, PageBusy, UnallocatedHostPage
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.pool import HostPagePool
 
@@ -157,16 +147,17 @@ def test_refusals_change_nothing() -> None:
     ticket = chunk(lc, 2)
     mine = host.alloc(2, ticket)
     assert mine == [2, 3]
-    for dev, hst, error in (
-        ([2], mine, LengthMismatch),
-        ([2, 8], mine, PageOutOfRange),
-        ([3, 3], mine, DuplicatePage),
-        ([2, 3], [2, 4], UnallocatedHostPage),
-        ([2, 3], [1, 2], HostPageBusy),
+    for dev, hst, error, why in (
+        ([2], mine, EngineError, "pages but"),
+        ([2, 8], mine, EngineError, "out of range"),
+        ([3, 3], mine, EngineError, "appears twice"),
+        ([2, 3], [2, 4], UnallocatedHostPage, "is free"),
+        ([2, 3], [1, 2], PageBusy, "host page 1 is still being written"),
     ):
         inflight, used = engine.inflight, host.num_used
-        with pytest.raises(error):
+        with pytest.raises(error, match=why) as refused:
             engine.submit(ticket, dev, hst)
+        assert type(refused.value) is error
         assert (engine.inflight, host.num_used) == (inflight, used)
     engine.drain()
     engine.close()
@@ -226,7 +217,7 @@ def test_defect18_a_chunk_failing_part_way_is_acked_only_after_its_queued_writes
         torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
     engine.submit(ticket, [0, 1], pages)  # no exception: the failure comes as the ack
     assert engine.poll() == [] and engine.inflight == 1
-    with pytest.raises(HostPageBusy):
+    with pytest.raises(PageBusy, match="host page"):
         engine.check([2], [pages[0]])
     (ack,) = engine.drain()
     assert isinstance(ack.error, torch.cuda.OutOfMemoryError) and ack.host_pages == tuple(pages)
@@ -301,20 +292,22 @@ def test_load_refusals_change_nothing() -> None:
     mine = host.alloc(2, ticket)
     assert mine == [2, 3]
     before = {p: layout.read_page(p).clone() for p in range(2, 8)}  # not the in-flight load's
-    for t, dev, hst, error in (
-        (ticket, [2], mine, LengthMismatch),
-        (ticket, [1, 2], mine, DevicePageBusy),
-        (ticket, [2, 3], [2, 4], UnallocatedHostPage),
+    for t, dev, hst, error, why in (
+        (ticket, [2], mine, EngineError, "pages but"),
+        (ticket, [1, 2], mine, PageBusy, "device page 1 is still being written"),
+        (ticket, [2, 3], [2, 4], UnallocatedHostPage, "is free"),
         (
             chunk(Lifecycle("other", page_size=PAGE), 1),
             [0],
             [2],
-            DevicePageBusy,
+            PageBusy,
+            "device page 0 is still being written",
         ),  # a store may not read a page being loaded
     ):
         inflight, used = engine.inflight, host.num_used
-        with pytest.raises(error):
+        with pytest.raises(error, match=why) as refused:
             engine.submit(t, dev, hst)
+        assert type(refused.value) is error
         assert (engine.inflight, host.num_used) == (inflight, used)
     engine.drain()
     assert all(torch.equal(bits(layout.read_page(p)), bits(v)) for p, v in before.items())
@@ -341,7 +334,7 @@ def test_a_load_failing_part_way_is_acked_only_after_its_queued_writes(
         torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
     engine.submit(ticket, [0, 1], pages)
     assert engine.poll() == [] and engine.inflight == 1
-    with pytest.raises(DevicePageBusy):
+    with pytest.raises(PageBusy, match="device page 0"):
         engine.check([0], [pages[0]], load=True)
     (ack,) = engine.drain()
     assert isinstance(ack.error, torch.cuda.OutOfMemoryError) and ack.is_load

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from kvlife import FinishReason, State
-from kvlife.engine.base import EngineClosed
 from kvlife.engine.cpu import CpuCopyEngine
 from kvlife.errors import (
     DrainTimeout,
     DuplicateAck,
+    EngineClosed,
     InvalidEvent,
     InvalidTransition,
     ManagerError,

@@ -14,12 +14,11 @@ from hypothesis import HealthCheck, given, settings
 
 import kvlife.testing
 from kvlife import FinishReason
-from kvlife.engine.base import HostPageBusy
+from kvlife.errors import EngineError, PageBusy
 from kvlife.layout import LayerFirstLayout
 from kvlife.pool import HostPagePool
 from kvlife.testing import (
     Complete,
-    CopyNotInFlight,
     Finish,
     InvariantViolation,
     ManagerAdapter,
@@ -79,11 +78,13 @@ def test_scripted_failure_and_refusals_change_nothing() -> None:
     pages = host.alloc(1, owner="chunk")
     assert pages is not None
     engine.submit(_ticket(), [0], pages)  # type: ignore[arg-type]
-    with pytest.raises(HostPageBusy):  # a host page being written by a chunk in flight
+    with pytest.raises(
+        PageBusy, match="host page 0 is still being written"
+    ):  # by a chunk in flight
         engine.check([1], pages)
     (copy,) = engine.in_flight()
     engine.complete(copy, ok=False)
-    with pytest.raises(CopyNotInFlight):
+    with pytest.raises(EngineError, match="is not in flight in this engine"):
         engine.complete(copy)
     assert engine.in_flight() == [] and engine.inflight == 1
     (ack,) = engine.poll()
@@ -253,7 +254,6 @@ def test_the_scripted_engine_copies_a_load_host_to_device() -> None:
     import torch
 
     from kvlife import Lifecycle
-    from kvlife.engine import DevicePageBusy
     from kvlife.layout import PageFirstLayout
     from kvlife.pool import HostPagePool
     from kvlife.testing.scripted import ScriptedEngine
@@ -267,7 +267,7 @@ def test_the_scripted_engine_copies_a_load_host_to_device() -> None:
     assert pages is not None
     host.tensor[pages[0]] = torch.arange(layout.page_numel, dtype=torch.float32) + 7
     copy = engine.submit(load, [3], pages)
-    with pytest.raises(DevicePageBusy):  # a second writer of device page 3
+    with pytest.raises(PageBusy, match="device page 3 is still being written"):  # 2nd writer
         engine.check([3], pages, load=True)
     engine.complete(copy)
     (ack,) = engine.poll()

@@ -6,24 +6,10 @@ and the simulator); :class:`CudaCopyEngine` uses a side stream and
 ``torch.cuda.Event`` over a CUDA layout. Both follow :class:`CopyEngine`.
 """
 
-from kvlife.engine.base import (
-    Ack,
-    CopyEngine,
-    CopyFault,
-    DevicePageBusy,
-    DuplicatePage,
-    EngineClosed,
-    EngineError,
-    HostPageBusy,
-    InvalidTicket,
-    LayoutMismatch,
-    LengthMismatch,
-    PageOutOfRange,
-    UnallocatedHostPage,
-    host_runs,
-)
+from kvlife.engine.base import Ack, CopyEngine, host_runs
 from kvlife.engine.cpu import CpuCopyEngine, CpuCopyEvent, Gate
 from kvlife.engine.cuda import CudaCopyEngine
+from kvlife.errors import CopyFault, EngineClosed, EngineError, PageBusy, UnallocatedHostPage
 
 __all__ = [
     "Ack",
@@ -32,16 +18,10 @@ __all__ = [
     "CpuCopyEngine",
     "CpuCopyEvent",
     "CudaCopyEngine",
-    "DevicePageBusy",
-    "DuplicatePage",
     "EngineClosed",
     "EngineError",
     "Gate",
-    "HostPageBusy",
-    "InvalidTicket",
-    "LayoutMismatch",
-    "LengthMismatch",
-    "PageOutOfRange",
+    "PageBusy",
     "UnallocatedHostPage",
     "host_runs",
 ]

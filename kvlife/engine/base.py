@@ -23,16 +23,17 @@ drains. Engine primitives, one line each:
 - ``inflight``: chunks submitted whose acks were not yet returned;
 - ``close()``: stop taking chunks; acks of submitted chunks still arrive.
 
-A chunk is refused with a typed :class:`EngineError`, before anything is
-copied or counted, when its lengths disagree with the ticket, a page index is
+A chunk is refused with an :class:`~kvlife.errors.EngineError`, before anything
+is copied or counted, when its lengths disagree with the ticket, a page index is
 out of range or repeated, or a page conflicts with a copy in flight:
 
-- a host page must be allocated; no host page is written by two chunks at
-  once, nor read by a load while a store writes it (:class:`HostPageBusy`);
-  loads may read one host page together (two requests sharing a prefix);
+- a host page must be allocated (:class:`~kvlife.errors.UnallocatedHostPage`);
+  no host page is written by two chunks at once, nor read by a load while a
+  store writes it (:class:`~kvlife.errors.PageBusy`); loads may read one host
+  page together (two requests sharing a prefix);
 - no device page is written by two loads at once, nor read by a store while a
   load writes it, nor written by a load while a store reads it
-  (:class:`DevicePageBusy`); stores may read one device page together.
+  (:class:`~kvlife.errors.PageBusy`); stores may read one device page together.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError, EngineClosed, EngineError, PageBusy, UnallocatedHostPage
 
 if TYPE_CHECKING:
     from kvlife.layout import KVLayout
@@ -52,71 +53,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Ack",
     "CopyEngine",
-    "CopyFault",
-    "DevicePageBusy",
-    "DuplicatePage",
-    "EngineClosed",
-    "EngineError",
-    "HostPageBusy",
-    "InvalidTicket",
-    "LayoutMismatch",
-    "LengthMismatch",
     "PageCopyEngine",
-    "PageOutOfRange",
-    "UnallocatedHostPage",
     "host_runs",
 ]
-
-
-class EngineError(KVLifeError):
-    """A copy engine refused a call; nothing was submitted and nothing changed."""
-
-
-class InvalidTicket(EngineError, TypeError):
-    """The ticket is neither a :class:`~kvlife.Ticket` nor a :class:`~kvlife.LoadTicket`."""
-
-
-class LengthMismatch(EngineError, ValueError):
-    """Device pages, host pages and the ticket's page count disagree (or the chunk is empty)."""
-
-
-class PageOutOfRange(EngineError, IndexError):
-    """A device or host page index is out of range or not an int; ``side`` says which."""
-
-    def __init__(self, message: str, *, side: str, page: object) -> None:
-        super().__init__(message)
-        self.side = side
-        self.page = page
-
-
-class DuplicatePage(EngineError, ValueError):
-    """A page appears twice in one chunk."""
-
-
-class UnallocatedHostPage(EngineError, ValueError):
-    """A host page is free in the pool: a chunk must copy into pages it was given."""
-
-
-class HostPageBusy(EngineError, ValueError):
-    """A host page is still being written by a store in flight (or, for a store, read by a
-    load in flight)."""
-
-
-class DevicePageBusy(EngineError, ValueError):
-    """A device page is still being written by a load in flight (or, for a load, read by a
-    store in flight)."""
-
-
-class LayoutMismatch(EngineError, ValueError):
-    """Device layout and host pool disagree on dtype or page width."""
-
-
-class EngineClosed(EngineError, RuntimeError):
-    """The engine was closed; it takes no more chunks."""
-
-
-class CopyFault(EngineError):
-    """A copy that failed (the default error of fault injection)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +110,8 @@ class CopyEngine(Protocol):
     def check(
         self, device_pages: Sequence[int], host_pages: Sequence[int], *, load: bool = False
     ) -> None:
-        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any."""
+        """Raise the :class:`~kvlife.errors.EngineError` that ``submit`` would raise for these
+        pages, if any."""
         ...
 
     def submit(
@@ -181,7 +121,7 @@ class CopyEngine(Protocol):
         host_pages: Sequence[int],
     ) -> object:
         """Validate the chunk, start copying it and return its completion handle; refusals
-        raise :class:`EngineError`."""
+        raise :class:`~kvlife.errors.EngineError`."""
         ...
 
     def poll(self) -> list[Ack]:
@@ -208,7 +148,7 @@ class PageCopyEngine:
 
     def __init__(self, layout: KVLayout, host: HostPagePool) -> None:
         if layout.dtype != host.dtype or layout.page_numel != host.page_numel:
-            raise LayoutMismatch(
+            raise ConfigError(
                 f"device layout pages are {layout.dtype} x {layout.page_numel}, host pool "
                 f"pages are {host.dtype} x {host.page_numel}"
             )
@@ -228,8 +168,8 @@ class PageCopyEngine:
     def check(
         self, device_pages: Sequence[int], host_pages: Sequence[int], *, load: bool = False
     ) -> None:
-        """Raise the :class:`EngineError` that ``submit`` would raise for these pages, if any
-        (``load``: for a load, host -> device)."""
+        """Raise the :class:`~kvlife.errors.EngineError` that ``submit`` would raise for these
+        pages, if any (``load``: for a load, host -> device)."""
         self._checked(None, device_pages, host_pages, load)
 
     def _checked(
@@ -250,17 +190,17 @@ class PageCopyEngine:
         if ticket is not None:
             kind = type(ticket)
             if kind is not Ticket and kind is not LoadTicket:
-                raise InvalidTicket(f"expected a Ticket or a LoadTicket, got {kind.__name__}")
+                raise EngineError(f"expected a Ticket or a LoadTicket, got {kind.__name__}")
             load = kind is LoadTicket
             n = ticket.n_pages  # type: ignore[attr-defined]
             if len(device_pages) != n or len(host_pages) != n:
-                raise LengthMismatch(
+                raise EngineError(
                     f"{'load' if load else 'chunk'} {ticket.seq} has {n} pages but "  # type: ignore[attr-defined]
                     f"{len(device_pages)} device and {len(host_pages)} host pages"
                 )
         dev, hst = tuple(device_pages), tuple(host_pages)
         if not dev or len(dev) != len(hst):
-            raise LengthMismatch(f"chunk has {len(dev)} device and {len(hst)} host pages")
+            raise EngineError(f"chunk has {len(dev)} device and {len(hst)} host pages")
         for side, pages, limit in (
             ("device", dev, self.layout.num_pages),
             ("host", hst, self.host.capacity),
@@ -268,25 +208,23 @@ class PageCopyEngine:
             seen: set[int] = set()
             for p in pages:
                 if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < limit:
-                    raise PageOutOfRange(
-                        f"{side} page {p!r} out of range [0, {limit})", side=side, page=p
-                    )
+                    raise EngineError(f"{side} page {p!r} out of range [0, {limit})")
                 if p in seen:
-                    raise DuplicatePage(f"{side} page {p} appears twice in one chunk")
+                    raise EngineError(f"{side} page {p} appears twice in one chunk")
                 seen.add(p)
         owner_of = self.host.owner_of
         for p in hst:
             if owner_of(p) is None:
                 raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
             if p in self._busy:
-                raise HostPageBusy(f"host page {p} is still being written by a chunk in flight")
+                raise PageBusy(f"host page {p} is still being written by a chunk in flight")
             if not load and p in self._host_reading:
-                raise HostPageBusy(f"host page {p} is still being read by a load in flight")
+                raise PageBusy(f"host page {p} is still being read by a load in flight")
         for p in dev:
             if p in self._device_writing:
-                raise DevicePageBusy(f"device page {p} is still being written by a load in flight")
+                raise PageBusy(f"device page {p} is still being written by a load in flight")
             if load and p in self._device_reading:
-                raise DevicePageBusy(f"device page {p} is still being read by a store in flight")
+                raise PageBusy(f"device page {p} is still being read by a store in flight")
         return load, dev, hst
 
     def _claim(self, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:

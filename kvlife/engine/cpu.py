@@ -34,13 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlife._lifecycle import LoadTicket, Ticket
-from kvlife.engine.base import (
-    Ack,
-    CopyFault,
-    PageCopyEngine,
-    host_runs,
-)
-from kvlife.errors import ConfigError, DrainTimeout
+from kvlife.engine.base import Ack, PageCopyEngine, host_runs
+from kvlife.errors import ConfigError, CopyFault, DrainTimeout
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 

@@ -139,9 +139,8 @@ from kvlife.engine import (
     CpuCopyEngine,
     CpuCopyEvent,
     CudaCopyEngine,
-    DevicePageBusy,
     EngineError,
-    HostPageBusy,
+    PageBusy,
     UnallocatedHostPage,
     host_runs,
 )
@@ -849,7 +848,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         try:
             try:
                 job.event = engine.submit(ticket, device_pages, host_pages)
-            except (HostPageBusy, DevicePageBusy):
+            except PageBusy:
                 # A page still in use by an earlier copy (only after a reset or an abort):
                 # wait for the copies in flight, in order, then submit again.
                 self.stats["engine_busy_waits"] += 1

@@ -45,7 +45,7 @@ from kvlife.testing.options import (
 )
 from kvlife.testing.oracle import InvariantViolation, Oracle
 from kvlife.testing.report import KitFailure, format_trace, replay_trace
-from kvlife.testing.scripted import CopyNotInFlight, ScriptedCopy, ScriptedEngine
+from kvlife.testing.scripted import ScriptedCopy, ScriptedEngine
 
 if TYPE_CHECKING:
     from kvlife.testing.stateful import KIT_SETTINGS, RuntimeMachine, run_kit
@@ -56,7 +56,6 @@ __all__ = [
     "CheckReport",
     "Close",
     "Complete",
-    "CopyNotInFlight",
     "DevicePages",
     "Finish",
     "InlineStore",

@@ -27,21 +27,12 @@ from typing import Any
 import torch
 
 from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
-from kvlife.engine.base import (
-    Ack,
-    CopyFault,
-    EngineError,
-    PageCopyEngine,
-    host_runs,
-)
+from kvlife.engine.base import Ack, PageCopyEngine, host_runs
+from kvlife.errors import CopyFault, EngineError
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 
-__all__ = ["CopyNotInFlight", "ScriptedCopy", "ScriptedEngine"]
-
-
-class CopyNotInFlight(EngineError, ValueError):
-    """``complete`` named a copy that is not in flight (already completed, or never submitted)."""
+__all__ = ["ScriptedCopy", "ScriptedEngine"]
 
 
 @dataclass(eq=False, slots=True)
@@ -97,10 +88,11 @@ class ScriptedEngine(PageCopyEngine):
         load its host pages into its device pages (or fail it).
 
         The ack appears at the next :meth:`poll`. Refused with
-        :class:`CopyNotInFlight` (nothing changes) if ``copy`` is not in flight.
+        :class:`~kvlife.errors.EngineError` (nothing changes) if ``copy`` is not in flight
+        (already completed, or never submitted).
         """
         if not any(c is copy for c in self._in_flight):
-            raise CopyNotInFlight(f"{copy!r} is not in flight in this engine")
+            raise EngineError(f"{copy!r} is not in flight in this engine")
         error: BaseException | None = None
         load = type(copy.ticket) is LoadTicket
         if ok:
