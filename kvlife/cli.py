@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError, KVLifeError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -61,7 +61,7 @@ def _register_diagram(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _diagram(args: argparse.Namespace) -> int:
-    from kvlife.diagrams import DIAGRAMS, IMAGE_FORMATS, DiagramError, render
+    from kvlife.diagrams import DIAGRAMS, IMAGE_FORMATS, render
 
     out: Path | None = args.out
     fmt: str | None = args.format
@@ -70,7 +70,7 @@ def _diagram(args: argparse.Namespace) -> int:
     if fmt is None:
         fmt = next(iter(DIAGRAMS[args.which]))
     if out is None and fmt in IMAGE_FORMATS and sys.stdout.isatty():
-        raise DiagramError(f"{fmt} is binary: give --out FILE or redirect stdout")
+        raise ConfigError(f"{fmt} is binary: give --out FILE or redirect stdout")
     data = render(args.which, fmt)
     if out is None:
         sys.stdout.buffer.write(data)

@@ -14,13 +14,12 @@ import subprocess
 from collections.abc import Callable
 
 from kvlife._lifecycle import TABLE, State
-from kvlife.errors import KVLifeError, MissingDependency
+from kvlife.errors import ConfigError, MissingDependency
 
 __all__ = [
     "DIAGRAMS",
     "GRAPHVIZ_HELP",
     "IMAGE_FORMATS",
-    "DiagramError",
     "lifecycle_dot",
     "lifecycle_mermaid",
     "render",
@@ -34,10 +33,6 @@ GRAPHVIZ_HELP = (
 )
 
 TITLE = "kvlife Lifecycle"
-
-
-class DiagramError(KVLifeError):
-    """A diagram that cannot be made in the asked format."""
 
 
 def _terminal() -> list[State]:
@@ -126,16 +121,16 @@ def render(which: str, fmt: str) -> bytes:
     """Diagram ``which`` in format ``fmt`` (mermaid, dot, markdown, svg, png), as bytes."""
     renderers = DIAGRAMS.get(which)
     if renderers is None:
-        raise DiagramError(f"no diagram {which!r}; choose one of {', '.join(DIAGRAMS)}")
+        raise ConfigError(f"no diagram {which!r}; choose one of {', '.join(DIAGRAMS)}")
     if fmt in IMAGE_FORMATS:
         if "dot" not in renderers:
-            raise DiagramError(
+            raise ConfigError(
                 f"{which} has no Graphviz form ({fmt} is drawn from dot); "
                 f"use --format {' or '.join(renderers)}"
             )
         return dot_to_image(renderers["dot"](), fmt)
     if fmt not in renderers:
-        raise DiagramError(f"{which} comes as {' or '.join(renderers)}, not {fmt}")
+        raise ConfigError(f"{which} comes as {' or '.join(renderers)}, not {fmt}")
     return renderers[fmt]().encode()
 
 
@@ -148,5 +143,6 @@ def dot_to_image(dot_source: str, fmt: str) -> bytes:
         [dot, f"-T{fmt}"], input=dot_source.encode(), capture_output=True, check=False
     )
     if done.returncode != 0:
-        raise DiagramError(f"dot -T{fmt} failed: {done.stderr.decode(errors='replace').strip()}")
+        why = done.stderr.decode(errors="replace").strip()
+        raise MissingDependency(f"Graphviz's dot cannot draw {fmt} (install its renderer): {why}")
     return done.stdout

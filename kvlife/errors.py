@@ -111,14 +111,17 @@ class CopyFault(EngineError):
 
 
 class ConfigError(KVLifeError, ValueError):
-    """A constructor argument no run can use (a page size of ``True``, a NaN stride,
-    an engine already driven by another manager, a device layout and host pool that
-    disagree on dtype or page width); nothing was built."""
+    """An argument that does not fit what it configures, refused before anything was
+    built or copied: a constructor argument no run can use (a page size of ``True``, a NaN
+    stride, an engine already driven by another manager, a device layout and host pool that
+    disagree on dtype or page width, KV buffers of two shapes), a layout call with pages,
+    rows or a dtype the layout does not hold, or a diagram in a format it does not come in.
+    A bug in how the runtime wires kvlife: fix the call, do not retry it."""
 
 
 class MissingDependency(KVLifeError, ImportError):
-    """An optional part is not installed (``prometheus_client``, Graphviz's ``dot``,
-    Mooncake's client); the message says what to install."""
+    """An optional part is not installed (``prometheus_client``, Graphviz's ``dot`` or its
+    png renderer, Mooncake's client); the message says what to install."""
 
 
 class DrainTimeout(KVLifeError, TimeoutError):

@@ -28,12 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlife.errors import KVLifeError
+from kvlife.errors import ConfigError
 
 __all__ = [
     "KVLayout",
     "LayerFirstLayout",
-    "LayoutError",
     "MLALayout",
     "PageFirstLayout",
 ]
@@ -65,13 +64,9 @@ def staging_windows(
         yield lo, hi, pieces
 
 
-class LayoutError(KVLifeError, ValueError):
-    """A layout call with bad pages, a bad shape or dtype; nothing was copied."""
-
-
 def _positive_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise LayoutError(f"{name} must be a positive int, got {value!r}")
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
@@ -80,7 +75,7 @@ def _positive_ints(dtype: torch.dtype, **dims: int) -> None:
     for name, value in dims.items():
         _positive_int(name, value)
     if not isinstance(dtype, torch.dtype):
-        raise LayoutError(f"dtype must be a torch.dtype, got {dtype!r}")
+        raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
 
 
 def _zeros(
@@ -104,7 +99,7 @@ class KVLayout:
     def __init__(self, rows: Sequence[torch.Tensor], page_size: int) -> None:
         self._rows: tuple[torch.Tensor, ...] = tuple(rows)
         if not self._rows:
-            raise LayoutError("a layout needs at least one buffer")
+            raise ConfigError("a layout needs at least one buffer")
         first = self._rows[0]
         for row in self._rows:
             if (
@@ -114,7 +109,7 @@ class KVLayout:
                 or row.device != first.device
                 or (row.numel() and row.stride(1) != 1)
             ):
-                raise LayoutError(
+                raise ConfigError(
                     "page rows must be 2-D [num_pages, row] with contiguous rows, one page "
                     f"count, dtype and device; got {row.dtype} {tuple(row.shape)} on {row.device}"
                 )
@@ -158,30 +153,30 @@ class KVLayout:
         else:
             listed = list(pages)
             if not all(isinstance(p, int) and not isinstance(p, bool) for p in listed):
-                raise LayoutError(f"pages must be ints, got {listed!r}")
+                raise ConfigError(f"pages must be ints, got {listed!r}")
             index = torch.tensor(listed, dtype=torch.int64)
         self._check_index(index)
         return index.to(self.device)
 
     def _check_index(self, pages: torch.Tensor) -> None:
         if pages.dtype != torch.int64 or pages.dim() != 1:
-            raise LayoutError(
+            raise ConfigError(
                 f"pages must be a 1-D int64 tensor, got {pages.dtype} {tuple(pages.shape)}"
             )
         if pages.numel() and pages.device.type == "cpu":  # a device tensor would cost a sync
             low, high = int(pages.min()), int(pages.max())
             if low < 0 or high >= self.num_pages:
-                raise LayoutError(f"page out of range [0, {self.num_pages}): min {low}, max {high}")
+                raise ConfigError(f"page out of range [0, {self.num_pages}): min {low}, max {high}")
 
     def _check_rows(self, what: str, pages: torch.Tensor, rows: torch.Tensor) -> None:
         self._check_index(pages)
         n = pages.numel()
         if rows.dtype != self.dtype:
-            raise LayoutError(f"{what} dtype {rows.dtype} is not the layout's {self.dtype}")
+            raise ConfigError(f"{what} dtype {rows.dtype} is not the layout's {self.dtype}")
         if tuple(rows.shape) != (n, self._page_numel):
-            raise LayoutError(f"{what} shape {tuple(rows.shape)} is not ({n}, {self._page_numel})")
+            raise ConfigError(f"{what} shape {tuple(rows.shape)} is not ({n}, {self._page_numel})")
         if n and rows.stride(1) != 1:
-            raise LayoutError(f"{what} rows must be contiguous (stride(1) == 1)")
+            raise ConfigError(f"{what} rows must be contiguous (stride(1) == 1)")
 
     # ---------------------------------------------------------------- copies
 
@@ -208,7 +203,7 @@ class KVLayout:
 
     def _check_host(self, host: torch.Tensor) -> None:
         if host.dtype != self.dtype or host.dim() != 2 or host.shape[1] != self._page_numel:
-            raise LayoutError(
+            raise ConfigError(
                 f"host must be {self.dtype} [rows, {self._page_numel}], "
                 f"got {host.dtype} {tuple(host.shape)}"
             )
@@ -363,7 +358,7 @@ class KVLayout:
         """Overwrite one page with the flat ``values`` ``[page_numel]``."""
         p = self._page(page)
         if values.dtype != self.dtype or tuple(values.shape) != (self._page_numel,):
-            raise LayoutError(
+            raise ConfigError(
                 f"values must be {self.dtype} of shape ({self._page_numel},), "
                 f"got {values.dtype} {tuple(values.shape)}"
             )
@@ -375,7 +370,7 @@ class KVLayout:
 
     def _page(self, page: int) -> int:
         if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
-            raise LayoutError(f"page {page!r} out of range [0, {self.num_pages})")
+            raise ConfigError(f"page {page!r} out of range [0, {self.num_pages})")
         return page
 
 
@@ -385,7 +380,7 @@ def _slot_rows(
     """Buffers ``[slots, ...]`` of one shape, dtype and device as page rows, and the
     page size; slots past the last whole page (a runtime's padding slots) are in no page."""
     if not buffers:
-        raise LayoutError(f"need {what}, at least one layer")
+        raise ConfigError(f"need {what}, at least one layer")
     page_size = _positive_int("page_size", page_size)
     first = buffers[0]
     num_pages = first.shape[0] // page_size
@@ -399,7 +394,7 @@ def _slot_rows(
             or buf.dtype != first.dtype
             or buf.device != first.device
         ):
-            raise LayoutError(
+            raise ConfigError(
                 f"every buffer must be contiguous [>= {slots}, {', '.join(map(str, tail))}] "
                 f"of one dtype and device, got {buf.dtype} {tuple(buf.shape)} on {buf.device}"
             )
@@ -419,9 +414,9 @@ class LayerFirstLayout(KVLayout):
         self, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int
     ) -> None:
         if len(k_buffers) != len(v_buffers):
-            raise LayoutError("need one K and one V buffer per layer")
+            raise ConfigError("need one K and one V buffer per layer")
         if k_buffers and k_buffers[0].dim() != 3:
-            raise LayoutError(
+            raise ConfigError(
                 f"buffers must be [slots, heads, head_dim], got {tuple(k_buffers[0].shape)}"
             )
         kv = [b for pair in zip(k_buffers, v_buffers, strict=True) for b in pair]
@@ -464,7 +459,7 @@ class PageFirstLayout(KVLayout):
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if tensor.dim() != 6 or tensor.shape[2] != 2 or not tensor.is_contiguous():
-            raise LayoutError(
+            raise ConfigError(
                 "the tensor must be contiguous [num_pages, num_layers, 2, page_size, heads, "
                 f"head_dim], got {tuple(tensor.shape)}"
             )
@@ -505,7 +500,7 @@ class MLALayout(KVLayout):
 
     def __init__(self, kv_buffers: Sequence[torch.Tensor], page_size: int) -> None:
         if kv_buffers and (kv_buffers[0].dim() != 3 or kv_buffers[0].shape[1] != 1):
-            raise LayoutError(
+            raise ConfigError(
                 f"buffers must be [slots, 1, latent_dim], got {tuple(kv_buffers[0].shape)}"
             )
         rows, page_size = _slot_rows(kv_buffers, page_size, "one latent buffer per layer")

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlife.layout import KVLayout, LayerFirstLayout, LayoutError, MLALayout, PageFirstLayout
+from kvlife.errors import ConfigError
+from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -145,17 +146,17 @@ def test_a_layout_wraps_a_runtimes_buffers_without_copying() -> None:
     assert pf.read_page(2).eq(1).all() and pf.buffers() == (tensor,)
     rows = KVLayout([torch.zeros(3, 10), torch.zeros(3, 6)], page_size=2)  # page rows as given
     assert (rows.num_pages, rows.page_numel, len(rows.buffers())) == (3, 16, 2)
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         LayerFirstLayout(k, v[:1], page_size=4)
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         LayerFirstLayout(k, [v[0], torch.zeros(13, 2, 4)], page_size=4)
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         LayerFirstLayout(k, v, page_size=14)  # not one whole page
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         LayerFirstLayout([], [], page_size=4)
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         MLALayout([torch.zeros(8, 2, 6)], page_size=4)
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         PageFirstLayout(torch.zeros(3, 2, 3, 4, 2, 5))  # not K and V
     for bad_rows in (
         [],
@@ -163,7 +164,7 @@ def test_a_layout_wraps_a_runtimes_buffers_without_copying() -> None:
         [torch.zeros(3, 10), torch.zeros(3, 6, dtype=torch.float16)],  # two dtypes
         [torch.zeros(10, 3).t()],  # rows not contiguous
     ):
-        with pytest.raises(LayoutError):
+        with pytest.raises(ConfigError):
             KVLayout(bad_rows, page_size=2)
 
 
@@ -185,20 +186,20 @@ def test_bad_gather_and_scatter_are_refused_and_copy_nothing(kind: str) -> None:
         (torch.tensor([0, 1]), torch.zeros((n, 2)).t()),  # rows not contiguous
     ]
     for pages, rows in cases:
-        with pytest.raises(LayoutError):
+        with pytest.raises(ConfigError):
             layout.gather(pages, rows)
         assert rows.abs().sum() == 0
-        with pytest.raises(LayoutError):
+        with pytest.raises(ConfigError):
             layout.scatter(pages, rows)
         assert unchanged(layout, before)
     for bad in (6, -1, True):
-        with pytest.raises(LayoutError):
+        with pytest.raises(ConfigError):
             layout.read_page(bad)
-        with pytest.raises(LayoutError):
+        with pytest.raises(ConfigError):
             layout.write_page(bad, torch.zeros(n))
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         layout.write_page(0, torch.zeros(n + 1))
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         layout.gather_runs(torch.tensor([0]), torch.zeros((2, n + 1)), [(0, 0, 1)])
     assert unchanged(layout, before)
 
@@ -207,7 +208,7 @@ def test_page_index_checks_pages() -> None:
     layout = make("page_first", torch.float32)
     assert layout.page_index([3, 1]).tolist() == [3, 1]
     for bad in ([6], [-1], ["x"], [1.5]):
-        with pytest.raises(LayoutError):
+        with pytest.raises(ConfigError):
             layout.page_index(bad)  # type: ignore[arg-type]
 
 
@@ -216,13 +217,13 @@ def test_page_index_checks_pages() -> None:
     [(0, 6, 4, 2, 8), (3, 0, 4, 2, 8), (3, 6, 0, 2, 8), (3, 6, 4, -2, 8), (3, 6, 4, 2, 1.5)],
 )
 def test_bad_layout_arguments_are_refused(args: tuple[Any, ...]) -> None:
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         LayerFirstLayout.zeros(*args)
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         PageFirstLayout.zeros(*args)
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         MLALayout.zeros(*args[:3], args[3] * args[4])
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         LayerFirstLayout.zeros(3, 6, 4, 2, 8, dtype="float32")  # type: ignore[arg-type]
 
 
@@ -332,7 +333,7 @@ def test_bad_scatter_runs_is_refused_and_copies_nothing(kind: str) -> None:
         torch.zeros((2, n), dtype=torch.float16),  # wrong dtype
         torch.zeros(2 * n),  # not 2-D
     ):
-        with pytest.raises(LayoutError):
+        with pytest.raises(ConfigError):
             layout.scatter_runs(torch.tensor([0, 1]), host, [(0, 0, 2)])
         assert unchanged(layout, before)
 
