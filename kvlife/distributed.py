@@ -44,7 +44,8 @@ Divergence: the fingerprint is a running hash of each submission's page count
 and last page key (the hash chain's tail, which names the whole token prefix;
 never the rid, which is a label). If MIN and MAX of the submission count or of
 the fingerprint differ, the ranks submitted different sequences: every rank
-sees that in the same collective and raises :class:`SubmissionDivergence`. The
+sees that in the same collective and raises an :class:`~kvlife.errors.AgreementError`
+naming the first differing chunk (``index``, ``chunks``). The
 first differing chunk is found from a short history: the fingerprint after
 each submission since the last poll at which all ranks agreed, gathered once
 (``all_gather_object``) on this rare path only.
@@ -56,8 +57,9 @@ between collectives (stores finish, failures free), so an admitted allocation
 always succeeds locally, and a full pool on one rank stops every rank alike.
 
 Failure: a peer that crashed closes its connections; a peer that hangs or stops
-polling leaves the collective waiting. Both become a :class:`RankFailure`
-(:class:`AgreementTimeout` for the latter) within ``timeout`` seconds. After
+polling leaves the collective waiting. Both become a
+:class:`~kvlife.errors.RankFailure` within ``timeout`` seconds (for the latter,
+its message says no peer answered in time). After
 any error the agreement is broken for good: every later call raises at once.
 """
 
@@ -76,59 +78,17 @@ import torch.distributed as dist
 
 from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
 from kvlife.engine.base import Ack
-from kvlife.errors import ConfigError, KVLifeError
+from kvlife.errors import AgreementError, ConfigError, RankFailure
 
 if TYPE_CHECKING:
     from kvlife.pool import HostPagePool
 
-__all__ = [
-    "AgreementError",
-    "AgreementTimeout",
-    "InvalidSubmission",
-    "PeerCopyFailed",
-    "RankFailure",
-    "SubmissionDivergence",
-    "TorchAgreement",
-    "chunk_fingerprint",
-]
+__all__ = ["TorchAgreement", "chunk_fingerprint"]
 
 _MOD = (1 << 61) - 1  # a Mersenne prime: the running fingerprint lives in [0, 2**61)
 _MULT = 0x9E3779B97F4A7C15 % _MOD
 _NONE = (1 << 62) - 1  # "no failure" / "no host pool" in a MIN word
 _WORDS = 7
-
-
-class AgreementError(KVLifeError):
-    """The ranks could not agree; after one, the agreement refuses every later call."""
-
-
-class InvalidSubmission(AgreementError, ValueError):
-    """A submission or ack the agreement cannot take (not a ticket, submitted twice)."""
-
-
-class SubmissionDivergence(AgreementError):
-    """Ranks submitted different chunk sequences (a runtime bug); raised on every rank.
-
-    ``index`` is the first submission index at which the ranks differ;
-    ``chunks[r]`` describes rank r's chunk at that index (``None``: it had none).
-    """
-
-    def __init__(self, message: str, *, index: int, chunks: list[str | None]) -> None:
-        super().__init__(message)
-        self.index = index
-        self.chunks = chunks
-
-
-class RankFailure(AgreementError, RuntimeError):
-    """A peer rank crashed or its connection broke during the agreement's collective."""
-
-
-class AgreementTimeout(RankFailure, TimeoutError):
-    """A peer did not join the agreement's collective within the timeout (hung or stopped)."""
-
-
-class PeerCopyFailed(AgreementError):
-    """The error of an ack whose copy succeeded here but failed on another rank."""
 
 
 def chunk_fingerprint(fp: int, n_pages: int, last_key: str) -> int:
@@ -150,7 +110,7 @@ class TorchAgreement:
     ``group``: any process group (default: the world). A group with a gloo
     backend is used as it is; for any other (NCCL) a gloo group of the same
     ranks is made next to it, as serving engines do. ``timeout``: seconds a
-    collective may wait for a peer before :class:`AgreementTimeout`. ``host``:
+    collective may wait for a peer before :class:`~kvlife.errors.RankFailure`. ``host``:
     the host page pool the manager allocates from; with it, :meth:`admit`
     answers from an agreed budget (without it, ``admit`` always says yes and
     the runtime must make host-pool exhaustion identical on every rank).
@@ -238,10 +198,10 @@ class TorchAgreement:
         """Record one submission: its index, and the running fingerprint."""
         self._check_usable()
         if not isinstance(ticket, Ticket):
-            raise InvalidSubmission(f"expected a Ticket, got {type(ticket).__name__}")
+            raise AgreementError(f"expected a Ticket, got {type(ticket).__name__}")
         key = (ticket.lifecycle, ticket.seq)
         if key in self._index:
-            raise InvalidSubmission(f"chunk {_describe(ticket)} was already submitted")
+            raise AgreementError(f"chunk {_describe(ticket)} was already submitted")
         self._index[key] = self._count
         self._count += 1
         self._fp = chunk_fingerprint(self._fp, ticket.n_pages, ticket.keys[-1])
@@ -266,7 +226,7 @@ class TorchAgreement:
         self._check_usable()
         for ack in acks:
             if not isinstance(ack, Ack):
-                raise InvalidSubmission(f"expected an Ack, got {type(ack).__name__}")
+                raise AgreementError(f"expected an Ack, got {type(ack).__name__}")
         index, store = self._index, self._acks
         for ack in acks:
             i = index.get((ack.ticket.lifecycle, ack.ticket.seq))
@@ -311,7 +271,7 @@ class TorchAgreement:
             elif i == first_failure:
                 ack = replace(
                     ack,
-                    error=PeerCopyFailed(
+                    error=AgreementError(
                         f"chunk {_describe(ack.ticket)} (submission {i}) failed on another rank"
                     ),
                 )
@@ -350,9 +310,8 @@ class TorchAgreement:
 
     def _fail(self, exc: BaseException | None, what: str, elapsed: float) -> NoReturn:
         timed_out = exc is None or "timed out" in str(exc).lower() or elapsed >= self.timeout
-        kind = AgreementTimeout if timed_out else RankFailure
         why = "no peer answer in time" if timed_out else "a peer's connection broke"
-        error = kind(
+        error = RankFailure(
             f"rank {self.rank} of {self.world_size}: the agreement's {what} collective failed "
             f"after {elapsed:.1f} s (timeout {self.timeout:g} s; {why}): a peer rank crashed, "
             f"hung or stopped polling. Nothing was applied. Cause: {exc}"
@@ -384,7 +343,7 @@ class TorchAgreement:
         chunks = [h[first][1] if first < len(h) else None for h in histories]
         index = base + first
         lines = "; ".join(f"rank {r}: {c or 'no chunk'}" for r, c in enumerate(chunks))
-        error = SubmissionDivergence(
+        error = AgreementError(
             f"ranks submitted different chunk sequences ({fewest} to {most} submissions); "
             f"the first differing chunk is submission {index}: {lines}",
             index=index,

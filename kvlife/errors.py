@@ -110,6 +110,34 @@ class CopyFault(EngineError):
     default error of fault injection). Never raised by ``submit``."""
 
 
+class AgreementError(KVLifeError):
+    """The ranks of a tensor-parallel group could not agree. The message says why: a
+    submission or ack the agreement cannot take (not a ticket or an ack, a chunk
+    submitted twice; nothing changed), or ranks that submitted different chunk
+    sequences (a runtime bug, raised on every rank alike: ``index`` is the first
+    submission index at which they differ and ``chunks[r]`` rank r's chunk there,
+    ``None`` if it had none). After a divergence, or a :class:`RankFailure`, the
+    agreement raises the same error again at every call: stop the group's offload.
+    Also the error of an ack whose copy succeeded here but failed on another rank."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        index: int | None = None,
+        chunks: list[str | None] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.index = index
+        self.chunks = chunks
+
+
+class RankFailure(AgreementError, RuntimeError):
+    """A peer rank crashed, its connection broke, or it did not join the agreement's
+    collective within the timeout (hung or stopped polling; the message says "no peer
+    answer in time"). Nothing was applied; the group is broken for good."""
+
+
 class ConfigError(KVLifeError, ValueError):
     """An argument that does not fit what it configures, refused before anything was
     built or copied: a constructor argument no run can use (a page size of ``True``, a NaN
@@ -134,6 +162,7 @@ class HashingError(KVLifeError, ValueError):
 
 __all__ = [
     "AckError",
+    "AgreementError",
     "ConfigError",
     "CopyFault",
     "DrainTimeout",
@@ -151,6 +180,7 @@ __all__ = [
     "MissingDependency",
     "PageBusy",
     "PoolError",
+    "RankFailure",
     "ReleaseCallbackError",
     "UnallocatedHostPage",
     "UnknownChunk",
