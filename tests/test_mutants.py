@@ -103,7 +103,12 @@ EXPECTED: dict[str, tuple[CheckConfig, list[str], set[str]]] = {
             "poll",
             "close",
         ],
-        {"unreleased", "device-leak", "release-in-flight", "AdapterError"},
+        {
+            "unreleased",
+            "device-leak",
+            "release-in-flight",
+            "AdapterError: copies complete in its progress check",
+        },
     ),
     "sglang-shared-staging": (
         CheckConfig(1, 3, options=PORT),

@@ -114,7 +114,7 @@ def test_manager_adapter_is_a_runtime_adapter_and_refuses_foreign_requests() -> 
         other = ManagerAdapter()
         theirs = other.start("r", [1, 2, 3])
         other.close()
-        with pytest.raises(AdapterError):
+        with pytest.raises(AdapterError, match="was not started by this adapter"):
             adapter.step(theirs, [4, 5])
         assert adapter.releases() == [] and adapter.copies_in_flight() == []
     finally:

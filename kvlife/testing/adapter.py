@@ -50,7 +50,6 @@ from kvlife.testing.scripted import ScriptedCopy, ScriptedEngine
 __all__ = [
     "OPTIONAL_MEMBERS",
     "AdapterError",
-    "DeviceFull",
     "DevicePages",
     "ManagerAdapter",
     "Release",
@@ -61,11 +60,9 @@ __all__ = [
 
 
 class AdapterError(KVLifeError):
-    """A call the adapter refused (a request it does not know, a full device pool)."""
-
-
-class DeviceFull(AdapterError):
-    """The adapter's device KV pool has no free page for a step or a start."""
+    """A call the adapter refused: a request or copy it does not know, a device page its
+    owner does not hold, or a full device KV pool (no free page for a start or a step);
+    the message says which."""
 
 
 @dataclass(frozen=True)
@@ -328,7 +325,7 @@ class ManagerAdapter:
         size = self.page_size
         while len(req.pages) * size < len(req.tokens):
             if not self._free_pages:
-                raise DeviceFull(f"no free device page for {req!r}")
+                raise AdapterError(f"no free device page for {req!r}")
             req.pages.append(self._free_pages.pop())
         whole = (len(req.tokens) - 1) // size  # the newest token has no KV yet
         if whole > len(req.keys):
@@ -385,9 +382,9 @@ class DevicePages:
         self.releases: list[Release] = []
 
     def alloc(self, n: int, owner: object) -> list[int]:
-        """``n`` pages for ``owner``; :class:`DeviceFull` (nothing taken) if there are fewer."""
+        """``n`` pages for ``owner``; :class:`AdapterError` (nothing taken) if there are fewer."""
         if n > len(self._free):
-            raise DeviceFull(f"no {n} free device pages for {owner!r}")
+            raise AdapterError(f"no {n} free device pages for {owner!r}")
         pages = [self._free.pop() for _ in range(n)]
         for page in pages:
             self._owner[page] = owner
@@ -414,7 +411,7 @@ class DevicePages:
         """Take ``n`` pages out of the pool for good (a runtime's own staging buffer): never
         handed to a life, not counted by :meth:`allocated`."""
         if n > len(self._free):
-            raise DeviceFull(f"no {n} free device pages to reserve")
+            raise AdapterError(f"no {n} free device pages to reserve")
         return [self._free.pop() for _ in range(n)]
 
     def allocated(self) -> int:
