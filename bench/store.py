@@ -17,7 +17,7 @@ slowest and fastest round:
   starts on loopback ports. Each side does the same job with the same pages:
   put = stage the pages in a registered buffer and ``batch_put_from`` (the
   store also asks ``batch_is_exist``, frames each page with its key, length
-  and CRC32, 18 bytes plus the key more a page); get = ``batch_get_into`` a
+  and XXH3-64 checksum, 22 bytes plus the key more a page); get = ``batch_get_into`` a
   registered buffer and hand back each page as its own ``bytes`` (the
   buffer is reused by the next call; the store also verifies every page).
   ``raw_get_into`` is the transfer alone, without handing the pages back:
@@ -155,7 +155,7 @@ def bench_mooncake(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
     with LocalMooncake(pool_size=pool) as cluster:
         store = MooncakeStore(cluster.master, cluster.metadata, "bench")
         client = store.client  # the same client: the same connection, the same pool
-        # The store's objects are the page and a header (key, length, CRC32):
+        # The store's objects are the page and a header (key, length, checksum):
         # the raw side moves objects of that same size, the page in the same place.
         stride = frame_size(_keys(1, 0, 2)[0], page_bytes)
         head = stride - page_bytes

@@ -13,7 +13,7 @@ holding different bytes) happens before the commit, so nothing of that put is
 ever visible.
 
 Pages are kept in the shared page format (``frame_page``: a header with the
-key, length and CRC32) and checked on every read like files are, so a page
+key, length and checksum) and checked on every read like files are, so a page
 damaged in memory is a miss, counted in ``stats().pages_corrupt``, and the
 next put of its key replaces it.
 """

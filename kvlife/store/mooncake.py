@@ -21,7 +21,7 @@ Keys and page format
 A page of kvlife key ``k`` in namespace ``ns`` is the Mooncake object
 ``kvlife/<ns>/<k>``; namespaces follow the directory store's rules
 (``check_namespace``). The object is the page in the shared format of
-:func:`~kvlife.store.base.frame_page` (key, length, CRC32), checked on every
+:func:`~kvlife.store.base.frame_page` (key, length, checksum), checked on every
 read: a truncated, corrupted or misfiled object is a miss, counted in
 ``stats().pages_corrupt``, and the next put of the key replaces it.
 
@@ -493,7 +493,7 @@ class MooncakeStore(QueuedStore):
         """Frame pages ``indices`` into the staging buffer and put them, batch by batch.
 
         Each page is framed in place (header, then one copy of the page, its
-        CRC32 taken from the caller's memory): no intermediate bytes.
+        checksum taken from the caller's memory): no intermediate bytes.
         """
         if not indices:
             return
