@@ -34,15 +34,20 @@ from kvlife.errors import (
     HashingError,
     InvalidChunk,
     InvalidEvent,
+    InvalidPut,
     InvalidTransition,
     KVLifeError,
     LifecycleError,
     ManagerError,
     MissingDependency,
     PageBusy,
+    PageMismatch,
     PoolError,
     RankFailure,
     ReleaseCallbackError,
+    StoreClosed,
+    StoreError,
+    StoreUnavailable,
     UnallocatedHostPage,
     UnknownChunk,
 )
@@ -54,7 +59,6 @@ if TYPE_CHECKING:
     from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
     from kvlife.manager import ManagerMetrics, OffloadManager, OffloadRequest
     from kvlife.pool import HostPagePool
-    from kvlife.store.base import StoreError
     from kvlife.store.directory import LocalDirectoryStore
     from kvlife.store.memory import MemoryStore
 
@@ -73,7 +77,6 @@ _LAZY = {
     "OffloadManager": "kvlife.manager",
     "OffloadRequest": "kvlife.manager",
     "HostPagePool": "kvlife.pool",
-    "StoreError": "kvlife.store.base",
     "LocalDirectoryStore": "kvlife.store.directory",
     "MemoryStore": "kvlife.store.memory",
 }
@@ -106,6 +109,7 @@ __all__ = [
     "HostPagePool",
     "InvalidChunk",
     "InvalidEvent",
+    "InvalidPut",
     "InvalidTransition",
     "KVLayout",
     "KVLifeError",
@@ -124,11 +128,14 @@ __all__ = [
     "OffloadRequest",
     "PageBusy",
     "PageFirstLayout",
+    "PageMismatch",
     "PoolError",
     "RankFailure",
     "ReleaseCallbackError",
     "State",
+    "StoreClosed",
     "StoreError",
+    "StoreUnavailable",
     "Ticket",
     "Transition",
     "UnallocatedHostPage",

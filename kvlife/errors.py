@@ -138,13 +138,61 @@ class RankFailure(AgreementError, RuntimeError):
     answer in time"). Nothing was applied; the group is broken for good."""
 
 
+class StoreError(KVLifeError):
+    """Base of every error the storage tier raises or reports. Raised as is, or reported
+    as a put's ``StoreResult.error``, for a put or read that failed: a fault the store's
+    fault injection made (the message says "injected"), or a Mooncake call that answered
+    an error code (``code`` and ``call`` say which; both ``None`` for other failures). A
+    failed put leaves the stored pages as they were (all-or-nothing; a directory store's
+    I/O error is reported as the ``OSError`` it is). Catch it to drop the one put (the
+    manager counts a store failure and goes on without those pages).
+    :class:`InvalidPut`, :class:`StoreClosed`, :class:`PageMismatch` and
+    :class:`StoreUnavailable` are the ones a caller handles apart."""
+
+    def __init__(self, message: str, *, code: int | None = None, call: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.call = call
+
+
+class InvalidPut(StoreError, ValueError):
+    """A malformed put or key, refused before anything changes (nothing queued, no
+    counter moved): keys and pages of different lengths, no pages, a key twice, pages that
+    are not a 2-D dense host tensor, or a key that is not 2 to 128 lowercase hex digits
+    (the message says so; ``get`` and ``contains`` refuse such a key too). A bug in the
+    caller (or a custom hasher's keys): fix it, do not retry."""
+
+
+class StoreClosed(StoreError):
+    """A put on a closed store. Stop putting to it (as after :class:`EngineClosed`)."""
+
+
+class PageMismatch(StoreError):
+    """A key already stored with different bytes: a content-hash corruption signal,
+    counted apart (``stats().page_mismatches``). The stored page is kept; the put that
+    carried the other bytes fails whole. ``key`` is the key."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class StoreUnavailable(StoreError):
+    """The store's backing service cannot be reached (Mooncake's master or memory pool),
+    or its circuit breaker is open after such a failure and the put failed without
+    calling it. ``code`` and ``call`` name the failing call. Transient: the store calls
+    the service again after ``retry_after`` seconds, so a caller may put again later and
+    treat a failed read as a miss."""
+
+
 class ConfigError(KVLifeError, ValueError):
     """An argument that does not fit what it configures, refused before anything was
     built or copied: a constructor argument no run can use (a page size of ``True``, a NaN
-    stride, an engine already driven by another manager, a device layout and host pool that
-    disagree on dtype or page width, KV buffers of two shapes), a layout call with pages,
-    rows or a dtype the layout does not hold, or a diagram in a format it does not come in.
-    A bug in how the runtime wires kvlife: fix the call, do not retry it."""
+    stride, a store namespace that could escape the store's root or makes page paths too
+    long for the file system, an engine already driven by another manager, a device layout
+    and host pool that disagree on dtype or page width, KV buffers of two shapes), a layout
+    call with pages, rows or a dtype the layout does not hold, or a diagram in a format it
+    does not come in. A bug in how the runtime wires kvlife: fix the call, do not retry it."""
 
 
 class MissingDependency(KVLifeError, ImportError):
@@ -173,15 +221,20 @@ __all__ = [
     "HashingError",
     "InvalidChunk",
     "InvalidEvent",
+    "InvalidPut",
     "InvalidTransition",
     "KVLifeError",
     "LifecycleError",
     "ManagerError",
     "MissingDependency",
     "PageBusy",
+    "PageMismatch",
     "PoolError",
     "RankFailure",
     "ReleaseCallbackError",
+    "StoreClosed",
+    "StoreError",
+    "StoreUnavailable",
     "UnallocatedHostPage",
     "UnknownChunk",
 ]

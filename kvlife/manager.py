@@ -54,9 +54,9 @@ from kvlife.errors import (
     LifecycleError,
     ManagerError,
     ReleaseCallbackError,
+    StoreError,
 )
 from kvlife.hashing import PageHasher, namespace_prior, sglang_page_hashes
-from kvlife.store.base import StoreError
 
 if TYPE_CHECKING:
     import torch

@@ -356,7 +356,7 @@ def test_scenario_store_refusing_a_put_does_not_drop_other_acks(rig: Rig) -> Non
     assert [r[0] for r in rig.released] == lcs
     assert rig.host.num_used == 0
     snap = m.metrics()
-    assert snap.store_failures == 2 and snap.refused_events == {"InvalidKey": 2}
+    assert snap.store_failures == 2 and snap.refused_events == {"InvalidPut": 2}
 
 
 def test_finish_gives_the_final_page_table_and_steps_after_finish_are_refused(rig: Rig) -> None:

@@ -19,10 +19,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvlife.store.base import (
-    InjectedStoreFailure,
-    InvalidKey,
+from kvlife.errors import (
+    InvalidPut,
+    MissingDependency,
     PageMismatch,
+    StoreError,
+    StoreUnavailable,
+)
+from kvlife.store.base import (
     frame_into,
     frame_page,
     frame_size,
@@ -30,13 +34,7 @@ from kvlife.store.base import (
 )
 
 try:
-    from kvlife.store.mooncake import (
-        MissingDependency,
-        MooncakeError,
-        MooncakeStore,
-        MooncakeUnavailable,
-        load_client_class,
-    )
+    from kvlife.store.mooncake import MooncakeStore, load_client_class
     from kvlife.store.mooncake_local import LocalMooncake
 
     load_client_class()
@@ -175,9 +173,9 @@ def test_first_value_wins_same_bytes_dedup_other_bytes_mismatch(store: MooncakeS
 
 
 def test_invalid_keys_and_puts_are_refused_before_anything(store: MooncakeStore) -> None:
-    with pytest.raises(InvalidKey):
+    with pytest.raises(InvalidPut, match="is not 2 to 128 lowercase hex digits"):
         store.get("../x")
-    with pytest.raises(InvalidKey):
+    with pytest.raises(InvalidPut, match="is not 2 to 128 lowercase hex digits"):
         store.put("t", ["Z1"], pages_for(1))
     assert store.pending == 0
 
@@ -227,7 +225,9 @@ def test_injected_faults_roll_back_every_page(store: MooncakeStore) -> None:
         store.put(i, [key(i, 8), key(100 + i, 8)], pages_for(2, tag=i))
     results = store.drain(60)
     assert len(results) == 9
-    assert all(isinstance(r.error, InjectedStoreFailure) for r in results)
+    for r in results:
+        assert type(r.error) is StoreError and "injected" in str(r.error), r.error
+        assert r.error.code is None and r.error.call is None
     assert store.get_batch([k for r in results for k in r.keys]) == [None] * 18
     store.fail_rate = 0.0
     assert put_one(store, [key(0, 8)], pages_for(1, tag=0)).ok
@@ -279,9 +279,10 @@ def test_no_master_is_a_typed_error_within_seconds() -> None:
     from kvlife.store.mooncake_local import free_port
 
     t0 = time.monotonic()
-    with pytest.raises(MooncakeUnavailable):
+    with pytest.raises(StoreUnavailable) as info:
         MooncakeStore(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metadata")
     assert time.monotonic() - t0 < 30
+    assert info.value.call == "setup" and info.value.code is not None
 
 
 def test_not_installed_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,7 +298,9 @@ def _wait_ok(store: MooncakeStore, k: str, pages: torch.Tensor, within: float) -
         result = put_one(store, [k], pages)
         if result.ok:
             return time.monotonic() - t0
-        assert isinstance(result.error, MooncakeError), result.error
+        # A Mooncake call's error code (the breaker's StoreUnavailable or another code).
+        assert isinstance(result.error, StoreError), result.error
+        assert result.error.code is not None, result.error
         assert time.monotonic() - t0 < within, f"not usable again after {within} s"
         time.sleep(0.2)
 
@@ -317,9 +320,9 @@ def test_master_killed_mid_run_then_restarted(own_cluster: LocalMooncake) -> Non
         took = time.monotonic() - t0
         assert len(results) == 40 and took < 15, took
         failed = [r for r in results if not r.ok]
-        assert failed and all(isinstance(r.error, MooncakeUnavailable) for r in failed)
+        assert failed and all(type(r.error) is StoreUnavailable for r in failed)
         assert results[-1].error is not None
-        with pytest.raises(MooncakeUnavailable):
+        with pytest.raises(StoreUnavailable):
             s.get(stored[0])  # a failure, not a miss
         own_cluster.start_master()  # the same ports; it starts empty, the pool re-registers
         took = _wait_ok(s, key(999, 10), pages_for(1, tag=99), within=40)
@@ -344,11 +347,11 @@ def test_pool_killed_mid_run_then_restarted(own_cluster: LocalMooncake) -> None:
         results = s.drain(30)
         assert len(results) == 30 and time.monotonic() - t0 < 15
         failed = [r for r in results if not r.ok]
-        assert failed and all(isinstance(r.error, MooncakeUnavailable) for r in failed)
+        assert failed and all(type(r.error) is StoreUnavailable for r in failed)
         assert results[-1].error is not None
         # The pool's pages are gone: a miss, or (while the master still lists them) a
         # failure; never stale bytes.
-        with contextlib.suppress(MooncakeUnavailable):
+        with contextlib.suppress(StoreUnavailable):
             assert s.get(stored) is None
         own_cluster.start_pool()
         _wait_ok(s, key(999, 11), pages_for(1, tag=9), within=40)

@@ -56,7 +56,8 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     HiCacheStorageExtraInfo,
 )
 
-from kvlife.store.base import QueuedStore, StoreError, StoreResult, check_key
+from kvlife.errors import ConfigError, StoreError
+from kvlife.store.base import QueuedStore, StoreResult, check_key
 
 __all__ = ["KVLifeHiCacheStorage", "store_key"]
 
@@ -100,7 +101,7 @@ def _make_store(extra: dict[str, Any], namespace: str) -> QueuedStore:
 
         root = extra.get("kvlife_root") or os.environ.get("KVLIFE_STORE_DIR") or "kvlife-hicache"
         return LocalDirectoryStore(root, namespace)
-    raise StoreError(f"kvlife_store must be 'directory' or 'mooncake', got {kind!r}")
+    raise ConfigError(f"kvlife_store must be 'directory' or 'mooncake', got {kind!r}")
 
 
 class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]

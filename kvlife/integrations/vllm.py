@@ -144,10 +144,9 @@ from kvlife.engine import (
     UnallocatedHostPage,
     host_runs,
 )
-from kvlife.errors import ConfigError, KVLifeError, LifecycleError, ManagerError
+from kvlife.errors import ConfigError, KVLifeError, LifecycleError, ManagerError, StoreError
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
-from kvlife.store.base import StoreError
 from kvlife.store.directory import LocalDirectoryStore
 
 __all__ = [

@@ -37,12 +37,12 @@ import torch
 
 from kvlife._lifecycle import FinishReason
 from kvlife.engine.cpu import CpuCopyEngine
-from kvlife.errors import ConfigError, KVLifeError
+from kvlife.errors import ConfigError, KVLifeError, StoreError
 from kvlife.hashing import sglang_page_hashes
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.manager import OffloadManager
 from kvlife.pool import HostPagePool
-from kvlife.store.base import QueuedStore, StoreError
+from kvlife.store.base import QueuedStore
 from kvlife.store.directory import LocalDirectoryStore
 
 __all__ = [

@@ -6,26 +6,19 @@ is the embedded default, :class:`MemoryStore` the in-process one and
 ``docs/store.md`` for atomicity, failure semantics and file naming.
 """
 
-from kvlife.store.base import (
-    InjectedStoreFailure,
-    InvalidKey,
-    InvalidNamespace,
+from kvlife.errors import (
     InvalidPut,
     PageMismatch,
-    Store,
     StoreClosed,
     StoreError,
-    StoreResult,
-    StoreStats,
+    StoreUnavailable,
 )
+from kvlife.store.base import Store, StoreResult, StoreStats
 from kvlife.store.directory import LocalDirectoryStore
 from kvlife.store.memory import InlineStore, MemoryStore
 
 __all__ = [
-    "InjectedStoreFailure",
     "InlineStore",
-    "InvalidKey",
-    "InvalidNamespace",
     "InvalidPut",
     "LocalDirectoryStore",
     "MemoryStore",
@@ -35,4 +28,5 @@ __all__ = [
     "StoreError",
     "StoreResult",
     "StoreStats",
+    "StoreUnavailable",
 ]

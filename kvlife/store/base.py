@@ -15,8 +15,8 @@ thread.
 Rules every store keeps:
 
 1. Validation happens in ``put`` before anything changes: a refused put raises
-   a :class:`StoreError` subclass, queues nothing, consumes no injected fault
-   and changes no counter.
+   :class:`~kvlife.errors.InvalidPut` (:class:`~kvlife.errors.StoreClosed` after
+   ``close``), queues nothing, consumes no injected fault and changes no counter.
 2. The writer reads the host pages lazily, but it has finished reading them
    before the put's result becomes visible to ``poll``/``drain``: the caller
    may free or reuse the pages as soon as it holds the result, not before.
@@ -26,7 +26,8 @@ Rules every store keeps:
 4. Keys are content hashes, so a page is written once. Re-putting a key with
    the same bytes is a success that writes nothing (counted as deduplicated).
    Re-putting it with *different* bytes is a corruption signal: the put fails
-   with :class:`PageMismatch`, the stored page is kept, and it is counted.
+   with :class:`~kvlife.errors.PageMismatch`, the stored page is kept, and it is
+   counted.
 5. Results arrive in completion order, which is put order (one writer thread).
 6. A page is served only whole: every store keeps each page in the one format
    of :func:`frame_page` (a header with magic, version, key, payload length and
@@ -60,18 +61,17 @@ from typing import Protocol, overload, runtime_checkable
 import torch
 import xxhash
 
-from kvlife.errors import ConfigError, DrainTimeout, KVLifeError
+from kvlife.errors import (
+    ConfigError,
+    DrainTimeout,
+    InvalidPut,
+    PageMismatch,
+    StoreClosed,
+)
 
 __all__ = [
-    "InjectedStoreFailure",
-    "InvalidKey",
-    "InvalidNamespace",
-    "InvalidPut",
-    "PageMismatch",
     "QueuedStore",
     "Store",
-    "StoreClosed",
-    "StoreError",
     "StoreResult",
     "StoreStats",
     "Written",
@@ -81,44 +81,6 @@ __all__ = [
     "frame_size",
     "unframe_page",
 ]
-
-
-# ----------------------------------------------------------------------------- errors
-
-
-class StoreError(KVLifeError):
-    """Base of every error the storage tier raises or reports."""
-
-
-class InvalidPut(StoreError, ValueError):
-    """A malformed put (lengths, shape, device, keys); refused before anything changes."""
-
-
-class InvalidKey(InvalidPut):
-    """A key that is not 2 to 128 lowercase hex digits (it would be unsafe as a file name)."""
-
-
-class InvalidNamespace(StoreError, ValueError):
-    """A namespace that could escape the store's root or collide with its layout."""
-
-
-class StoreClosed(StoreError):
-    """A put on a closed store."""
-
-
-class InjectedStoreFailure(StoreError):
-    """The error a put reports when fault injection made it fail."""
-
-
-class PageMismatch(StoreError):
-    """A key already stored with different bytes: a content-hash corruption signal.
-
-    The stored page is kept; the put that carried the other bytes fails whole.
-    """
-
-    def __init__(self, message: str, *, key: str) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 # ----------------------------------------------------------------------------- protocol
@@ -201,11 +163,10 @@ _KEY = re.compile(r"[0-9a-f]{2,128}")
 
 
 def check_key(key: object) -> str:
-    """Return ``key`` if it is 2 to 128 lowercase hex digits, else raise InvalidKey."""
+    """Return ``key`` if it is 2 to 128 lowercase hex digits, else raise InvalidPut."""
     if not isinstance(key, str) or _KEY.fullmatch(key) is None:
-        raise InvalidKey(
-            f"store key {key!r} must be 2 to 128 lowercase hex digits "
-            "(a content hash; never a path)"
+        raise InvalidPut(
+            f"store key {key!r} is not 2 to 128 lowercase hex digits (a content hash; never a path)"
         )
     return key
 
@@ -377,7 +338,8 @@ class QueuedStore(abc.ABC):
         """Store every page (``pages[i]``: the raw bytes of ``keys[i]``) or none; raise
         (after rolling back) on failure.
 
-        ``fault_at`` is the step at which to raise InjectedStoreFailure, or None.
+        ``fault_at`` is the step at which to raise a StoreError whose message says
+        "injected", or None.
         """
 
     @abc.abstractmethod

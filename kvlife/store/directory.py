@@ -15,7 +15,7 @@ File naming
 - Opening a store creates the missing directories up to ``@pages``, or none of
   them: a root that is a file (or under one), a path the file system refuses,
   or a namespace that makes the longest page path too long is refused with
-  ``ConfigError`` or ``InvalidNamespace`` and leaves the disk as it was.
+  ``ConfigError`` and leaves the disk as it was.
 
 File format and verification
 ============================
@@ -86,11 +86,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from kvlife.errors import ConfigError
+from kvlife.errors import ConfigError, PageMismatch, StoreError
 from kvlife.store.base import (
-    InjectedStoreFailure,
-    InvalidNamespace,
-    PageMismatch,
     QueuedStore,
     Written,
     check_key,
@@ -112,13 +109,13 @@ _LONGEST_BELOW = len("/ff/." + "f" * 128 + "." + "9" * 10 + ".ffffffff.tmp")
 
 
 def check_namespace(namespace: object) -> tuple[str, ...]:
-    """Split a namespace into safe directory components, or raise InvalidNamespace."""
+    """Split a namespace into safe directory components, or raise ConfigError."""
     if not isinstance(namespace, str):
-        raise InvalidNamespace(f"namespace must be a str, got {type(namespace).__name__}")
+        raise ConfigError(f"namespace must be a str, got {type(namespace).__name__}")
     parts = tuple(namespace.split("/"))
     for part in parts:
         if _COMPONENT.fullmatch(part) is None:
-            raise InvalidNamespace(
+            raise ConfigError(
                 f"namespace {namespace!r}: component {part!r} must be 1-100 letters, digits, "
                 "'.', '_' or '-' not starting with '.' (no absolute paths, no '..')"
             )
@@ -156,10 +153,11 @@ class LocalDirectoryStore(QueuedStore):
         longest = len(os.fsencode(os.path.abspath(self._directory))) + _LONGEST_BELOW
         if longest >= _path_max():
             base = len(os.fsencode(os.path.abspath(self._root.joinpath(PAGES_DIR))))
-            error = ConfigError if base + _LONGEST_BELOW >= _path_max() else InvalidNamespace
-            raise error(
+            culprit = "the root" if base + _LONGEST_BELOW >= _path_max() else "the namespace"
+            raise ConfigError(
                 f"root {str(root)[:40]!r}... with namespace {namespace[:40]!r}... gives page "
-                f"paths of up to {longest} bytes; the file system takes {_path_max() - 1}"
+                f"paths of up to {longest} bytes; the file system takes {_path_max() - 1} "
+                f"({culprit} is too long)"
             )
         _make_directories(self._directory)
         if clean_temps:
@@ -262,7 +260,7 @@ class LocalDirectoryStore(QueuedStore):
 
         def step(i: int, what: str) -> None:
             if fault_at == i:
-                raise InjectedStoreFailure(f"injected failure {what} ({n} pages)")
+                raise StoreError(f"injected failure {what} ({n} pages)")
 
         try:
             for i, key in enumerate(keys):

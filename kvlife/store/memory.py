@@ -24,9 +24,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from kvlife.errors import PageMismatch, StoreError
 from kvlife.store.base import (
-    InjectedStoreFailure,
-    PageMismatch,
     QueuedStore,
     StoreResult,
     Written,
@@ -61,10 +60,10 @@ class MemoryStore(QueuedStore):
         framed: list[bytes] = []
         for i, key in enumerate(keys):
             if fault_at == i:
-                raise InjectedStoreFailure(f"injected failure before page {i} of {len(keys)}")
+                raise StoreError(f"injected failure before page {i} of {len(keys)}")
             framed.append(frame_page(key, pages[i]) + pages[i])
         if fault_at == len(keys):
-            raise InjectedStoreFailure(f"injected failure before committing {len(keys)} pages")
+            raise StoreError(f"injected failure before committing {len(keys)} pages")
         new: dict[str, bytes] = {}
         with self._pages_lock:
             for i, key in enumerate(keys):

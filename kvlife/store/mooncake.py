@@ -31,12 +31,13 @@ Mooncake's semantics, and what this store makes of them
 - ``get`` answers ``b''`` both for a missing key and for any failure. This
   store reads with ``get_into``/``batch_get_into``, which answer a negative
   error code: -704 (not found, including an evicted page) is a miss (``None``);
-  any other code raises :class:`MooncakeError` (:class:`MooncakeUnavailable`
-  for the codes that mean the master or pool cannot be reached).
+  any other code raises :class:`~kvlife.errors.StoreError` with ``code`` and
+  ``call`` (:class:`~kvlife.errors.StoreUnavailable` for the codes that mean the
+  master or pool cannot be reached).
 - Putting an existing key answers 0 and keeps the first value. So a put first
   asks which keys exist (``batch_is_exist``), reads those and compares: the
   same bytes are deduplicated, other bytes fail the put whole with
-  :class:`~kvlife.store.base.PageMismatch` (nothing written), a page failing
+  :class:`~kvlife.errors.PageMismatch` (nothing written), a page failing
   verification is removed (``force``) and written again. Two writers putting
   *different* bytes under one key in the same instant both succeed, and the
   first value stays; readers still only ever get whole, verified pages.
@@ -53,9 +54,10 @@ A put is all-or-nothing as far as the cluster lets it: when the batch put
 fails for any key, the writer removes every page this put created before it
 reports the error. (If the master is gone the removal fails too; such pages are
 whole and correct, as keys are content hashes.) Calls that fail with a code
-meaning the master or the pool is unreachable raise :class:`MooncakeUnavailable`
-and open a *breaker*: for ``retry_after`` seconds every put fails at once with
-:class:`MooncakeUnavailable` without calling the cluster, then the next put
+meaning the master or the pool is unreachable raise
+:class:`~kvlife.errors.StoreUnavailable` and open a *breaker*: for ``retry_after``
+seconds every put fails at once with :class:`~kvlife.errors.StoreUnavailable`
+(the same ``code`` and ``call``) without calling the cluster, then the next put
 tries again. So with the master killed each put's result arrives within one
 failing call (about 4.5 s, Mooncake's own RPC timeout) and then at once; with
 the pool killed, within about a second. After a restart the next try succeeds
@@ -63,7 +65,7 @@ and the store is used again (a restarted master starts empty).
 
 ``setup`` retries for about 90 s when no master answers; this module sets
 ``MC_STORE_CLIENT_SETUP_RETRIES`` (unless the environment already does) so the
-constructor fails with :class:`MooncakeUnavailable` in a few seconds.
+constructor fails with :class:`~kvlife.errors.StoreUnavailable` in a few seconds.
 """
 
 from __future__ import annotations
@@ -77,12 +79,15 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.errors import ConfigError, MissingDependency
-from kvlife.store.base import (
-    InjectedStoreFailure,
+from kvlife.errors import (
+    ConfigError,
+    MissingDependency,
     PageMismatch,
-    QueuedStore,
     StoreError,
+    StoreUnavailable,
+)
+from kvlife.store.base import (
+    QueuedStore,
     Written,
     check_key,
     frame_into,
@@ -92,9 +97,7 @@ from kvlife.store.base import (
 from kvlife.store.directory import check_namespace
 
 __all__ = [
-    "MooncakeError",
     "MooncakeStore",
-    "MooncakeUnavailable",
     "load_client_class",
 ]
 
@@ -134,26 +137,13 @@ ENV_PROTOCOL = "MOONCAKE_PROTOCOL"
 ENV_LOCAL_HOSTNAME = "MOONCAKE_LOCAL_HOSTNAME"
 
 
-class MooncakeError(StoreError):
-    """A Mooncake call answered an error code; ``code`` and ``call`` say which."""
-
-    def __init__(self, message: str, *, code: int, call: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.call = call
-
-
-class MooncakeUnavailable(MooncakeError):
-    """The master or the memory pool cannot be reached (or the breaker is open)."""
-
-
 def code_name(code: int) -> str:
     """Mooncake's name of an error code (``"OBJECT_NOT_FOUND"``), or the number."""
     return _CODE_NAMES.get(code, str(code))
 
 
-def _error(call: str, code: int, what: str) -> MooncakeError:
-    kind = MooncakeUnavailable if code in UNAVAILABLE_CODES else MooncakeError
+def _error(call: str, code: int, what: str) -> StoreError:
+    kind = StoreUnavailable if code in UNAVAILABLE_CODES else StoreError
     return kind(
         f"mooncake {call} failed for {what}: {code_name(code)} ({code})", code=code, call=call
     )
@@ -188,7 +178,7 @@ class _Buffer:
         ptr = int(array.ctypes.data)
         code = self._client.register_buffer(ptr, size)
         if code != 0:  # the metadata server (the master's) cannot take the registration
-            raise MooncakeUnavailable(
+            raise StoreUnavailable(
                 f"mooncake register_buffer failed for the {self._what} buffer ({size} bytes): "
                 f"{code_name(code)} ({code})",
                 code=int(code),
@@ -247,7 +237,7 @@ class MooncakeStore(QueuedStore):
             hostname, metadata, 0, local_buffer_size, protocol, rdma_devices, master
         )
         if code != 0:
-            raise MooncakeUnavailable(
+            raise StoreUnavailable(
                 f"cannot set up a Mooncake client for master {master} and metadata {metadata} "
                 f"(setup answered {code}): is the master running?",
                 code=int(code),
@@ -262,7 +252,7 @@ class MooncakeStore(QueuedStore):
         self._max_batch = int(max_batch_bytes)
         self._full_wait = float(full_wait)
         self._down_until = 0.0  # breaker: puts fail at once until then (monotonic seconds)
-        self._down_error: MooncakeUnavailable | None = None
+        self._down_error: StoreUnavailable | None = None
         self._put_buffer = _Buffer(client, "put staging")
         self._read_buffer = _Buffer(client, "read")
         self._read_lock = threading.Lock()
@@ -322,7 +312,7 @@ class MooncakeStore(QueuedStore):
     def get(self, key: str) -> bytes | None:
         """The stored payload of ``key``, or None on a miss (absent, evicted, failing checks).
 
-        Raises MooncakeError (MooncakeUnavailable) when the cluster fails to answer.
+        Raises StoreError (StoreUnavailable) when the cluster fails to answer.
         """
         return self.get_batch([key])[0]
 
@@ -416,18 +406,18 @@ class MooncakeStore(QueuedStore):
 
         def step(i: int, what: str) -> None:
             if fault_at == i:
-                raise InjectedStoreFailure(f"injected failure {what} ({n} pages)")
+                raise StoreError(f"injected failure {what} ({n} pages)")
 
         now = time.monotonic()
         if now < self._down_until and self._down_error is not None:
-            raise MooncakeUnavailable(
+            raise StoreUnavailable(
                 f"{self._down_error} (not retried for {self._down_until - now:.1f} s more)",
                 code=self._down_error.code,
                 call=self._down_error.call,
             )
         try:
             return self._write(keys, pages, step)
-        except MooncakeUnavailable as exc:
+        except StoreUnavailable as exc:
             self._down_error = exc
             self._down_until = time.monotonic() + self._retry_after
             raise

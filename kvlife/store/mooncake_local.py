@@ -25,11 +25,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from kvlife.errors import ConfigError, MissingDependency
-from kvlife.store.mooncake import (
-    MooncakeUnavailable,
-    load_client_class,
-)
+from kvlife.errors import ConfigError, MissingDependency, StoreUnavailable
+from kvlife.store.mooncake import load_client_class
 
 __all__ = ["LocalMooncake", "free_port"]
 
@@ -124,7 +121,7 @@ class LocalMooncake:
         deadline = time.monotonic() + timeout
         while not self._pool_mounted():  # the pool registers with the master shortly after
             if time.monotonic() > deadline or self.pool_proc.poll() is not None:
-                raise MooncakeUnavailable(
+                raise StoreUnavailable(
                     f"the pool did not register with the master; see {self.log_dir}/pool.log",
                     code=-1,
                     call="start_pool",
@@ -151,14 +148,14 @@ class LocalMooncake:
         deadline = time.monotonic() + timeout
         while not all(_listening(p) for p in ports):
             if proc.poll() is not None:
-                raise MooncakeUnavailable(
+                raise StoreUnavailable(
                     f"mooncake {name} exited with {proc.returncode}; see {self.log_dir}/{name}.log",
                     code=-1,
                     call=f"start_{name}",
                 )
             if time.monotonic() > deadline:
                 self._kill(proc)
-                raise MooncakeUnavailable(
+                raise StoreUnavailable(
                     f"mooncake {name} not listening after {timeout} s",
                     code=-1,
                     call=f"start_{name}",
