@@ -245,3 +245,37 @@ def test_a_job_id_reused_while_in_flight_is_counted_and_both_jobs_finish() -> No
     assert [r.job_id for r in results] == [7, 7] and all(r.success for r in results)
     assert worker.stats["job_id_in_flight"] == 1 and worker.inflight == 0
     worker.shutdown()
+
+
+def test_the_worker_takes_keywords_newer_vllm_passes() -> None:
+    """vLLM 0.33 calls ``submit_load(..., expedited=True)``; 0.32 has no such keyword.
+
+    The worker accepts it (and any other new keyword) and the load still restores
+    the stored bytes into the device block.
+    """
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from kvlife.integrations.vllm import HostBlocksSpec, KVLifeWorker
+
+    views = [torch.arange(8 * 16, dtype=torch.int8).reshape(8, 16) + i for i in range(2)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(v, 16) for v in views],
+        group_data_refs=[[CanonicalKVCacheRef(i, 16) for i in range(2)]],
+    )
+    worker = KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
+    stored = [v[3].clone() for v in views]
+    host = HostBlocksSpec([0], [key(3)])
+    assert worker.submit_store(1, GPULoadStoreSpec([3], [1], [0]), host, expedited=False)
+    worker.flush(timeout=10)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    assert worker.submit_load(2, host, GPULoadStoreSpec([5], [1], [0]), expedited=True)
+    worker.flush(timeout=10)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]
+    assert all(torch.equal(v[5], s) for v, s in zip(views, stored, strict=True))
+    assert worker.inflight == 0
+    worker.shutdown()
