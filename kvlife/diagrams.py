@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Callable
 
 from kvlife._lifecycle import TABLE, State
-from kvlife.errors import ConfigError, MissingDependency
+from kvlife.errors import ConfigError, KVLifeError, MissingDependency
 
 __all__ = [
     "DIAGRAMS",
@@ -144,5 +144,9 @@ def dot_to_image(dot_source: str, fmt: str) -> bytes:
     )
     if done.returncode != 0:
         why = done.stderr.decode(errors="replace").strip()
-        raise MissingDependency(f"Graphviz's dot cannot draw {fmt} (install its renderer): {why}")
+        if "not recognized" in why:  # this Graphviz build has no renderer for the format
+            raise MissingDependency(
+                f"Graphviz's dot cannot draw {fmt} (install its renderer): {why}"
+            )
+        raise KVLifeError(f"Graphviz's dot failed to draw {fmt}: {why}")
     return done.stdout

@@ -12,7 +12,14 @@ import pytest
 
 from kvlife import TABLE, State
 from kvlife.cli import COMMANDS, build_parser, main
-from kvlife.diagrams import GRAPHVIZ_HELP, lifecycle_dot, lifecycle_mermaid, table_markdown
+from kvlife.diagrams import (
+    GRAPHVIZ_HELP,
+    dot_to_image,
+    lifecycle_dot,
+    lifecycle_mermaid,
+    table_markdown,
+)
+from kvlife.errors import KVLifeError, MissingDependency
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,6 +110,17 @@ def test_images_with_graphviz(tmp_path: Path, fmt: str, magic: bytes) -> None:
     out = tmp_path / f"life.{fmt}"
     assert main(["diagram", "--format", fmt, "--out", str(out)]) == 0
     assert magic in out.read_bytes()[:400]
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz dot is not installed")
+def test_dot_failures_say_whether_a_renderer_is_missing() -> None:
+    """A format this Graphviz cannot draw asks for a renderer; any other failure of dot
+    (here, broken dot text) is reported as dot's failure, not as something to install."""
+    with pytest.raises(MissingDependency, match="install its renderer"):
+        dot_to_image(lifecycle_dot(), "no-such-format")
+    with pytest.raises(KVLifeError, match="dot failed to draw svg") as err:
+        dot_to_image("digraph {", "svg")
+    assert not isinstance(err.value, MissingDependency)
 
 
 def test_stdout_mermaid_by_default() -> None:
