@@ -21,9 +21,9 @@ File format and verification
 ============================
 
 A page file is the page in the shared format of ``kvlife.store.base``
-(``frame_page``): an 18-byte header (magic ``KVLP``, version, key length,
-payload length, XXH3-64 checksum of the payload), the key's digits, then the payload. The
-caller knows the payload's dtype and shape. ``get`` and ``contains`` read the
+(``frame_page``): a 22-byte header (magic ``KVLP``, version, key length,
+payload length, XXH3-64 checksum of the payload), the key's digits, then the
+payload. The caller knows the payload's dtype and shape. ``get`` and ``contains`` read the
 whole file and check it (``unframe_page``); a file that is truncated, extended,
 damaged, of another version or of another key is a miss (``get`` returns None),
 counted in ``stats().pages_corrupt``, and the next put of that key replaces it.
