@@ -44,7 +44,7 @@ Divergence: the fingerprint is a running hash of each submission's page count
 and last page key (the hash chain's tail, which names the whole token prefix;
 never the rid, which is a label). If MIN and MAX of the submission count or of
 the fingerprint differ, the ranks submitted different sequences: every rank
-sees that in the same collective and raises an :class:`~kvlife.errors.AgreementError`
+sees that in the same collective and raises :class:`~kvlife.errors.GroupBroken`
 naming the first differing chunk (``index``, ``chunks``). The
 first differing chunk is found from a short history: the fingerprint after
 each submission since the last poll at which all ranks agreed, gathered once
@@ -58,7 +58,7 @@ always succeeds locally, and a full pool on one rank stops every rank alike.
 
 Failure: a peer that crashed closes its connections; a peer that hangs or stops
 polling leaves the collective waiting. Both become a
-:class:`~kvlife.errors.RankFailure` within ``timeout`` seconds (for the latter,
+:class:`~kvlife.errors.GroupBroken` within ``timeout`` seconds (for the latter,
 its message says no peer answered in time). After
 any error the agreement is broken for good: every later call raises at once.
 """
@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
 from kvlife.engine.base import Ack
-from kvlife.errors import AgreementError, ConfigError, RankFailure
+from kvlife.errors import AgreementError, ConfigError, GroupBroken
 
 if TYPE_CHECKING:
     from kvlife.pool import HostPagePool
@@ -110,7 +110,7 @@ class TorchAgreement:
     ``group``: any process group (default: the world). A group with a gloo
     backend is used as it is; for any other (NCCL) a gloo group of the same
     ranks is made next to it, as serving engines do. ``timeout``: seconds a
-    collective may wait for a peer before :class:`~kvlife.errors.RankFailure`. ``host``:
+    collective may wait for a peer before :class:`~kvlife.errors.GroupBroken`. ``host``:
     the host page pool the manager allocates from; with it, :meth:`admit`
     answers from an agreed budget (without it, ``admit`` always says yes and
     the runtime must make host-pool exhaustion identical on every rank).
@@ -161,7 +161,7 @@ class TorchAgreement:
         # Host budget.
         self._host = host
         self._budget = 0
-        self._broken: AgreementError | None = None
+        self._broken: GroupBroken | None = None
         #: Collectives run (one per :meth:`agree` call, one more with ``host``).
         self.collectives = 0
         #: Chunks returned as agreed.
@@ -296,7 +296,7 @@ class TorchAgreement:
             raise self._broken  # the same error again: nothing may be applied after it
 
     def _all_reduce(self, what: str) -> None:
-        """One MIN all-reduce of the words; any failure becomes a (sticky) RankFailure."""
+        """One MIN all-reduce of the words; any failure becomes a (sticky) GroupBroken."""
         t0 = time.perf_counter()
         try:
             work = dist.all_reduce(self._buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
@@ -311,7 +311,7 @@ class TorchAgreement:
     def _fail(self, exc: BaseException | None, what: str, elapsed: float) -> NoReturn:
         timed_out = exc is None or "timed out" in str(exc).lower() or elapsed >= self.timeout
         why = "no peer answer in time" if timed_out else "a peer's connection broke"
-        error = RankFailure(
+        error = GroupBroken(
             f"rank {self.rank} of {self.world_size}: the agreement's {what} collective failed "
             f"after {elapsed:.1f} s (timeout {self.timeout:g} s; {why}): a peer rank crashed, "
             f"hung or stopped polling. Nothing was applied. Cause: {exc}"
@@ -343,7 +343,7 @@ class TorchAgreement:
         chunks = [h[first][1] if first < len(h) else None for h in histories]
         index = base + first
         lines = "; ".join(f"rank {r}: {c or 'no chunk'}" for r, c in enumerate(chunks))
-        error = AgreementError(
+        error = GroupBroken(
             f"ranks submitted different chunk sequences ({fewest} to {most} submissions); "
             f"the first differing chunk is submission {index}: {lines}",
             index=index,

@@ -111,14 +111,10 @@ class CopyFault(EngineError):
 
 
 class AgreementError(KVLifeError):
-    """The ranks of a tensor-parallel group could not agree. The message says why: a
-    submission or ack the agreement cannot take (not a ticket or an ack, a chunk
-    submitted twice; nothing changed), or ranks that submitted different chunk
-    sequences (a runtime bug, raised on every rank alike: ``index`` is the first
-    submission index at which they differ and ``chunks[r]`` rank r's chunk there,
-    ``None`` if it had none). After a divergence, or a :class:`RankFailure`, the
-    agreement raises the same error again at every call: stop the group's offload.
-    Also the error of an ack whose copy succeeded here but failed on another rank."""
+    """A submission or ack the agreement of a tensor-parallel group cannot take (not a
+    ticket or an ack, a chunk submitted twice): a caller bug; nothing changed and the
+    agreement stays usable. Also the error of an ack whose copy succeeded here but failed
+    on another rank. Its subclass :class:`GroupBroken` is the one to stop on."""
 
     def __init__(
         self,
@@ -132,10 +128,14 @@ class AgreementError(KVLifeError):
         self.chunks = chunks
 
 
-class RankFailure(AgreementError, RuntimeError):
-    """A peer rank crashed, its connection broke, or it did not join the agreement's
-    collective within the timeout (hung or stopped polling; the message says "no peer
-    answer in time"). Nothing was applied; the group is broken for good."""
+class GroupBroken(AgreementError, RuntimeError):
+    """The group's agreement is broken for good; every later call raises it again: stop
+    the group's offload. The message says why: a peer rank crashed or its connection
+    broke; it did not join the collective within the timeout ("no peer answer in time");
+    or the ranks submitted different chunk sequences (a runtime bug, raised on every rank
+    alike: ``index`` is the first submission index at which they differ and ``chunks[r]``
+    rank r's chunk there, ``None`` if it had none; both ``None`` for the other causes).
+    Nothing from the failing poll was applied."""
 
 
 class StoreError(KVLifeError):
@@ -218,6 +218,7 @@ __all__ = [
     "EngineClosed",
     "EngineError",
     "ForeignAck",
+    "GroupBroken",
     "HashingError",
     "InvalidChunk",
     "InvalidEvent",
@@ -230,7 +231,6 @@ __all__ = [
     "PageBusy",
     "PageMismatch",
     "PoolError",
-    "RankFailure",
     "ReleaseCallbackError",
     "StoreClosed",
     "StoreError",

@@ -28,7 +28,7 @@ from kvlife._lifecycle import Lifecycle, Ticket
 from kvlife.distributed import TorchAgreement, chunk_fingerprint
 from kvlife.engine.base import Ack
 from kvlife.engine.cpu import CpuCopyEngine, CpuCopyEvent
-from kvlife.errors import AgreementError, ConfigError, RankFailure
+from kvlife.errors import AgreementError, ConfigError, GroupBroken
 from kvlife.layout import LayerFirstLayout
 from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool
@@ -243,7 +243,7 @@ def divergence_scenario(rank: int, world: int) -> dict[str, Any]:
                 m.poll()
                 seen.append(None)
             except AgreementError as exc:
-                assert type(exc) is AgreementError and "different chunk sequences" in str(exc)
+                assert type(exc) is GroupBroken and "different chunk sequences" in str(exc)
                 seen.append({"index": exc.index, "chunks": exc.chunks, "message": str(exc)})
         after = (x.snapshot(), y.snapshot(), rig.host.num_used)
         out[case] = {"seen": seen, "unchanged": before == after}
@@ -299,11 +299,11 @@ def failing_peer_main(rank: int, world: int, port: int, out_dir: str, mode: str)
             m.offload(lc, tokens(step + 2, 7), list(range(1 + (step + 1) // PAGE)))
             m.poll()
         result["error"] = None
-    except RankFailure as exc:
+    except GroupBroken as exc:
         result.update(error=type(exc).__name__, message=str(exc))
         try:
             m.poll()
-        except RankFailure as again:
+        except GroupBroken as again:
             result["again"] = type(again).__name__
     result["elapsed"] = time.monotonic() - t0
     rig.close_parts()
@@ -336,7 +336,7 @@ def test_ranks_apply_only_what_every_rank_completed(world: int, tmp_path: Path) 
        every rank applies each ack only after every rank reported it complete,
        treats the failure as a failure, and ends with the same store and the
        same release sequence.
-    3. Divergent submissions raise AgreementError on every rank, naming
+    3. Divergent submissions raise GroupBroken on every rank, naming
        the first differing chunk; nothing changes; later polls raise again.
     4. The simulator with a host pool that runs out: identical stores and releases.
     """
@@ -399,7 +399,7 @@ def test_ranks_apply_only_what_every_rank_completed(world: int, tmp_path: Path) 
 def test_a_failed_rank_becomes_an_error_not_a_hang(mode: str, tmp_path: Path) -> None:
     """Scenario: the last of three ranks dies (``os._exit``), or stops polling.
 
-    The others raise a RankFailure (saying no peer answered in time when it is silent)
+    The others raise a GroupBroken (saying no peer answered in time when it is silent)
     instead of waiting forever; later polls raise at once. A rank that hung
     would be killed by the spawner and fail the test.
     """
@@ -408,7 +408,7 @@ def test_a_failed_rank_becomes_an_error_not_a_hang(mode: str, tmp_path: Path) ->
     assert codes[:-1] == [0] * (world - 1), (codes, results)
     for r in results[:-1]:
         assert r is not None
-        assert r["error"] == "RankFailure", r
+        assert r["error"] == "GroupBroken", r
         assert r["again"] == r["error"]
         assert "crashed, hung or stopped polling" in r["message"]
         if mode == "stuck":
@@ -468,12 +468,18 @@ def test_single_rank_applies_in_submission_order_and_refuses_bad_input(world1: N
     for t in (t0, t1, t2):
         ag.submitted(t)
     assert ag.pending == 3
-    with pytest.raises(AgreementError, match="already submitted"):
+    refusals = []
+    with pytest.raises(AgreementError, match="already submitted") as err:
         ag.submitted(t1)
-    with pytest.raises(AgreementError, match="expected a Ticket"):
+    refusals.append(err.value)
+    with pytest.raises(AgreementError, match="expected a Ticket") as err:
         ag.submitted(("not", "a", "ticket"))  # type: ignore[arg-type]
-    with pytest.raises(AgreementError, match="expected an Ack"):
+    refusals.append(err.value)
+    with pytest.raises(AgreementError, match="expected an Ack") as err:
         ag.agree([Ack(t2, (0,), (0,)), "junk"])  # type: ignore[list-item]
+    refusals.append(err.value)
+    # A refusal is not GroupBroken: the agreement stays usable (the next calls work).
+    assert all(type(e) is AgreementError for e in refusals)
     assert ag.pending == 3 and ag.collectives == 0  # nothing changed, no collective ran
     assert ag.agree([Ack(t2, (0,), (0,))]) == []  # t0 is not complete: nothing yet
     out = ag.agree([Ack(t1, (1, 2), (1, 2)), Ack(t0, (3,), (3,))])
@@ -528,4 +534,4 @@ def test_agreement_errors_are_kvlife_errors() -> None:
     from kvlife.errors import KVLifeError
 
     assert issubclass(AgreementError, KVLifeError)
-    assert issubclass(RankFailure, AgreementError) and issubclass(RankFailure, RuntimeError)
+    assert issubclass(GroupBroken, AgreementError) and issubclass(GroupBroken, RuntimeError)
