@@ -553,14 +553,17 @@ class Lifecycle:
             owner, seq, _, keys = ticket  # type: ignore[misc]  # a LoadTicket went above
             index = seq - self._acked_seq
             chunk = chunks[index] if 0 <= index < len(chunks) else None
-        except (TypeError, ValueError):
-            raise self._refuse(UnknownChunk, _ACK, f"{ticket!r} is not a Ticket") from None
+            # Not the chunk in flight: None, an acked chunk's key, or a forgery.
+            other = chunk is not ticket and chunk != ticket
+        except Exception:  # not unpackable, not comparable: whatever it is, not a Ticket
+            what = type(ticket).__name__
+            raise self._refuse(UnknownChunk, _ACK, f"a {what} is not a Ticket") from None
         if owner is not self:
             raise self._refuse(ForeignAck, _ACK, f"chunk {seq} belongs to {owner!r}")
-        if chunk is not ticket and chunk != ticket:  # None, an acked chunk's key, or a forgery
+        if other:
             raise self._ack_refusal(seq, chunk)
         if not index:  # an equal copy of the oldest chunk's ticket: settle the original
-            return self.ack(chunk)
+            return self.ack(chunk)  # type: ignore[arg-type]
         inflight = self._inflight
         dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:  # unreachable while the table and the checks above agree

@@ -378,6 +378,33 @@ def test_an_ack_of_something_that_is_not_a_ticket_is_refused(
     assert_refused(lc, lambda: lc.ack(not_a_ticket), UnknownChunk, Event.ACK, "not a Ticket")
 
 
+def test_an_ack_of_a_ticket_lookalike_that_cannot_be_compared_is_refused() -> None:
+    """A lookalike that unpacks as (this Lifecycle, seq, first page, keys) but whose
+    comparison raises is a typed refusal, never its exception."""
+    lc, _ = make()
+    t0, t1 = lc.submit(page(1)), lc.submit(page(2))
+
+    class Hostile:
+        def __init__(self, *fields: object) -> None:
+            self.fields = fields
+
+        def __iter__(self) -> Any:
+            return iter(self.fields)
+
+        def __eq__(self, other: object) -> bool:
+            raise RuntimeError("no comparing me")
+
+        def __ne__(self, other: object) -> bool:
+            raise RuntimeError("no comparing me")
+
+        __hash__ = object.__hash__
+
+    for seq in (0, 1):
+        fake = Hostile(lc, seq, seq, (f"k{seq + 1}",))
+        assert_refused(lc, lambda f=fake: lc.ack(f), UnknownChunk, Event.ACK, "not a Ticket")
+    assert lc.chunks_in_flight() == (t0, t1)
+
+
 @pytest.mark.parametrize("state", list(State))
 def test_an_ack_of_another_lifecycles_chunk_is_refused(state: State) -> None:
     lc, _ = _in_state(state)
