@@ -557,7 +557,9 @@ class Lifecycle:
             other = chunk is not ticket and chunk != ticket
         except Exception:  # not unpackable, not comparable: whatever it is, not a Ticket
             what = type(ticket).__name__
-            raise self._refuse(UnknownChunk, _ACK, f"a {what} is not a Ticket") from None
+            raise self._refuse(
+                UnknownChunk, _ACK, f"an object of type {what} is not a Ticket"
+            ) from None
         if owner is not self:
             raise self._refuse(ForeignAck, _ACK, f"chunk {seq} belongs to {owner!r}")
         if other:
