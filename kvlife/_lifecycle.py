@@ -484,7 +484,7 @@ class Lifecycle:
             raise self._refuse(
                 InvalidChunk, _SUBMIT, f"{n} tokens are not one or more whole pages of {page_size}"
             )
-        try:
+        try:  # _next_state, inlined: submit is the hot path
             dest = _ON_SUBMIT[self._state]
         except KeyError:
             raise self._refuse(
@@ -591,12 +591,7 @@ class Lifecycle:
         for key in loaded:  # a plain loop: no generator frame per load
             if type(key) is not str:
                 raise self._refuse(InvalidChunk, _LOAD, f"key {key!r} is not a str")
-        try:
-            dest = _ON_LOAD[self._state]
-        except KeyError:
-            raise self._refuse(
-                InvalidTransition, _LOAD, "the table has no such transition"
-            ) from None
+        dest = self._next_state(_ON_LOAD, _LOAD)
         seq = self._loads_started
         ticket = _new_ticket(LoadTicket, (self, seq, loaded))
         if self._loads is None:
@@ -630,12 +625,7 @@ class Lifecycle:
         """End decoding. Releases at once if nothing is in flight, else when the last ack comes."""
         if type(reason) is not FinishReason:
             raise self._refuse(InvalidEvent, _FINISH, f"reason {reason!r} is not a FinishReason")
-        try:
-            dest = _ON_FINISH[self._state]
-        except KeyError:
-            raise self._refuse(
-                InvalidTransition, _FINISH, "the table has no such transition"
-            ) from None
+        dest = self._next_state(_ON_FINISH, _FINISH)
         self._finish_reason = reason
         self._state = dest
         if not self._inflight:
@@ -654,6 +644,15 @@ class Lifecycle:
                     rid=self._rid,
                     ident=id(self),
                 ) from exc
+
+    def _next_state(self, rows: dict[State, State], event: Event) -> State:
+        """The table's destination of ``event`` (a guard-free one) from the current state."""
+        try:
+            return rows[self._state]
+        except KeyError:
+            raise self._refuse(
+                InvalidTransition, event, "the table has no such transition"
+            ) from None
 
     def _ack_refusal(self, seq: int, chunk: Ticket | _Settled | None) -> LifecycleError:
         if type(chunk) is _Settled or (chunk is None and 0 <= seq < self._acked_seq):
