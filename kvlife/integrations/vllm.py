@@ -1,94 +1,24 @@
 """kvlife as a vLLM KV offloading backend: ``KVLifeOffloadingSpec`` (vLLM 0.32).
 
-Switch it on with vLLM's offloading connector::
+Switch it on with ``LLM(..., kv_transfer_config=transfer_config(host_bytes, ...))``.
+The page ``docs/vllm.md`` has the configuration keys, the call sequence, the
+process layouts, the persistent tier and the metrics; in short:
 
-    LLM(..., kv_transfer_config=transfer_config(host_bytes=2 << 30, store_dir="kvcache"))
-
-which is ``KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-kv_connector_extra_config={"spec_name": "KVLifeOffloadingSpec", "spec_module_path":
-"kvlife.integrations.vllm", "host_bytes": ..., ...})``. Extra-config keys:
-``host_bytes`` (the host tier, required), ``store_dir`` (an optional persistent
-tier), ``eviction`` (``"lru"``), ``strict`` (default False), ``model_id``,
-``report_dir``.
-
-Theory of operation
-===================
-
-vLLM builds the spec once per *role*: in the scheduler process (EngineCore)
-it asks for the :class:`KVLifeOffloadingManager`, in each worker process for a
-:class:`KVLifeWorker`. In single-process mode both live in one process.
-
-*Scheduler side* (the manager) decides everything and copies nothing:
-
-- The host tier is a :class:`~kvlife.pool.HostPagePool`: one page per vLLM
-  block (all layers of the block, as raw bytes). The manager maps each
-  offloaded key to a host page index. An entry is *pending* from
-  ``prepare_store`` until ``complete_store`` (``lookup`` says ``HIT_PENDING``,
-  never ``HIT``), then *ready*; a ready entry being loaded has a pin count.
-  LRU eviction takes only ready, unpinned entries, never the keys being
-  offered; when no page can be had, ``prepare_store`` returns ``None`` (vLLM
-  offers the keys again next step) and the refusal is counted. A count of
-  evictable entries refuses a tier full of pending or pinned pages without a
-  scan.
-- Each request gets a kvlife :class:`~kvlife.Lifecycle` at ``on_new_request``,
-  kept on vLLM's per-request ``ReqContext`` (never in a dict keyed by request
-  id). A store job is a chunk submitted to it, a load job another; both count
-  as in flight until ``complete_store`` / ``complete_load`` acks the job's
-  ticket (found by the request's Lifecycle, taken from its ReqContext, and the
-  job's key set: vLLM completes a job by its keys). A store's Lifecycle chunk
-  records vLLM's bytes keys as they are; a load records their hex (made once
-  per key).
-  ``on_request_finished`` finishes the Lifecycle, which releases once nothing
-  is in flight - vLLM may complete a job after it finished the request.
-- Lifecycle refusals (:class:`~kvlife.errors.LifecycleError`) and calls that
-  name no known job are counted per kind and logged once per kind; with
-  ``strict`` they raise (a call naming no known job as
-  :class:`~kvlife.errors.ManagerError`).
-
-*Worker side* holds the bytes. The scheduler process hands out page indices
-only, so where the bytes live depends on the process layout:
-
-- single process: the worker builds the host pool first and the manager
-  allocates from that same pool (one tensor, same memory);
-- multiprocess: the manager's pool is allocator-only (one byte per page) and
-  each worker process holds a pool of the same capacity; page ``i`` on the
-  scheduler side names row ``i`` of the worker's tensor.
-
-The worker copies through a kvlife copy engine
-(:class:`~kvlife.engine.CpuCopyEngine` on vLLM's CPU build, its worker thread
-copying while vLLM computes; :class:`~kvlife.engine.CudaCopyEngine`, one event
-per chunk, when the KV cache is on a CUDA device) over a
-:class:`BlockViewsLayout`: vLLM's per-layer int8 block views
-(``CanonicalKVCaches``), block ``b`` being row ``b`` of every view, and the
-host rows. Each job gets a worker-side :class:`~kvlife.Lifecycle` (the job is
-the worker's unit of identity; the scheduler-side per-request Lifecycle is
-separate): ``submit_store`` submits the job's chunk (a ``Ticket``),
-``submit_load`` its load (a ``LoadTicket``) to the engine and finishes the
-job's Lifecycle; ``get_finished`` polls the engine, acks each ack's ticket to
-its Lifecycle, and the Lifecycle's one release is the job's one
-``TransferResult``. ``wait(job_ids)`` blocks on those jobs' completion events
-(their results still come from ``get_finished``); ``shutdown`` drains and
-closes the engine. In multiprocess mode the worker owns every page of its pool
-(the scheduler process allocates the indices); in single-process mode the
-engine checks each page against the manager's allocation.
-
-*Persistent tier* (``store_dir``): a :class:`~kvlife.store.LocalDirectoryStore`
-in a namespace derived from the model identity, the KV cache shape and dtype,
-the block size, the layers and the parallel layout (see
-:func:`store_namespace`). The worker writes each stored block to it after the
-host copy (asynchronously, from a private copy of the rows, so eviction never
-races the write). The manager, on a host miss, asks the store whether a whole,
-verified page exists (``contains``); if so ``lookup`` is a ``HIT`` and the
-load spec marks the block "from store": the worker reads the page (verified
-again) straight into the device blocks, itself, not through the engine (the
-engine copies between device pages and host pool pages, and a disk page is not
-in the host pool). Disk loads are not promoted to the
-host tier. A restarted vLLM with the same ``store_dir`` (and the same block
-hash seed: vLLM's default, or the same ``PYTHONHASHSEED``) finds its
-predecessor's pages. A page that fails verification is a miss at lookup; one
-damaged between lookup and load cannot be reported to vLLM 0.32 (a failed
-transfer asserts in the engine), so the worker counts it
-(``disk_load_errors``), logs an error and writes zeros.
+- vLLM builds the spec once per role: :class:`KVLifeOffloadingManager` on the
+  scheduler decides everything and copies nothing; :class:`KVLifeWorker` in
+  each worker process holds the bytes and copies through a kvlife copy engine.
+  The manager hands out host page indices only: in one process both share one
+  :class:`~kvlife.pool.HostPagePool`, otherwise page ``i`` names row ``i`` of
+  the worker's own pool.
+- Each request gets a :class:`~kvlife.Lifecycle`, kept on its ``ReqContext``;
+  every store and load is a job on it, found again by (Lifecycle, key set)
+  when vLLM completes it, so it releases once finished and nothing is in flight.
+- A host entry is pending from ``prepare_store`` to ``complete_store`` (never a
+  ``HIT``, never evicted) and pinned while a load reads it; LRU eviction takes
+  only ready, unpinned entries. Refusals change nothing: counted and logged
+  once per kind, raised with ``strict``.
+- Each worker job gets its own Lifecycle; its one release is the job's one
+  ``TransferResult``, and a job never reports a copy it did not make.
 
 Limits: one KV cache group (plain attention models), ``blocks_per_chunk`` 1.
 """
