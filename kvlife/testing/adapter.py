@@ -1,37 +1,16 @@
-"""What the kit needs from a runtime (the adapter), and kvlife's own adapter.
+"""What the kit needs from a runtime (:class:`RuntimeAdapter`), and kvlife's own adapter.
 
-Theory of operation
-===================
-
-The kit plays a decode scheduler against *your* offload bookkeeping. It talks
-to it only through a :class:`RuntimeAdapter`: start a request life with a rid,
-run decode steps, finish it with a reason, list the copies in flight, complete
-one of them (success or failure) when the kit decides, poll, close; and observe
-what happened: which lives were released with which device pages (and how many
-of their copies were still in flight right then), which pages were stored under
-which keys, how many host pages are allocated.
-
-The adapter owns the device side: it gives each life device pages, writes each
-page's KV values as soon as the page is whole, and takes the pages back (and
-poisons and reuses them at once) when the life is released. Page values are a
-pure function of the page's key (:func:`page_bytes_of`), so a page stored under
-a key it does not belong to is caught by its bytes. :class:`DevicePages` is that
-device side for a runtime that frees its own pages.
-
-The kit's events are in :mod:`kvlife.testing.events`; the model that checks the
-rules after each one is :class:`~kvlife.testing.oracle.Oracle`.
-
-:class:`ManagerAdapter` is the adapter for a runtime built on kvlife's
-:class:`~kvlife.manager.OffloadManager`, with a
-:class:`~kvlife.testing.scripted.ScriptedEngine`, an
-:class:`~kvlife.store.InlineStore` and a small layer-first KV pool.
+The adapter owns the device side: it writes each page's values as soon as the page is
+whole (a pure function of the page's key, :func:`page_bytes_of`, so a page stored under
+a key it does not belong to is caught by its bytes), and poisons and reuses a released
+life's pages at once. See docs/testing-kit.md, "Writing an adapter for another runtime".
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -79,14 +58,8 @@ class Release:
 
 @runtime_checkable
 class RuntimeAdapter(Protocol):
-    """All the kit needs from a decode runtime's offload bookkeeping.
-
-    Two optional members (:data:`OPTIONAL_MEMBERS`): ``progress``, the runtime's progress
-    model (``"poll"``: its poll never blocks and applies the copies that completed, the
-    default; ``"drain"``: its poll waits for every queued copy), and
-    ``device_pages_allocated()`` (device pages lives hold now: 0 after close, or
-    ``device-leak``).
-    """
+    """All the kit needs from a decode runtime's offload bookkeeping (and the optional
+    :data:`OPTIONAL_MEMBERS`)."""
 
     #: Tokens per page.
     page_size: int
@@ -95,7 +68,6 @@ class RuntimeAdapter(Protocol):
 
     def start(self, rid: str, prompt: Sequence[int]) -> object:
         """Begin a new request life with ``rid`` whose prefill computed ``prompt``; its handle."""
-        ...
 
     def resume(self, request: object, tokens: Sequence[int]) -> object:
         """Resume the retracted request ``request`` (a handle :meth:`start` or :meth:`resume`
@@ -104,55 +76,42 @@ class RuntimeAdapter(Protocol):
         Return ``request`` itself if your runtime resumes the same request object (SGLang
         does): the kit then tells the lives apart by which one is running.
         """
-        ...
 
     def step(self, request: object, tokens: Sequence[int]) -> None:
         """Decode ``tokens`` (append them, write whole pages' KV), then offload what is due."""
-        ...
 
     def finish(self, request: object, reason: FinishReason) -> None:
         """Decoding of the life ended (finished, aborted, retracted)."""
-        ...
 
     def copies_in_flight(self) -> Sequence[object]:
         """Copies submitted and not yet completed, as opaque handles, in submit order."""
-        ...
 
     def copy_request(self, copy: object) -> object:
         """The request handle a copy belongs to."""
-        ...
 
     def complete(self, copy: object, ok: bool = True) -> None:
         """Complete one copy now: it reads its device pages (``ok``) or fails."""
-        ...
 
     def poll(self) -> None:
         """One scheduler poll: the runtime applies completed copies and store writes."""
-        ...
 
     def close(self) -> None:
         """Drain and shut down; afterwards nothing may be in flight or allocated."""
-        ...
 
     def releases(self) -> Sequence[Release]:
         """Every release so far, in order."""
-        ...
 
     def stored_keys(self) -> Iterable[str]:
         """Every key the store holds."""
-        ...
 
     def stored_page(self, key: str) -> bytes | None:
         """The stored bytes under ``key``."""
-        ...
 
     def page_bytes(self, key: str) -> bytes:
         """The bytes the page whose key is ``key`` holds on the device (a pure function)."""
-        ...
 
     def host_pages_allocated(self) -> int:
         """Host pages allocated now."""
-        ...
 
 
 #: Optional adapter members, read with ``getattr`` (an adapter may leave them out):
@@ -166,18 +125,16 @@ OPTIONAL_MEMBERS = ("progress", "device_pages_allocated", "host_pages_free")
 # ----------------------------------------------------------------------------- kvlife's adapter
 
 
+@dataclass(eq=False)
 class RuntimeRequest:
     """The runtime's side of one request life: tokens, device page table, page keys."""
 
-    __slots__ = ("handle", "keys", "pages", "rid", "tokens", "written")
-
-    def __init__(self, rid: str, tokens: list[int]) -> None:
-        self.rid = rid
-        self.tokens = tokens
-        self.pages: list[int] = []
-        self.keys: list[str] = []
-        self.written = 0
-        self.handle: Any = None
+    rid: str
+    tokens: list[int]
+    pages: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    written: int = 0
+    handle: Any = None
 
     def __repr__(self) -> str:
         return f"<request rid={self.rid!r} tokens={len(self.tokens)} id=0x{id(self):x}>"
@@ -218,16 +175,12 @@ class ManagerAdapter:
         self.manager = manager_factory(
             self.engine, self.host, self.store, page_size=page_size, stride=stride
         )
-        self._free_pages = list(range(device_pages - 1, -1, -1))
-        self._poison = torch.full((self.layout.page_numel,), -1, dtype=torch.int32)
+        self.device = DevicePages(self.layout)
         self._requests: dict[OffloadRequest, RuntimeRequest] = {}
         self._releases: list[Release] = []
         self._closed = False
 
-    # ---------------------------------------------------------------- driving
-
     def start(self, rid: str, prompt: Sequence[int]) -> RuntimeRequest:
-        """Prefill ``prompt`` into fresh device pages and start a manager life."""
         req = RuntimeRequest(rid, list(prompt))
         self._grow(req)
         req.handle = self.manager.start(rid, req.tokens, self._on_release)
@@ -235,39 +188,28 @@ class ManagerAdapter:
         return req
 
     def resume(self, request: object, tokens: Sequence[int]) -> RuntimeRequest:
-        """A retracted request resumes: kvlife gives it a new life (a new Lifecycle)."""
-        old = self._request(request)
-        return self.start(old.rid, tokens)
+        """kvlife gives a resumed request a new life (a new Lifecycle)."""
+        return self.start(self._request(request).rid, tokens)
 
     def step(self, request: object, tokens: Sequence[int]) -> None:
-        """Append ``tokens``, write the pages that became whole, and offload what is due."""
         req = self._request(request)
         req.tokens.extend(tokens)
         self._grow(req)
         self.manager.offload(req.handle, req.tokens, req.pages)
 
     def finish(self, request: object, reason: FinishReason) -> None:
-        """Tell the manager the life's decoding ended."""
         self.manager.finish(self._request(request).handle, reason)
 
     def copies_in_flight(self) -> list[ScriptedCopy]:
-        """The scripted engine's copies not yet completed, in submit order."""
         return self.engine.in_flight()
 
     def copy_request(self, copy: object) -> RuntimeRequest:
-        """The request life whose Lifecycle submitted ``copy``."""
-        if not isinstance(copy, ScriptedCopy):
-            raise AdapterError(f"{copy!r} is not a copy of this adapter's engine")
-        return self._requests[copy.ticket.lifecycle.owner]  # type: ignore[index]
+        return self._requests[self._copy(copy).lifecycle.owner]  # type: ignore[index]
 
     def complete(self, copy: object, ok: bool = True) -> None:
-        """Complete ``copy`` in the scripted engine (it reads the device pages now)."""
-        if not isinstance(copy, ScriptedCopy):
-            raise AdapterError(f"{copy!r} is not a copy of this adapter's engine")
-        self.engine.complete(copy, ok)
+        self.engine.complete(self._copy(copy), ok)
 
     def poll(self) -> None:
-        """One manager poll."""
         self.manager.poll()
 
     def close(self) -> None:
@@ -281,37 +223,26 @@ class ManagerAdapter:
             self.engine.close()
             self.store.close()
 
-    # ---------------------------------------------------------------- observing
-
     def releases(self) -> list[Release]:
-        """Every release so far."""
         return self._releases
 
     def stored_keys(self) -> Iterable[str]:
-        """Every key in the store."""
         return self.store.keys()
 
     def stored_page(self, key: str) -> bytes | None:
-        """The stored bytes under ``key``."""
         return self.store.get(key)
 
     def page_bytes(self, key: str) -> bytes:
-        """The key's digest, repeated to the page's size: what the device page holds."""
         return page_bytes_of(key, self.layout.page_nbytes)
 
     def host_pages_allocated(self) -> int:
-        """Host pages allocated now."""
         return self.host.num_used
 
     def device_pages_allocated(self) -> int:
-        """Device pages lives hold now."""
-        return self.layout.num_pages - len(self._free_pages)
+        return self.device.allocated()
 
     def host_pages_free(self) -> int:
-        """Host pages free now (a due chunk may wait for one)."""
         return self.host.num_free
-
-    # ---------------------------------------------------------------- device side
 
     def _request(self, request: object) -> RuntimeRequest:
         if not isinstance(request, RuntimeRequest) or self._requests.get(request.handle) is not (
@@ -320,34 +251,31 @@ class ManagerAdapter:
             raise AdapterError(f"{request!r} was not started by this adapter")
         return request
 
+    def _copy(self, copy: object) -> ScriptedCopy:
+        if not isinstance(copy, ScriptedCopy):
+            raise AdapterError(f"{copy!r} is not a copy of this adapter's engine")
+        return copy
+
     def _grow(self, req: RuntimeRequest) -> None:
         """Give ``req`` device pages for all its tokens; write each page once it is whole."""
         size = self.page_size
-        while len(req.pages) * size < len(req.tokens):
-            if not self._free_pages:
-                raise AdapterError(f"no free device page for {req!r}")
-            req.pages.append(self._free_pages.pop())
+        missing = -(-len(req.tokens) // size) - len(req.pages)
+        if missing > 0:
+            req.pages += self.device.alloc(missing, req)
         whole = (len(req.tokens) - 1) // size  # the newest token has no KV yet
         if whole > len(req.keys):
             prior = req.keys[-1] if req.keys else None
             new = req.tokens[len(req.keys) * size : whole * size]
             req.keys.extend(page_hashes(new, size, prior, namespace=self.namespace))
-        nbytes = self.layout.page_nbytes
         while req.written < whole:
-            values = torch.frombuffer(
-                bytearray(page_bytes_of(req.keys[req.written], nbytes)), dtype=torch.int32
-            )
-            self.layout.write_page(req.pages[req.written], values)
+            self.device.write(req.pages[req.written], req.keys[req.written])
             req.written += 1
 
     def _on_release(self, record: OffloadRequest, device_pages: Sequence[int]) -> None:
         req = self._requests[record]
-        reading = [c for c in self.engine.in_flight() if c.ticket.lifecycle.owner is record]
-        self._releases.append(Release(req, tuple(device_pages), len(reading)))
-        # The runtime frees the pages it holds for the life: poisoned, reused first.
-        for page in reversed(req.pages):
-            self.layout.write_page(page, self._poison)
-            self._free_pages.append(page)
+        reading = sum(c.lifecycle.owner is record for c in self.engine.in_flight())
+        self._releases.append(Release(req, tuple(device_pages), reading))
+        self.device._reclaim(req.pages)
         req.pages = []
 
 
@@ -402,6 +330,10 @@ class DevicePages:
                 raise AdapterError(f"device page {page} is not held by {owner!r}")
         inflight = self._in_flight(owner) if self._in_flight is not None else 0
         self.releases.append(Release(owner, tuple(pages), inflight))
+        self._reclaim(pages)
+
+    def _reclaim(self, pages: Sequence[int]) -> None:
+        """Take ``pages`` back (poisoned, reused first) without recording a release."""
         for page in reversed(pages):
             del self._owner[page]
             self.layout.write_page(page, self._poison)
