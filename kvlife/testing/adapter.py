@@ -262,12 +262,8 @@ class ManagerAdapter:
         missing = -(-len(req.tokens) // size) - len(req.pages)
         if missing > 0:
             req.pages += self.device.alloc(missing, req)
-        whole = (len(req.tokens) - 1) // size  # the newest token has no KV yet
-        if whole > len(req.keys):
-            prior = req.keys[-1] if req.keys else None
-            new = req.tokens[len(req.keys) * size : whole * size]
-            req.keys.extend(page_hashes(new, size, prior, namespace=self.namespace))
-        while req.written < whole:
+        extend_page_keys(req.keys, req.tokens, size, self.namespace)
+        while req.written < len(req.keys):
             self.device.write(req.pages[req.written], req.keys[req.written])
             req.written += 1
 
@@ -277,6 +273,22 @@ class ManagerAdapter:
         self._releases.append(Release(req, tuple(device_pages), reading))
         self.device._reclaim(req.pages)
         req.pages = []
+
+
+def extend_page_keys(
+    keys: list[str], tokens: Sequence[int], page_size: int, namespace: str | None
+) -> list[str]:
+    """Append to ``keys`` the chained keys of the pages of ``tokens`` that became whole (the
+    newest token has no KV yet, so its page is not whole); the keys added."""
+    whole = (len(tokens) - 1) // page_size
+    if whole <= len(keys):
+        return []
+    prior = keys[-1] if keys else None
+    new = page_hashes(
+        tokens[len(keys) * page_size : whole * page_size], page_size, prior, namespace=namespace
+    )
+    keys.extend(new)
+    return new
 
 
 def page_bytes_of(key: str, nbytes: int) -> bytes:

@@ -1,22 +1,9 @@
 """The kit's trusted model: it drives a runtime's adapter and checks the lifecycle rules.
 
-:class:`Oracle` replays the kit's events (:mod:`kvlife.testing.events`) on a
-:class:`~kvlife.testing.adapter.RuntimeAdapter`, knows each life's tokens (hence
-its keys: :func:`kvlife.hashing.page_hashes` in page order), which copies the
-kit has completed, which lives finished; after every event :meth:`Oracle.check`
-compares what the adapter reports with the rules of ``docs/design.md`` and
-raises :class:`InvariantViolation` naming the rule:
-
-* ``release-once``: a life is released at most once, and only after it finished
-  (an ack that moved another life shows up here);
-* ``release-in-flight``: never while a copy of it is in flight;
-* ``misfiled-page``: a stored page's bytes are the bytes of its key's page;
-* ``hash-chain``: every stored key is a key of some life's tokens, chained in page order;
-* ``copy-owner``: copies belong to a live, unfinished life when they appear;
-* ``stuck-copy``: no runtime call blocks past ``KitOptions.stuck_after``;
-* at close, ``unreleased``, ``host-leak`` and ``device-leak``: every life released
-  exactly once, every host page freed (a double free raises in the pool and
-  surfaces as is), no device page held.
+:class:`Oracle` runs the kit's events on a :class:`~kvlife.testing.adapter.RuntimeAdapter`,
+knows each life's tokens (hence its keys), which copies the kit completed and which lives
+finished, and after every event raises :class:`InvariantViolation` naming the first rule
+broken (the rules: docs/testing-kit.md, "What the kit checks").
 """
 
 from __future__ import annotations
@@ -26,12 +13,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvlife._lifecycle import FinishReason
 from kvlife.errors import KVLifeError
-from kvlife.hashing import page_hashes
-from kvlife.testing.adapter import RuntimeAdapter
+from kvlife.testing.adapter import RuntimeAdapter, extend_page_keys
 from kvlife.testing.events import Close, Complete, Finish, KitEvent, Resume, Start, Step
 from kvlife.testing.options import KitOptions, Progress, progress_of
 
@@ -46,32 +33,20 @@ class InvariantViolation(KVLifeError, AssertionError):
         self.rule = rule
 
 
+@dataclass(eq=False, slots=True)
 class Life:
     """The oracle's model of one request life."""
 
-    __slots__ = (
-        "copies",
-        "handle",
-        "index",
-        "keys",
-        "reason",
-        "released",
-        "resumed",
-        "rid",
-        "tokens",
-    )
-
-    def __init__(self, index: int, rid: str, handle: object, tokens: list[int]) -> None:
-        self.index = index
-        self.rid = rid
-        self.handle = handle
-        self.tokens = tokens
-        self.keys: list[str] = []
-        self.reason: FinishReason | None = None
-        self.released = False
-        self.resumed = False
-        #: Copies this life submitted, in submit order.
-        self.copies: list[object] = []
+    index: int
+    rid: str
+    handle: object
+    tokens: list[int]
+    keys: list[str] = field(default_factory=list)
+    reason: FinishReason | None = None
+    released: bool = False
+    resumed: bool = False
+    #: Copies this life submitted, in submit order.
+    copies: list[object] = field(default_factory=list)
 
     @property
     def running(self) -> bool:
@@ -242,19 +217,14 @@ class Oracle:
         self.apply(Complete(life.index, life.copies.index(copy), ok, poll))
 
     def _start(self, rid: str, prompt: tuple[int, ...], resumed: Life | None = None) -> None:
-        if resumed is None:
+        # An adapter written before resume was explicit has none: the new life just starts.
+        if resumed is None or getattr(self.adapter, "resume", None) is None:
             handle = self._call(f"start rid={rid}", self.adapter.start, rid, prompt)
         else:
-            resume = getattr(self.adapter, "resume", None)
-            if resume is None:  # an adapter from before resume was explicit
-                handle = self._call(f"start rid={rid}", self.adapter.start, rid, prompt)
-            else:
-                handle = self._call(f"resume life {resumed.index}", resume, resumed.handle, prompt)
-        same = self._by_handle.get(id(handle), [])
-        if any(
-            life.handle is handle and not (resumed is not None and life.handle is resumed.handle)
-            for life in same
-        ):
+            what = f"resume life {resumed.index}"
+            handle = self._call(what, self.adapter.resume, resumed.handle, prompt)
+        reused = any(life.handle is handle for life in self._by_handle.get(id(handle), []))
+        if reused and (resumed is None or handle is not resumed.handle):
             raise InvariantViolation(
                 "copy-owner", "start returned the handle of an older life (resume did not ask)"
             )
@@ -264,18 +234,10 @@ class Oracle:
         self._extend_keys(life)
 
     def _extend_keys(self, life: Life) -> None:
-        size = self.adapter.page_size
-        whole = (len(life.tokens) - 1) // size
-        if whole > len(life.keys):
-            prior = life.keys[-1] if life.keys else None
-            new = page_hashes(
-                life.tokens[len(life.keys) * size : whole * size],
-                size,
-                prior,
-                namespace=self.adapter.namespace,
-            )
-            life.keys.extend(new)
-            self._allowed.update(new)
+        new = extend_page_keys(
+            life.keys, life.tokens, self.adapter.page_size, self.adapter.namespace
+        )
+        self._allowed.update(new)
 
     def close(self) -> None:
         """Finish every running life, complete every copy, poll, close; then the final rules."""
@@ -291,7 +253,8 @@ class Oracle:
         self.check()
         # A copy the kit completed may take a moment to leave a threaded engine's list.
         deadline = time.monotonic() + (self.options.stuck_after or 0.0)
-        while self._listed_completed() and time.monotonic() < deadline:
+        listed = self.adapter.copies_in_flight
+        while any(id(c) in self._completed for c in listed()) and time.monotonic() < deadline:
             time.sleep(0.002)
             self._poll()
             self.check()
@@ -315,9 +278,6 @@ class Oracle:
             raise InvariantViolation(
                 "device-leak", f"{held()} device pages still held after every life was released"
             )
-
-    def _listed_completed(self) -> bool:
-        return any(id(c) in self._completed for c in self.adapter.copies_in_flight())
 
     def abandon(self) -> None:
         """Close the adapter after a failure, bounded by the deadline; errors are dropped.
