@@ -1,32 +1,12 @@
 """Every interleaving of a small configuration, run on a real runtime and checked.
 
-The configuration: ``requests`` request lives that share one rid, started one
-after the other (a life starts once the one before it *finished*, while that
-one's copies may still be in flight: the reused-rid case; after a retraction,
-with the options' ``resumes``, the next life may instead be its resume); each
-decodes up to ``chunks`` steps of one page, and each step makes one chunk due;
-finishes with any of the options' reasons at any point (before its first step,
-between any two, after the last). Under the adapter's ``"poll"`` progress model
-every submitted chunk is completed, successfully (and, with ``failures``, also
-failed), in any order relative to everything else, and the scheduler polls after
-each completion; under ``"drain"`` a poll (which completes every copy queued) may
-come between any two events. After the last event the run is closed and checked
-(everything released once, no host or device page left).
-
-A runtime whose host pool is full defers a due chunk to a later step: an
-interleaving that completes a chunk the runtime has not submitted is *deferred*
-(not run further, not a violation) and counted in :attr:`CheckReport.deferred`.
-With :attr:`CheckConfig.host_pages_needed` host pages (every chunk of every life
-in flight, plus the one page a store write holds until the next poll) nothing is
-deferred.
-
-The enumeration is a depth-first walk over a model of what may happen next;
-each complete interleaving is replayed on a fresh adapter (by default a
-:class:`~kvlife.testing.ManagerAdapter` over kvlife's own manager) under the
-:class:`~kvlife.testing.Oracle`, which checks every rule after every event.
-Nothing is sampled. A violation prunes every interleaving that shares the
-prefix up to the violating event (they all break the same way), so a buggy
-runtime is checked fast; the report keeps the shortest trace of each broken rule.
+A depth-first walk over a model of what may happen next (:func:`_moves`) enumerates the
+interleavings of a :class:`CheckConfig`; each complete one runs on a fresh adapter under
+the :class:`~kvlife.testing.Oracle`. A violation prunes every interleaving that shares its
+prefix up to the violating event (they all break the same way); the report keeps the
+shortest trace of each broken rule. An interleaving that completes a chunk the runtime
+deferred (its host pool was full) is counted as deferred, not run further. The
+configuration, in words: docs/testing-kit.md, "Every interleaving: kvlife check".
 """
 
 from __future__ import annotations
@@ -36,7 +16,7 @@ import multiprocessing
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from kvlife._lifecycle import FinishReason
@@ -170,16 +150,12 @@ _State = tuple[_Life, ...]
 _SETTLED = 1 << 7
 
 
-def _prompt(cfg: CheckConfig) -> tuple[int, ...]:
-    """One whole page and one token: every life starts with the same prompt."""
-    return tuple(range(1, cfg.page_size + 2))
-
-
 def _moves(
     cfg: CheckConfig, state: _State, progress: Progress = "poll"
 ) -> Iterator[tuple[KitEvent, _State]]:
     """Every event that may happen next, with the state after it, in a fixed order."""
     opts = cfg.options
+    prompt = tuple(range(1, cfg.page_size + 2))  # one whole page and one token, for every life
     outcomes = (True, False) if opts.failures and progress == "poll" else (True,)
     for i, (started, k, finished, done) in enumerate(state):
 
@@ -189,7 +165,7 @@ def _moves(
         if not started:
             before = state[i - 1][2] if i else 1
             if before:
-                yield Start(RID, _prompt(cfg)), now((True, 0, 0, 0))
+                yield Start(RID, prompt), now((True, 0, 0, 0))
             if before == 2 and opts.resumes:
                 yield Resume(i - 1), now((True, 0, 0, 0))
             continue
@@ -224,10 +200,7 @@ def count_interleavings(cfg: CheckConfig, progress: Progress = "poll") -> int:
 
     @cache
     def count(state: _State) -> int:
-        total = 0
-        for _, after in _moves(cfg, state, progress):
-            total += count(after)
-        return total or 1
+        return sum(count(after) for _, after in _moves(cfg, state, progress)) or 1
 
     return count(_initial(cfg))
 
@@ -315,7 +288,7 @@ class _Explorer:
             self.deferred += 1
             return index + 1  # every interleaving with this prefix completes that chunk too
         self.violating += 1
-        events = [*prefix[: index + 1]]
+        events = prefix[: index + 1]
         if index == len(prefix):
             events.append(Close())
         self.keep(Violation(rule, message, [str(e) for e in events], events))
@@ -326,6 +299,14 @@ class _Explorer:
         old = self.shortest.get(violation.rule)
         if old is None or len(violation.trace) < len(old.trace):
             self.shortest[violation.rule] = violation
+
+    def merge(self, runs: int, violating: int, deferred: int, found: list[Violation]) -> None:
+        """Add one subtree's counts and violations (a worker's result)."""
+        self.interleavings += runs
+        self.violating += violating
+        self.deferred += deferred
+        for violation in found:
+            self.keep(violation)
 
     def subtree(
         self, task: tuple[tuple[KitEvent, ...], _State]
@@ -365,17 +346,6 @@ def _frontier(
     return level
 
 
-def _default_factory(cfg: CheckConfig) -> Callable[[], RuntimeAdapter]:
-    def factory() -> RuntimeAdapter:
-        return ManagerAdapter(
-            page_size=cfg.page_size,
-            host_pages=cfg.host_pages_needed,
-            device_pages=cfg.requests * (cfg.requests * cfg.chunks + 2),  # resumes grow
-        )
-
-    return factory
-
-
 def check_exhaustively(
     cfg: CheckConfig | None = None,
     adapter_factory: Callable[[], RuntimeAdapter] | None = None,
@@ -391,7 +361,12 @@ def check_exhaustively(
     """
     global _WORKER
     cfg = cfg or CheckConfig()
-    factory = adapter_factory or _default_factory(cfg)
+    factory = adapter_factory or partial(
+        ManagerAdapter,
+        page_size=cfg.page_size,
+        host_pages=cfg.host_pages_needed,
+        device_pages=cfg.requests * (cfg.requests * cfg.chunks + 2),  # resumes grow
+    )
     probe = factory()
     try:
         model = progress_of(probe)
@@ -401,31 +376,31 @@ def check_exhaustively(
         with contextlib.suppress(Exception):
             probe.close()
     explorer = _Explorer(cfg, factory, model)
-    report = CheckReport(cfg, total=count_interleavings(cfg, model), progress=model)
+    total = count_interleavings(cfg, model)
     t0 = time.perf_counter()
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
-        tasks = _frontier(cfg, jobs * 16, model)
         _WORKER = explorer
         try:
             with multiprocessing.get_context("fork").Pool(jobs, _quiet_worker) as pool:
-                for runs, violating, deferred, found in pool.imap(_work, tasks):
-                    report.interleavings += runs
-                    report.violating += violating
-                    report.deferred += deferred
-                    for violation in found:
-                        explorer.keep(violation)
+                for found in pool.imap(_work, _frontier(cfg, jobs * 16, model)):
+                    explorer.merge(*found)
                     if progress is not None:
-                        progress(runs)
+                        progress(found[0])
         finally:
             _WORKER = None
     else:
         explorer.progress = progress
         explorer.explore(_initial(cfg))
-        report.interleavings, report.violating = explorer.interleavings, explorer.violating
-        report.deferred = explorer.deferred
-    report.elapsed_s = time.perf_counter() - t0
-    report.violations = sorted(explorer.shortest.values(), key=lambda v: (len(v.trace), v.rule))
-    return report
+    return CheckReport(
+        cfg,
+        interleavings=explorer.interleavings,
+        total=total,
+        violating=explorer.violating,
+        deferred=explorer.deferred,
+        progress=model,
+        violations=sorted(explorer.shortest.values(), key=lambda v: (len(v.trace), v.rule)),
+        elapsed_s=time.perf_counter() - t0,
+    )
 
 
 def _quiet_worker() -> None:
