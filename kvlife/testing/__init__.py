@@ -1,23 +1,14 @@
 """kvlife.testing: check a decode runtime's offload bookkeeping against the lifecycle rules.
 
-Three parts, for engineers who test their own runtime:
+* :class:`RuntimeAdapter` -- all the kit needs from a runtime (:class:`ManagerAdapter` for
+  one built on kvlife's manager); :class:`Oracle` checks every rule after each event;
+* :func:`run_kit` / :class:`RuntimeMachine` -- the hypothesis state machine;
+* :func:`check_exhaustively` -- every interleaving of a small configuration (``kvlife check``).
 
-* :class:`RuntimeAdapter` -- all the kit needs from a runtime; :class:`ManagerAdapter`
-  is the one for runtimes built on kvlife's manager (with :class:`ScriptedEngine`
-  and an :class:`~kvlife.store.InlineStore`) (``adapter``); the kit's events
-  (``events``) and :class:`Oracle`, the model that checks every rule after each
-  one (``oracle``);
-* :func:`run_kit` / :class:`RuntimeMachine` -- the hypothesis state machine:
-  reused rids, late and out-of-order completions, aborts, retractions, resumes;
-* :func:`check_exhaustively` -- every interleaving of a small configuration
-  (the ``kvlife check`` command, ``--runtime module:factory`` for yours).
-
-Both take one :class:`KitOptions` (same defaults) and report a failure as one
-readable trace (:class:`KitFailure`, :class:`Violation`), replayable with
-:func:`replay_trace`.
-
-The hypothesis parts are imported on first use, so ``kvlife check`` runs
-without hypothesis installed.
+Both drivers take one :class:`KitOptions` and report a failure as one readable trace
+(:class:`KitFailure`, :class:`Violation`), replayable with :func:`replay_trace`. The
+hypothesis parts are imported on first use, so ``kvlife check`` runs without hypothesis.
+Guide: docs/testing-kit.md.
 """
 
 from __future__ import annotations
@@ -33,16 +24,8 @@ from kvlife.testing.adapter import (
     page_bytes_of,
 )
 from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
-from kvlife.testing.exhaustive import (
-    CheckConfig,
-    CheckReport,
-    Violation,
-    check_exhaustively,
-)
-from kvlife.testing.options import (
-    KitOptions,
-    Progress,
-)
+from kvlife.testing.exhaustive import CheckConfig, CheckReport, Violation, check_exhaustively
+from kvlife.testing.options import KitOptions, Progress
 from kvlife.testing.oracle import InvariantViolation, Oracle
 from kvlife.testing.report import KitFailure, format_trace, replay_trace
 from kvlife.testing.scripted import ScriptedCopy, ScriptedEngine

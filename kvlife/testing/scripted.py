@@ -1,20 +1,10 @@
 """ScriptedEngine: a copy engine whose copies complete only when the test says so.
 
-A real engine reads a chunk's device pages at some moment between ``submit``
-and the ack; nothing promises when. The scripted engine takes the adversarial
-choice: it reads the device pages **at completion time**, in
-:meth:`ScriptedEngine.complete`, and never earlier. So a runtime that hands a
-chunk's device pages back (and lets them be reused) before the chunk's ack
-gets the reused pages' bytes in its host copy and then in its store: early
-release shows up as a page stored under a key it does not belong to, not as
-luck. Reading at submit would hide exactly that bug.
-
-Everything else is a real copy engine: it checks chunks like the others
-(``check``, host pages busy while in flight), ``submit`` returns the chunk's
-handle (here the :class:`ScriptedCopy` to complete), it copies real tensors
-with the layout's page copy, and reports one
-:class:`~kvlife.engine.base.Ack` per chunk, in completion order, at the next
-:meth:`poll`. No thread: a test decides every interleaving.
+It reads a chunk's device pages at completion, the latest moment a real engine may, never
+at submit: a runtime that hands the pages back before the ack stores the reused pages'
+bytes under the chunk's keys (docs/testing-kit.md, "Why the scripted engine reads late").
+Otherwise a real copy engine: same checks, real tensor copies, one ack per chunk at the
+next poll; no thread.
 """
 
 from __future__ import annotations
@@ -106,15 +96,9 @@ class ScriptedEngine(PageCopyEngine):
             error = CopyFault(f"scripted copy fault in {copy!r}")
         self._in_flight = [c for c in self._in_flight if c is not copy]
         self._unclaim(load, copy.device_pages, copy.host_pages)
+        now = time.perf_counter()
         self._ready.append(
-            Ack(
-                copy.ticket,
-                copy.device_pages,
-                copy.host_pages,
-                error,
-                copy.submitted_at,
-                time.perf_counter(),
-            )
+            Ack(copy.ticket, copy.device_pages, copy.host_pages, error, copy.submitted_at, now)
         )
 
     # ---------------------------------------------------------------- the engine

@@ -1,23 +1,14 @@
 """The kit's hypothesis state machine: your runtime, through its adapter, against the oracle.
 
-:class:`RuntimeMachine` takes an adapter factory (zarr's pattern: the thing
-under test is passed in, the trusted model lives on ``self``). Each rule is
-one scheduler event; the :class:`~kvlife.testing.Oracle` runs it on the
-adapter and checks every rule of the lifecycle after it. Teardown finishes
-every running life, completes every copy, closes, and checks that every life
-was released exactly once and no host page is left.
-
-Importing this module defines no test. Run it from a test with one line::
-
-    def test_my_runtime():
-        run_kit(MyAdapter)
+Each rule is one scheduler event that the :class:`~kvlife.testing.Oracle` runs on the
+adapter and checks. Importing this module defines no test; run it with
+``run_kit(MyAdapter)`` (docs/testing-kit.md, "Running it").
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -71,26 +62,21 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.max_tokens = max_tokens
         self._clean = True
 
-    def _run(self, action: Callable[[], None]) -> None:
+    def _run(self, action: Callable[..., None], *args: Any) -> None:
         """Run one event; remember a failure so teardown does not mask it."""
         self._clean = False
-        action()
+        action(*args)
         self._clean = True
-
-    def _free_rids(self) -> list[str]:
-        busy = {life.rid for life in self.oracle.running()}
-        return [rid for rid in self.rids if rid not in busy]
-
-    # ---------------------------------------------------------------- rules
 
     @precondition(lambda self: self.oracle.unreleased() < self.max_unreleased)
     @rule(data=st.data(), prompt=prompts())
     def start(self, data: st.DataObject, prompt: tuple[int, ...]) -> None:
         """A request life begins, often with a rid a draining life still uses."""
-        free = self._free_rids()
+        busy = {life.rid for life in self.oracle.running()}
+        free = [rid for rid in self.rids if rid not in busy]
         if free:
             rid = data.draw(st.sampled_from(free), label="rid")
-            self._run(lambda: self.oracle.apply(Start(rid, prompt)))
+            self._run(self.oracle.apply, Start(rid, prompt))
 
     @precondition(lambda self: bool(self.oracle.running()))
     @rule(data=st.data(), steps=st.lists(decode_tokens(), min_size=1, max_size=3))
@@ -100,7 +86,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         if growing:
             life = data.draw(st.sampled_from(growing), label="life")
             for tokens in steps:
-                self._run(partial(self.oracle.apply, Step(life.index, tokens)))
+                self._run(self.oracle.apply, Step(life.index, tokens))
 
     @precondition(lambda self: bool(self.oracle.running()))
     @rule(tokens=decode_tokens(2))
@@ -108,7 +94,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         """One scheduler step: every running life decodes the same number of tokens."""
         for life in self.oracle.running():
             if len(life.tokens) < self.max_tokens:
-                self._run(partial(self.oracle.apply, Step(life.index, tokens)))
+                self._run(self.oracle.apply, Step(life.index, tokens))
 
     @precondition(lambda self: bool(self.oracle.running()))
     @rule(data=st.data())
@@ -116,7 +102,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         """A running life finishes, is aborted, or is retracted (as the options allow)."""
         life = data.draw(st.sampled_from(self.oracle.running()), label="life")
         reason: FinishReason = data.draw(st.sampled_from(self.options.reasons), label="reason")
-        self._run(lambda: self.oracle.apply(Finish(life.index, reason)))
+        self._run(self.oracle.apply, Finish(life.index, reason))
 
     @precondition(
         lambda self: (
@@ -129,7 +115,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     def resume(self, data: st.DataObject) -> None:
         """A retracted request resumes as a new life (same rid, its tokens as the prompt)."""
         life = data.draw(st.sampled_from(self.oracle.resumable()), label="retracted")
-        self._run(lambda: self.oracle.apply(Resume(life.index)))
+        self._run(self.oracle.apply, Resume(life.index))
 
     @precondition(lambda self: self.oracle.progress == "poll" and bool(self.oracle.in_flight()))
     @rule(data=st.data(), poll=st.booleans())
@@ -144,12 +130,12 @@ class RuntimeMachine(RuleBasedStateMachine):
         if late:
             choices.append(st.sampled_from(late))
         copy = data.draw(st.one_of(choices), label="copy")
-        self._run(lambda: self.oracle.complete(copy, ok, poll))
+        self._run(self.oracle.complete, copy, ok, poll)
 
     @rule()
     def poll(self) -> None:
         """The scheduler polls."""
-        self._run(lambda: self.oracle.apply(Poll()))
+        self._run(self.oracle.apply, Poll())
 
     def oracle_owner(self, copy: object) -> Any:
         """The oracle's life that submitted ``copy``."""

@@ -1,15 +1,12 @@
 """Hypothesis strategies for the kit: rids that get reused, prompts, decode steps, events.
 
-Small pools on purpose: three rids and a handful of prompts and token ids make
-reused rids and lives whose chunks look like another life's (same rid, same
-seq, even the same keys) the common case, not a rare one. :func:`events`
-draws whole event sequences; :func:`replay` runs one against an adapter, the
-stateless twin of :class:`~kvlife.testing.RuntimeMachine`.
+Small pools on purpose, so reused rids and chunks that look like another life's are the
+common case. :func:`replay` runs an :func:`events` sequence: the stateless twin of
+:class:`~kvlife.testing.RuntimeMachine`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 from hypothesis import strategies as st
@@ -89,20 +86,18 @@ def replay(
     are skipped, so any drawn sequence is a valid run. Raises on the first
     broken rule; the adapter is closed either way.
     """
-    adapter = adapter_factory()
-    oracle = Oracle(adapter)
-    clean = False
+    oracle = Oracle(adapter_factory())
+    closed = False
     try:
         for event in sequence:
             concrete = _concrete(oracle, event, max_unreleased, max_tokens)
             if concrete is not None:
                 oracle.apply(concrete)
         oracle.close()
-        clean = True
+        closed = True
     finally:
-        if not clean:
-            with contextlib.suppress(Exception):  # the first failure is the one to report
-                adapter.close()
+        if not closed:
+            oracle.abandon()  # the first failure is the one to report
     return oracle
 
 
