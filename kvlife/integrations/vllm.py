@@ -33,7 +33,7 @@ import time
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -157,15 +157,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
 }
 
-#: Counter metrics, in the order of :meth:`KVLifeOffloadingManager._snapshot`.
-_COUNTER_NAMES = (
-    "vllm:kvlife_stored_blocks",
-    "vllm:kvlife_loaded_blocks",
-    "vllm:kvlife_loaded_from_store_blocks",
-    "vllm:kvlife_evicted_blocks",
-    "vllm:kvlife_dropped_host_full",
-    "vllm:kvlife_refused",
-)
+#: The counters, in the order of the tuple :meth:`KVLifeOffloadingManager.get_stats` builds.
+_COUNTER_NAMES = tuple(name for name, (kind, _) in METRICS.items() if kind == "counter")
 
 # ----------------------------------------------------------------------------- scheduler side
 
@@ -302,14 +295,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "lifecycles_released": self.lifecycles_released,
             "finished_at_shutdown": self.finished_at_shutdown,
             "preemptions": self.preemptions,
-            "stored": self.counts.stored,
-            "loaded": self.counts.loaded,
-            "loaded_from_store": self.counts.loaded_from_store,
-            "evicted": self.counts.evicted,
-            "dropped_host_full": self.counts.dropped_host_full,
-            "store_failed": self.counts.store_failed,
-            "abandoned_jobs": self.counts.abandoned_jobs,
-            "refused": self.counts.refused,
+            **asdict(self.counts),
         }
 
     # ---------------------------------------------------------------- refusals
@@ -335,6 +321,12 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             except LifecycleError as exc:
                 self._lifecycle_refused(what, exc)
 
+    def _finish(self, lifecycle: Lifecycle, reason: FinishReason) -> None:
+        try:
+            lifecycle.finish(reason)
+        except LifecycleError as exc:
+            self._lifecycle_refused("finish", exc)
+
     def _untracked(self, ctx: ReqContext, what: str) -> Lifecycle:
         """A call for a request vLLM never started with us: counted, then started."""
         self._refuse(f"{what}:untracked_request", f"request {ctx.req_id} was never started")
@@ -359,12 +351,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
-        if lifecycle is None:
-            return
-        try:
-            lifecycle.finish(FinishReason.FINISHED)
-        except LifecycleError as exc:
-            self._lifecycle_refused("finish", exc)
+        if lifecycle is not None:
+            self._finish(lifecycle, FinishReason.FINISHED)
 
     # ---------------------------------------------------------------- lookups and loads
 
@@ -381,9 +369,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
-        if lifecycle is None:
-            lifecycle = self._untracked(req_context, "load")
+        lifecycle = req_context.get_state(Lifecycle) or self._untracked(req_context, "load")
         entries = self._entries
         ordered = keys if type(keys) is list else list(keys)
         pages: list[int] = []
@@ -424,9 +410,9 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def complete_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext, **kwargs: Any
     ) -> None:
-        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
-        if lifecycle is None:
-            lifecycle = self._untracked(req_context, "complete_load")
+        lifecycle = req_context.get_state(Lifecycle) or self._untracked(
+            req_context, "complete_load"
+        )
         job = self._loads.pop((lifecycle, frozenset(keys)), None)
         if job is None:
             self._refuse("complete_load:unknown_job", f"no load of these {len(keys)} keys")
@@ -457,42 +443,33 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return PrepareStoreOutput(
                 keys_to_store=[], store_spec=HostBlocksSpec([], []), evicted_keys=[]
             )
-        pool = self._pool
-        if len(new) > self._capacity:  # more new keys than the tier: store the leading ones
-            new = new[: self._capacity]
-        free = pool.num_free
+        del new[self._capacity :]  # more new keys than the tier: store the leading ones
+        free = self._pool.num_free
         need = len(new) - free
         evicted: list[OffloadKey] = []
-        if need <= 0:
-            pages = pool.alloc(len(new), self)
-            assert pages is not None  # enough pages are free
-        else:
-            if need > self._evictable:  # every other page is pending or pinned
+        if need > 0:
+            if need <= self._evictable:  # else every other page is pending or pinned
+                protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
+                for key, entry in entries.items():  # least recently used first
+                    if entry[_READY] and not entry[_PINS] and key not in protected:
+                        evicted.append(key)
+                        if len(evicted) == need:
+                            break
+            if len(evicted) < need:
                 self.counts.dropped_host_full += 1
                 return None
-            protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
-            for key, entry in entries.items():  # least recently used first
-                if entry[_READY] and not entry[_PINS] and key not in protected:
-                    evicted.append(key)
-                    if len(evicted) == need:
-                        break
-            else:
-                self.counts.dropped_host_full += 1
-                return None
-            # The evicted entries' pages go straight to the new keys (one owner: us).
-            pages = [entries.pop(key)[_PAGE] for key in evicted]
             self._evictable -= need
             self.counts.evicted += need
-            if free:
-                more = pool.alloc(free, self)
-                assert more is not None
-                pages += more
+        # The evicted entries' pages go straight to the new keys (one owner: us).
+        pages = [entries.pop(key)[_PAGE] for key in evicted]
+        if len(pages) < len(new):
+            more = self._pool.alloc(len(new) - len(pages), self)
+            assert more is not None  # enough pages are free
+            pages += more
         for key, page in zip(new, pages, strict=True):
             entries[key] = [page, False, 0, None]
         self._pending += len(new)
-        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
-        if lifecycle is None:
-            lifecycle = self._untracked(req_context, "store")
+        lifecycle = req_context.get_state(Lifecycle) or self._untracked(req_context, "store")
         try:
             ticket: Ticket | None = _start_store(lifecycle, new)
         except LifecycleError as exc:
@@ -506,9 +483,9 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
-        if lifecycle is None:
-            lifecycle = self._untracked(req_context, "complete_store")
+        lifecycle = req_context.get_state(Lifecycle) or self._untracked(
+            req_context, "complete_store"
+        )
         job_keys = frozenset(keys)
         ticket = self._stores.pop((lifecycle, job_keys), _NO_JOB)
         if ticket is _NO_JOB:
@@ -534,23 +511,13 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         elif failed:
             self._pool.free(failed, self)
             self.counts.store_failed += len(failed)
-        if ticket is not None:
-            try:
-                lifecycle.ack(ticket)
-            except LifecycleError as exc:
-                self._lifecycle_refused("complete_store", exc)
+        self._ack("complete_store", lifecycle, ticket)
 
     # ---------------------------------------------------------------- engine hooks
-
-    def take_events(self) -> Iterable[Any]:
-        return ()
 
     def on_schedule_end(self, context: Any) -> None:
         if context.preempted_req_ids:
             self.preemptions += len(context.preempted_req_ids)
-
-    def has_pending_work(self) -> bool:
-        return False
 
     def _abandon_jobs(self) -> None:
         """Ack every job vLLM will never complete (reset or shutdown); pins and pending go."""
@@ -562,7 +529,9 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         for (lifecycle, _), job in loads.items():
             self._ack("abandon", lifecycle, job.ticket)
 
-    def _clear_tier(self) -> None:
+    def reset_cache(self) -> None:
+        """vLLM dropped its offloaded state: no complete_* will come for jobs begun before."""
+        self._abandon_jobs()
         self._entries.clear()
         self._evictable = 0
         self._pending = 0
@@ -570,11 +539,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         owned = self._pool.owned_by(self)
         if owned:
             self._pool.free(owned, self)
-
-    def reset_cache(self) -> None:
-        """vLLM dropped its offloaded state: no complete_* will come for jobs begun before."""
-        self._abandon_jobs()
-        self._clear_tier()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         c = self.counts
@@ -609,10 +573,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         for lifecycle in list(self._live):
             if lifecycle.finish_reason is None:
                 self.finished_at_shutdown += 1
-                try:
-                    lifecycle.finish(FinishReason.ABORTED)
-                except LifecycleError as exc:
-                    self._lifecycle_refused("finish", exc)
+                self._finish(lifecycle, FinishReason.ABORTED)
         self._abandon_jobs()
         # Pending entries never became ready; ready ones stay (the pool dies with us).
         for key in [k for k, e in self._entries.items() if not e[_READY]]:
@@ -625,6 +586,12 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
 
 # ----------------------------------------------------------------------------- worker side
+
+
+def _block_views(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
+    """vLLM's block views of the one KV cache group, each tensor once."""
+    indices = dict.fromkeys(ref.tensor_idx for ref in kv_caches.group_data_refs[0])
+    return [kv_caches.tensors[i].tensor for i in indices]
 
 
 class BlockViewsLayout(KVLayout):
@@ -671,15 +638,10 @@ class _WorkerJob:
 class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     """Copies blocks between vLLM's KV cache and the host tier through a kvlife copy engine.
 
-    ``pool.tensor`` row ``p`` holds host page ``p``: the bytes of one block,
-    layer after layer. Each vLLM job gets a worker-side
-    :class:`~kvlife.Lifecycle` (the job is the worker's unit of identity):
-    its store chunk (a :class:`~kvlife.Ticket`) or its load
-    (a :class:`~kvlife.LoadTicket`) is submitted to the engine
-    (:class:`~kvlife.engine.CpuCopyEngine` on vLLM's CPU build,
-    :class:`~kvlife.engine.CudaCopyEngine` on a CUDA device), the engine's ack
-    acks that ticket, and the Lifecycle, finished at submit, releases exactly
-    once: that release is the job's one :class:`TransferResult`.
+    ``pool.tensor`` row ``p`` holds host page ``p``. Each vLLM job gets its own
+    :class:`~kvlife.Lifecycle`: its chunk (a store's ``Ticket``, a load's
+    ``LoadTicket``) goes to the engine, the engine's ack acks it, and the
+    Lifecycle, finished at submit, releases once: the job's one ``TransferResult``.
     """
 
     def __init__(
@@ -692,9 +654,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         pool_key: str | None = None,
         tokens_per_block: int = 1,
     ) -> None:
-        refs = kv_caches.group_data_refs[0]
-        indices = list(dict.fromkeys(ref.tensor_idx for ref in refs))
-        layout = BlockViewsLayout([kv_caches.tensors[i].tensor for i in indices], tokens_per_block)
+        layout = BlockViewsLayout(_block_views(kv_caches), tokens_per_block)
         if pool.page_numel != layout.page_numel or pool.dtype != torch.int8:
             raise ConfigError(
                 f"host pages of {pool.page_numel} {pool.dtype} cannot hold a block of "
@@ -702,11 +662,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             )
         self.layout = layout
         self.row_bytes = layout.page_numel
-        self.engine: CpuCopyEngine | CudaCopyEngine
-        if layout.device.type == "cuda":
-            self.engine = CudaCopyEngine(layout, pool)
-        else:
-            self.engine = CpuCopyEngine(layout, pool)
+        engine = CudaCopyEngine if layout.device.type == "cuda" else CpuCopyEngine
+        self.engine: CpuCopyEngine | CudaCopyEngine = engine(layout, pool)
         self._pool = pool
         self._store = store
         self._report_dir = report_dir
@@ -715,7 +672,6 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
         self._by_life: dict[Lifecycle, _WorkerJob] = {}  # the same jobs, by their Lifecycle
         self._finished: list[TransferResult] = []
-        self._logged: set[str] = set()
         self._shut = False
         self.stats: Counter[str] = Counter()
         self.seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
@@ -733,8 +689,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _error_once(self, kind: str, message: str) -> None:
         self.stats[kind] += 1
-        if kind not in self._logged:
-            self._logged.add(kind)
+        if self.stats[kind] == 1:
             logger.error("kvlife worker: %s (%s); counted, logged once", kind, message)
 
     def _claim_pages(self) -> None:
@@ -983,14 +938,14 @@ class OffloadCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         books = [m.accounting() for m in live_managers()]
-        for name in self._COUNTERS:
-            family = CounterMetricFamily(f"kvlife_vllm_{name}", f"kvlife vLLM backend: {name}")
-            family.add_metric([], float(sum(b[name] for b in books)))
-            yield family
-        for name in self._GAUGES:
-            gauge = GaugeMetricFamily(f"kvlife_vllm_{name}", f"kvlife vLLM backend: {name}")
-            gauge.add_metric([], float(sum(b[name] for b in books)))
-            yield gauge
+        for family_type, names in (
+            (CounterMetricFamily, self._COUNTERS),
+            (GaugeMetricFamily, self._GAUGES),
+        ):
+            for name in names:
+                family = family_type(f"kvlife_vllm_{name}", f"kvlife vLLM backend: {name}")
+                family.add_metric([], float(sum(b[name] for b in books)))
+                yield family
         seconds = CounterMetricFamily(
             "kvlife_vllm_transfer_seconds", "Worker transfer time", labels=["direction"]
         )
@@ -1034,24 +989,11 @@ def store_namespace(config: Any, model_id: str | None = None) -> str:
     return f"vllm-{digest}/rank{config.parallel.rank}"
 
 
-def _positive_int(extra: Mapping[str, Any], name: str) -> int:
-    value = extra.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(
-            f"kvlife: kv_connector_extra_config[{name!r}] must be a positive int "
-            f"(bytes), got {value!r}"
-        )
-    return value
-
-
 class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     """vLLM offloading spec: ``spec_name="KVLifeOffloadingSpec"``,
-    ``spec_module_path="kvlife.integrations.vllm"``.
-
-    Extra-config keys: ``host_bytes`` (required), ``store_dir``,
-    ``eviction`` (``"lru"``), ``strict`` (default False), ``model_id``
-    (overrides the model name in the store namespace), ``report_dir``
-    (write each role's accounting as JSON at shutdown).
+    ``spec_module_path="kvlife.integrations.vllm"``; its extra-config keys
+    (``host_bytes``, ``store_dir``, ``eviction``, ``strict``, ``model_id``,
+    ``report_dir``) are in ``docs/vllm.md``.
     """
 
     @classmethod
@@ -1064,7 +1006,13 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         extra = self.extra_config
-        self.host_bytes = _positive_int(extra, "host_bytes")
+        host_bytes = extra.get("host_bytes")
+        if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes <= 0:
+            raise ConfigError(
+                "kvlife: kv_connector_extra_config['host_bytes'] must be a positive int "
+                f"(bytes), got {host_bytes!r}"
+            )
+        self.host_bytes = host_bytes
         eviction = extra.get("eviction", "lru")
         if eviction != "lru":
             raise ConfigError(f"kvlife: eviction {eviction!r} is not supported (only 'lru')")
@@ -1112,11 +1060,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            refs = kv_caches.group_data_refs[0]
-            row = sum(
-                int(kv_caches.tensors[i].tensor.shape[1])
-                for i in dict.fromkeys(ref.tensor_idx for ref in refs)
-            )
+            row = sum(int(view.shape[1]) for view in _block_views(kv_caches))
             pool = HostPagePool(self.capacity, row, torch.int8)
             _SHARED_POOLS[self._pool_key] = pool
             self._worker = KVLifeWorker(
