@@ -27,13 +27,7 @@ from kvlife.testing.options import KitOptions, Progress, progress_of
 from kvlife.testing.oracle import InvariantViolation, Oracle
 from kvlife.testing.report import format_trace
 
-__all__ = [
-    "CheckConfig",
-    "CheckReport",
-    "Violation",
-    "check_exhaustively",
-    "count_interleavings",
-]
+__all__ = ["CheckConfig", "CheckReport", "Violation", "check_exhaustively", "count_interleavings"]
 
 #: The rid every life of the configuration shares.
 RID = "r"

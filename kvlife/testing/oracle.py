@@ -118,8 +118,6 @@ class Oracle:
         #: A call did not return within the deadline: the adapter is left as it is.
         self.stuck = False
 
-    # ---------------------------------------------------------------- queries
-
     def running(self) -> list[Life]:
         """Lives started and not finished."""
         return [life for life in self.lives if life.running]
@@ -141,8 +139,6 @@ class Oracle:
         """Copies the kit has not completed (only ``life``'s if given), in submit order."""
         lives = self.lives if life is None else [life]
         return [c for lf in lives for c in lf.copies if id(c) not in self._completed]
-
-    # ---------------------------------------------------------------- events
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -202,13 +198,12 @@ class Oracle:
         self.check()
 
     def _poll(self) -> None:
+        queued: list[object] = []
         if self.progress == "drain":
             self.check()  # registers the copies queued before the poll
             queued = self.in_flight()
-            self._call("poll", self.adapter.poll)
-            self._completed.update(id(c) for c in queued)  # the poll waited for each
-        else:
-            self._call("poll", self.adapter.poll)
+        self._call("poll", self.adapter.poll)
+        self._completed.update(id(c) for c in queued)  # a draining poll waited for each
 
     def complete(self, copy: object, ok: bool, poll: bool) -> None:
         """Complete one copy the adapter lists as in flight (the stateful machine's event)."""
@@ -286,8 +281,6 @@ class Oracle:
             return
         with contextlib.suppress(Exception, _Stuck), _deadline(self.options.stuck_after):
             self.adapter.close()
-
-    # ---------------------------------------------------------------- the rules
 
     def check(self) -> None:
         """Compare what the adapter reports now with the model; raise on the first broken rule."""

@@ -1,14 +1,12 @@
 """One readable failure: the broken rule, the shortest run found, and how to replay it.
 
-Both drivers report through :class:`KitFailure`, an :class:`InvariantViolation` (so
-``except InvariantViolation`` and ``pytest.raises(AssertionError)`` catch it, under pytest
-or from a script): never an ExceptionGroup, and the trace is in the message itself, not in
-``__notes__``. :func:`replay_trace` runs a trace again on a fresh adapter.
+:class:`KitFailure` is an :class:`InvariantViolation` (so ``except InvariantViolation`` and
+``pytest.raises(AssertionError)`` catch it; never an ExceptionGroup) with the trace in its
+message, not in ``__notes__``. :func:`replay_trace` runs a trace again on a fresh adapter.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 from kvlife.testing.adapter import RuntimeAdapter
@@ -74,5 +72,4 @@ def replay_trace(
         return oracle
     finally:
         if not done:
-            with contextlib.suppress(Exception):
-                oracle.abandon()
+            oracle.abandon()

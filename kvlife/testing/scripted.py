@@ -65,8 +65,6 @@ class ScriptedEngine(PageCopyEngine):
         self._ready: list[Ack] = []
         self._submitted = 0
 
-    # ---------------------------------------------------------------- the script
-
     def in_flight(self, lifecycle: Lifecycle | None = None) -> list[ScriptedCopy]:
         """Copies submitted and not completed, in submit order (only ``lifecycle``'s if given)."""
         if lifecycle is None:
@@ -100,8 +98,6 @@ class ScriptedEngine(PageCopyEngine):
         self._ready.append(
             Ack(copy.ticket, copy.device_pages, copy.host_pages, error, copy.submitted_at, now)
         )
-
-    # ---------------------------------------------------------------- the engine
 
     @property
     def inflight(self) -> int:
