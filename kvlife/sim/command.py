@@ -131,13 +131,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(handler=_simulate)
 
 
-def _config(args: argparse.Namespace) -> SimConfig:
-    fields = SimConfig.__dataclass_fields__
-    return SimConfig(**{k: v for k, v in vars(args).items() if k in fields})
-
-
 def _simulate(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    fields = SimConfig.__dataclass_fields__
+    cfg = SimConfig(**{k: v for k, v in vars(args).items() if k in fields})
     if args.world_size > 1 or args.rank_copy_delays is not None:
         return _simulate_ranks(cfg, args)
     quiet = args.json or not sys.stdout.isatty()
@@ -173,24 +169,12 @@ def _print_ranks(cfg: SimConfig, result: dict[str, Any]) -> None:
     for r in per_rank:
         table.add_column(f"rank {r['rank']}", justify="right")
     shown = (
-        "ok",
-        "requests",
-        "lifecycles_released",
-        "chunks_offloaded",
-        "pages_verified",
-        "corrupted_pages",
-        "host_pool_exhausted",
-        "copy_failures",
-        "store_failures",
-        "stored_keys",
-        "stored_keys_digest",
-        "releases",
-        "release_digest",
-        "elapsed_s",
+        "ok requests lifecycles_released chunks_offloaded pages_verified corrupted_pages "
+        "host_pool_exhausted copy_failures store_failures stored_keys stored_keys_digest "
+        "releases release_digest elapsed_s"
     )
-    for key in shown:
-        cells = [r.get(key, "-") for r in per_rank]
-        table.add_row(key, *(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells))
+    for key in shown.split():
+        table.add_row(key, *(_cell(r.get(key, "-")) for r in per_rank))
     console = Console()
     console.print(table)
     for r in per_rank:
@@ -221,22 +205,16 @@ def _print_summary(cfg: SimConfig, report: SimReport) -> None:
     for key, value in report.as_dict().items():
         if key in ("violations", "ok"):
             continue
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        bad = (
-            key
-            in (
-                "corrupted_pages",
-                "misfiled_pages",
-                "leaked_host_pages",
-                "leaked_device_pages",
-                "invariant_violations",
-            )
-            and value
-        )
-        table.add_row(key, f"[bold red]{shown}[/]" if bad else shown)
+        bad = key in SimReport.FAILURES and value
+        table.add_row(key, f"[bold red]{_cell(value)}[/]" if bad else _cell(value))
     console = Console()
     console.print(table)
     for line in report.violations[:20]:
         console.print(f"[red]violation:[/] {line}")
     verdict = "[bold green]OK[/]: every stored page verified, nothing leaked"
     console.print(verdict if report.ok else "[bold red]FAILED[/]: see the figures in red")
+
+
+def _cell(value: object) -> str:
+    """A figure as the summary tables show it."""
+    return f"{value:.3f}" if isinstance(value, float) else str(value)

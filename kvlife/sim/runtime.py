@@ -1,19 +1,11 @@
 """A decode runtime simulated with real parts, that proves no KV page is lost or misfiled.
 
-Real parts: a torch KV pool in a real layout, the threaded CPU copy engine with
-random copy delays, the offload manager, the local-directory store. Requests
-arrive, prefill, decode token by token, finish, abort, or are retracted and
-resume later with a new Lifecycle. Rids come from a small pool, so reuse is
-constant; freed device pages are poisoned and reused at once, as real
-allocators reuse them.
-
-Content addressing makes the run verifiable: a page's KV values are a
-deterministic function of the page's hash-chain key (its token prefix). Token
-ids are a deterministic function of the prompt and the position (a greedy
-"model"), and prompts come from a fixed pool, so the set of keys - and the
-store - stays bounded however many requests run. At the end every stored page
-is re-derived from its key and compared bit for bit, and every device and host
-page is accounted for.
+The README's "The main job" section describes the run: real parts, a small rid
+pool, poisoned device pages reused at once, and the check at the end. What makes
+it verifiable: a page's KV values are a pure function of its hash-chain key
+(:func:`page_values`), and token ids of the prompt and the position (a greedy
+"model", :func:`next_token`). Prompts come from a fixed pool, so the set of keys,
+and the store, stays bounded however many requests run.
 
 The manager under test is pluggable (:class:`SimManager`): kvlife's
 :class:`~kvlife.manager.OffloadManager` by default; a rid-keyed variant in the
@@ -31,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -45,13 +37,7 @@ from kvlife.pool import HostPagePool
 from kvlife.store.base import QueuedStore
 from kvlife.store.directory import LocalDirectoryStore
 
-__all__ = [
-    "SimConfig",
-    "SimManager",
-    "SimReport",
-    "make_store_dir",
-    "run_simulation",
-]
+__all__ = ["SimConfig", "SimManager", "SimReport", "make_store_dir", "run_simulation"]
 
 
 VOCAB = 32_000
@@ -62,14 +48,6 @@ LAYOUTS = ("layer-first", "page-first", "mla")
 STORES = ("directory", "mooncake")
 MAX_COPY_DELAY_S = 10.0  # a copy slower than this is no simulated copy: a run would never end
 TOKEN_BYTES = 40  # a token id in a Python list: the pointer and the int
-
-
-def memory_bytes() -> int:
-    """This machine's physical memory in bytes (no limit where it cannot be read)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 2**63
 
 
 def make_store_dir(store_dir: str | None) -> str:
@@ -175,7 +153,11 @@ class SimConfig:
             low, high = getattr(self, name)
             if not 0 < low <= high:
                 raise ConfigError(f"{name} must be 0 < low <= high, got {(low, high)}")
-        needed, have = processes * self.memory_needed(), memory_bytes()
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            have = 2**63  # no limit where it cannot be read
+        needed = processes * self.memory_needed()
         if needed > have:
             raise ConfigError(
                 f"this configuration needs {needed / 2**30:.1f} GiB; "
@@ -216,17 +198,19 @@ class SimReport:
     offload_gbps: float = 0.0
     elapsed_s: float = 0.0
     violations: list[str] = field(default_factory=list)
+    #: The figures that fail a run (:attr:`ok`) when not zero.
+    FAILURES: ClassVar[tuple[str, ...]] = (
+        "corrupted_pages",
+        "misfiled_pages",
+        "leaked_host_pages",
+        "leaked_device_pages",
+        "invariant_violations",
+    )
 
     @property
     def ok(self) -> bool:
         """No corruption, no misfiled page, no leak, no violated invariant."""
-        return not (
-            self.corrupted_pages
-            or self.misfiled_pages
-            or self.leaked_host_pages
-            or self.leaked_device_pages
-            or self.invariant_violations
-        )
+        return not any(getattr(self, name) for name in self.FAILURES)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, with ``ok``; the first few violations only."""
@@ -263,74 +247,29 @@ def next_token(prompt_id: int, position: int) -> int:
     return (prompt_id * 1_000_003 + position * 7_919 + 17) % VOCAB
 
 
+@dataclass(slots=True, eq=False)
 class _Request:
     """One request as the runtime sees it, across lives (a retraction starts a new life)."""
 
-    __slots__ = (
-        "handle",
-        "keys",
-        "life",
-        "pages",
-        "prompt_id",
-        "rid",
-        "target",
-        "tokens",
-        "written",
-    )
-
-    def __init__(self, rid: str, prompt_id: int, tokens: list[int], target: int) -> None:
-        self.rid = rid
-        self.prompt_id = prompt_id
-        self.tokens = tokens
-        self.target = target
-        self.pages: list[int] = []
-        self.keys: list[str] = []  # the chain over every whole page of tokens with KV
-        self.written = 0  # pages whose values are on the device
-        self.handle: Any = None
-        self.life = 0
-
-
-class _DevicePages:
-    """The runtime's device page allocator: LIFO, so a freed page is reused at once."""
-
-    def __init__(self, layout: KVLayout) -> None:
-        self.layout = layout
-        self.free: list[int] = list(range(layout.num_pages - 1, -1, -1))
-        self.total = layout.num_pages
-        self._poison = torch.full((layout.page_numel,), POISON).to(layout.dtype)
-
-    def take(self) -> int | None:
-        return self.free.pop() if self.free else None
-
-    def give_back(self, pages: Sequence[int]) -> None:
-        for page in pages:
-            self.layout.write_page(page, self._poison)  # a late reader sees poison
-            self.free.append(page)
+    rid: str
+    prompt_id: int
+    tokens: list[int]
+    target: int
+    pages: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # the chain over every whole page with KV
+    written: int = 0  # pages whose values are on the device
+    handle: Any = None
 
 
 def make_layout(cfg: SimConfig, num_pages: int) -> KVLayout:
     """The device KV pool of ``cfg``'s layout and model shape."""
     dtype = DTYPES[cfg.dtype]
-    if cfg.layout == "layer-first":
-        return LayerFirstLayout.zeros(
-            cfg.layers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim, dtype=dtype
-        )
-    if cfg.layout == "page-first":
-        return PageFirstLayout.zeros(
-            cfg.layers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim, dtype=dtype
-        )
     if cfg.layout == "mla":
         return MLALayout.zeros(
             cfg.layers, num_pages, cfg.page_size, cfg.heads * cfg.head_dim, dtype
         )
-    raise ConfigError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
-
-
-def kvlife_manager(
-    engine: Any, host: Any, store: Any, *, page_size: int, stride: int | None
-) -> SimManager:
-    """kvlife's own manager, as the simulator builds it."""
-    return OffloadManager(engine, host, store, page_size=page_size, stride=stride)
+    paged = LayerFirstLayout if cfg.layout == "layer-first" else PageFirstLayout
+    return paged.zeros(cfg.layers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim, dtype)
 
 
 class Simulation:
@@ -339,7 +278,7 @@ class Simulation:
     def __init__(
         self,
         cfg: SimConfig,
-        make_manager: ManagerFactory = kvlife_manager,
+        make_manager: ManagerFactory = OffloadManager,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         cfg.check()
@@ -355,7 +294,9 @@ class Simulation:
         #: Keys this run added to the store, found by :meth:`run`.
         self.stored_keys: list[str] = []
         self.layout = make_layout(cfg, cfg.device_pages)
-        self.device = _DevicePages(self.layout)
+        #: Free device pages, LIFO: a freed page is reused at once, as real allocators do.
+        self.free: list[int] = list(range(cfg.device_pages - 1, -1, -1))
+        self.poison = torch.full((self.layout.page_numel,), POISON).to(self.layout.dtype)
         self.host = HostPagePool(cfg.host_pages, self.layout.page_numel, self.layout.dtype)
         self.engine = CpuCopyEngine(
             self.layout,
@@ -376,6 +317,8 @@ class Simulation:
         self.active: list[_Request] = []
         self.unreleased: set[int] = set()  # lives started and not yet released
         self.lives = 0
+        #: Every release's life, numbered in start order: the same on every rank of a group.
+        self.releases: list[int] = []
         self.admitted = 0
         self.done = 0
 
@@ -402,7 +345,7 @@ class Simulation:
                     # Nothing decodes and no release frees a page: pages leaked.
                     self._violation(
                         f"stalled: no request could start for {STALL_S} s "
-                        f"({len(self.device.free)} device pages free)"
+                        f"({len(self.free)} device pages free)"
                     )
                     break
                 else:
@@ -414,8 +357,9 @@ class Simulation:
         finally:
             self.engine.close()
             self.store.close()
-            self.report.pages_found_stored = self.store.stats().pages_deduplicated
-            self.report.pages_written = self.store.stats().pages_written
+            stats = self.store.stats()
+            self.report.pages_found_stored = stats.pages_deduplicated
+            self.report.pages_written = stats.pages_written
             if self._own_dir:
                 shutil.rmtree(self.store_dir, ignore_errors=True)
         return self.report
@@ -441,12 +385,11 @@ class Simulation:
     def _start_life(self, req: _Request) -> bool:
         """Prefill ``req`` (again, after a retraction) into fresh device pages."""
         needed = -(-(len(req.tokens) + 1) // self.cfg.page_size)
-        if len(self.device.free) < needed:
+        if len(self.free) < needed:
             return False
-        req.pages = [self.device.take() for _ in range(needed)]  # type: ignore[misc]
+        req.pages = [self.free.pop() for _ in range(needed)]
         req.written = 0
         self.lives += 1
-        req.life = self.lives
         life = self.lives
         self.unreleased.add(life)
 
@@ -467,12 +410,8 @@ class Simulation:
                 prior = req.keys[-1] if req.keys else None
                 tokens = req.tokens[p * page_size : (p + 1) * page_size]
                 req.keys.append(sglang_page_hashes(tokens, page_size, prior)[0])
-            key = req.keys[p]
-            self.layout.write_page(
-                req.pages[p],
-                page_values(key, self.layout.page_numel, self.layout.dtype, self.cfg.rank),
-            )
-            self.expected_keys.add(key)
+            self.layout.write_page(req.pages[p], self._values(req.keys[p]))
+            self.expected_keys.add(req.keys[p])
             req.written += 1
 
     def _step(self) -> None:
@@ -481,11 +420,10 @@ class Simulation:
         for req in self.active:
             req.tokens.append(next_token(req.prompt_id, len(req.tokens)))
             if len(req.tokens) > len(req.pages) * cfg.page_size:
-                page = self.device.take()
-                if page is None:  # device full: retract, as a real scheduler would
+                if not self.free:  # device full: retract, as a real scheduler would
                     self._end(req, FinishReason.RETRACTED)
                     continue
-                req.pages.append(page)
+                req.pages.append(self.free.pop())
             self._write_pages(req, len(req.tokens) - 1)  # the newest token has no KV yet
             try:
                 self.manager.offload(req.handle, req.tokens, req.pages)
@@ -504,8 +442,8 @@ class Simulation:
         self.active = still
 
     def _end(self, req: _Request, reason: FinishReason) -> None:
-        counter = {"finished": "finished", "aborted": "aborted", "retracted": "retracted"}
-        setattr(self.report, counter[reason.value], getattr(self.report, counter[reason.value]) + 1)
+        counted = reason.value  # "finished", "aborted" or "retracted": a report field
+        setattr(self.report, counted, getattr(self.report, counted) + 1)
         self.manager.finish(req.handle, reason)
         if reason is FinishReason.RETRACTED:
             self.waiting.append(req)  # resumes later with a new life
@@ -516,7 +454,7 @@ class Simulation:
 
     def _released(self, req: _Request, life: int, handle: Any, device_pages: Sequence[int]) -> None:
         """The release callback: check, then hand the pages back (poisoned, reused at once)."""
-        rep = self.report
+        self.releases.append(life)
         if life not in self.unreleased:
             self._violation(f"rid {req.rid} life {life}: released twice")
             return
@@ -524,8 +462,13 @@ class Simulation:
         if inflight:
             self._violation(f"rid {req.rid} life {life}: released with {inflight} in flight")
         self.unreleased.discard(life)
-        rep.lifecycles_released += 1
-        self.device.give_back(device_pages)
+        self.report.lifecycles_released += 1
+        for page in device_pages:
+            self.layout.write_page(page, self.poison)  # a late reader sees poison
+            self.free.append(page)
+
+    def _values(self, key: str) -> torch.Tensor:
+        return page_values(key, self.layout.page_numel, self.layout.dtype, self.cfg.rank)
 
     def _violation(self, what: str) -> None:
         self.report.invariant_violations += 1
@@ -537,7 +480,7 @@ class Simulation:
         rep = self.report
         rep.leaked_host_pages = self.host.num_used
         held = sum(len(r.pages) for r in self.active)  # only after a stall
-        rep.leaked_device_pages = self.device.total - len(self.device.free) - held
+        rep.leaked_device_pages = self.layout.num_pages - len(self.free) - held
         if self.unreleased:
             self._violation(f"{len(self.unreleased)} lives never released")
         metrics = getattr(self.manager, "metrics", None)
@@ -556,6 +499,8 @@ class Simulation:
             )
 
     def _verify(self) -> None:
+        """Count each page this run stored: verified, corrupted (or missing), or misfiled."""
+        rep = self.report
         self.stored_keys = sorted(set(self.store.keys()) - self.keys_before)
         get_batch = getattr(self.store, "get_batch", None)  # one round trip per 256 pages
         for start in range(0, len(self.stored_keys), 256):
@@ -565,50 +510,38 @@ class Simulation:
             except StoreError:
                 if not self._may_lose:
                     raise
-                self.report.pages_missing += len(batch)  # the cluster cannot answer now
+                rep.pages_missing += len(batch)  # the cluster cannot answer now
                 continue
             for key, data in zip(batch, found, strict=True):
-                self._check_page(key, data)
-
-    def _check_page(self, key: str, data: bytes | None) -> None:
-        """Count one stored page: verified, corrupted (or missing), or misfiled."""
-        rep = self.report
-        rep.pages_stored += 1
-        if key not in self.expected_keys:
-            rep.misfiled_pages += 1
-            return
-        numel, dtype = self.layout.page_numel, self.layout.dtype
-        expected = page_values(key, numel, dtype, self.cfg.rank).view(torch.uint8)
-        if data is None and self._may_lose:
-            rep.pages_missing += 1
-        elif data is None or not torch.equal(
-            torch.frombuffer(bytearray(data), dtype=torch.uint8), expected
-        ):
-            rep.corrupted_pages += 1
-        else:
-            rep.pages_verified += 1
+                rep.pages_stored += 1
+                if key not in self.expected_keys:
+                    rep.misfiled_pages += 1
+                elif data is None and self._may_lose:
+                    rep.pages_missing += 1
+                elif data is None or not torch.equal(
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                    self._values(key).view(torch.uint8),
+                ):
+                    rep.corrupted_pages += 1
+                else:
+                    rep.pages_verified += 1
 
 
 def make_store(cfg: SimConfig, store_dir: str) -> QueuedStore:
     """The store tier of ``cfg``: rank ``r``'s pages under the namespace ``sim/rank<r>``."""
     namespace = f"sim/rank{cfg.rank}"
+    faults: dict[str, Any] = {"fail_rate": cfg.store_fail_rate, "seed": cfg.seed}
     if cfg.store == "mooncake":
         from kvlife.store.mooncake import MooncakeStore
 
         assert cfg.mooncake_master and cfg.mooncake_metadata  # SimConfig.check
-        return MooncakeStore(
-            cfg.mooncake_master,
-            cfg.mooncake_metadata,
-            namespace,
-            fail_rate=cfg.store_fail_rate,
-            seed=cfg.seed,
-        )
-    return LocalDirectoryStore(store_dir, namespace, fail_rate=cfg.store_fail_rate, seed=cfg.seed)
+        return MooncakeStore(cfg.mooncake_master, cfg.mooncake_metadata, namespace, **faults)
+    return LocalDirectoryStore(store_dir, namespace, **faults)
 
 
 def run_simulation(
     cfg: SimConfig,
-    make_manager: ManagerFactory = kvlife_manager,
+    make_manager: ManagerFactory = OffloadManager,
     progress: Callable[[int], None] | None = None,
 ) -> SimReport:
     """Run one simulation of ``cfg``; see :class:`SimReport`."""
