@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -94,35 +94,23 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-# ----------------------------------------------------------------------------- keys
+_T = TypeVar("_T")
 
 
 def _given_bytes(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
-    """The store hasher of the backend's Lifecycles: like :func:`~kvlife.hashing.given_keys`
-    (each "token" is one page's key, already made; ``page_size`` 1), for vLLM's own
-    ``bytes`` keys, recorded as they are: no conversion per call. The keys come from
-    vLLM's block hashes, never from user input, so they are not checked one by one."""
+    """The backend Lifecycles' hasher: :func:`~kvlife.hashing.given_keys` for vLLM's own
+    ``bytes`` keys (its block hashes), recorded as they are, unchecked: no work per call."""
     return tokens  # type: ignore[return-value]
 
 
-#: A store job: ``_start_store(lifecycle, keys)`` submits a chunk of pages named by
-#: vLLM's keys (the Lifecycle's hasher, page_size 1); ``Lifecycle.submit`` typed for keys.
+#: ``Lifecycle.submit`` typed for a chunk named by vLLM's keys (the hasher above).
 _start_store = cast("Callable[[Lifecycle, Sequence[object]], Ticket]", Lifecycle.submit)
 
 
-# ----------------------------------------------------------------------------- specs
-
-
 class HostBlocksSpec(LoadStoreSpec):  # type: ignore[misc]
-    """Where a job's blocks are on the host side, in the job's block order.
-
-    ``block_ids[i]`` is the host page of block ``i``, or ``-1``: block ``i``
-    is read from the persistent tier (loads only). ``keys[i]`` is its vLLM
-    key (bytes); the persistent tier names it by ``keys[i].hex()``. Made by
-    the manager, read only by the worker (vLLM carries it between the two),
-    so it keeps plain lists: no array is built on the scheduler's hot path.
-    """
+    """Where a job's blocks are on the host side: ``block_ids[i]`` is block ``i``'s host
+    page, or ``FROM_STORE`` (a load from the persistent tier); ``keys[i]`` its vLLM key.
+    Only the worker reads it, so plain lists: no array on the scheduler's hot path."""
 
     __slots__ = ("block_ids", "keys")
 
@@ -136,8 +124,6 @@ class HostBlocksSpec(LoadStoreSpec):  # type: ignore[misc]
 
 #: Host page of a block that a load reads from the persistent tier.
 FROM_STORE = -1
-
-# ----------------------------------------------------------------------------- metrics
 
 #: Metric name -> (kind, documentation). Counters are deltas per ``get_stats``.
 METRICS: dict[str, tuple[str, str]] = {
@@ -163,12 +149,9 @@ _COUNTER_NAMES = tuple(name for name, (kind, _) in METRICS.items() if kind == "c
 # ----------------------------------------------------------------------------- scheduler side
 
 
-#: A key's entry on the host tier is a list ``[page, ready, pins, hex]`` (one is made
-#: per stored block: a list costs a fraction of an object with an ``__init__``).
-#: ``ready`` False: its store is in flight ("pending"); ``pins``: loads in flight
-#: reading the page; ``hex``: the key as hex, made at its first load.
+#: A host entry is a list ``[page, ready, pins, hex]`` (cheaper than an object): not
+#: ``ready`` while its store is in flight; ``pins``: loads reading it; ``hex`` made once.
 _PAGE, _READY, _PINS, _HEX = 0, 1, 2, 3
-
 
 #: ``self._stores.pop(job, _NO_JOB)``: no store job of these keys.
 _NO_JOB: Any = object()
@@ -227,15 +210,9 @@ def live_workers() -> list[KVLifeWorker]:
 class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     """vLLM's scheduler-side offloading manager on a kvlife host pool and Lifecycles.
 
-    Runs on vLLM's scheduler thread only. ``pool`` is the host tier (shared
-    with the worker in single-process mode, allocator-only otherwise);
-    ``disk`` is the persistent tier opened read-side, or None.
-
-    vLLM calls this on every scheduler step, so the hot paths avoid work per
-    call: a key's hex is made once (at its first load), refusals of a full
-    tier are decided by a count of evictable entries before any scan, pages
-    of evicted entries go straight to the new keys (the manager owns both),
-    and ``get_stats`` compares one tuple before it builds anything.
+    Runs on vLLM's scheduler thread only, every step, so its hot paths avoid work
+    per call. ``pool`` is the host tier (shared with the worker in one process,
+    allocator-only otherwise); ``disk`` the persistent tier, read-side, or None.
     """
 
     def __init__(
@@ -255,9 +232,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._entries: OrderedDict[OffloadKey, list[Any]] = OrderedDict()
         self._evictable = 0  # entries ready and unpinned
         self._on_disk: set[OffloadKey] = set()  # keys verified in the persistent tier
-        # Each request's Lifecycle is kept on its ReqContext (``set_state``); here are
-        # the ones not yet released, and the jobs in flight, by Lifecycle and key set.
-        self._live: set[Lifecycle] = set()
+        self._live: set[Lifecycle] = set()  # not yet released (each on its ReqContext)
         self._stores: dict[_JobId, Ticket | None] = {}  # None: the Lifecycle refused it
         self._loads: dict[_JobId, _LoadJob] = {}
         self._on_release = self._released  # one bound method for every Lifecycle
@@ -272,8 +247,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._shut = False
         _LIVE_MANAGERS.add(self)
 
-    # ---------------------------------------------------------------- reading
-
     @property
     def pool(self) -> HostPagePool:
         """The host tier's pool (its allocator; its bytes too in single-process mode)."""
@@ -282,13 +255,12 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def accounting(self) -> dict[str, int]:
         """Counters and invariants, for tests and the shutdown report."""
         entries = self._entries.values()
-        pinned = sum(e[_PINS] for e in entries)
         evictable = sum(1 for e in entries if e[_READY] and not e[_PINS])
         return {
             "host_pages_used": self._pool.num_used,
             "host_keys": len(self._entries),
             "pending": self._pending,
-            "pinned": pinned,
+            "pinned": sum(e[_PINS] for e in entries),
             "evictable_drift": self._evictable - evictable,  # 0 unless the count is wrong
             "live_lifecycles": len(self._live),
             "lifecycles_started": self.lifecycles_started,
@@ -297,8 +269,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "preemptions": self.preemptions,
             **asdict(self.counts),
         }
-
-    # ---------------------------------------------------------------- refusals
 
     def _refuse(self, kind: str, message: str, exc: BaseException | None = None) -> None:
         if self._strict:
@@ -310,31 +280,23 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self.refusals[kind] == 1:
             logger.warning("kvlife: %s refused (%s); counted, logged once per kind", kind, message)
 
-    def _lifecycle_refused(self, what: str, exc: LifecycleError) -> None:
-        """A Lifecycle event refused (nothing changed): counted, or raised with strict."""
-        self._refuse(f"{what}:{type(exc).__name__}", str(exc), exc)
+    def _event(self, what: str, event: Callable[..., _T], *args: Any) -> _T | None:
+        """A Lifecycle event; refused (nothing changed): counted, or raised with strict."""
+        try:
+            return event(*args)
+        except LifecycleError as exc:
+            self._refuse(f"{what}:{type(exc).__name__}", str(exc), exc)
+            return None
 
     def _ack(self, what: str, lifecycle: Lifecycle, ticket: Ticket | LoadTicket | None) -> None:
         if ticket is not None:
-            try:
-                lifecycle.ack(ticket)
-            except LifecycleError as exc:
-                self._lifecycle_refused(what, exc)
-
-    def _finish(self, lifecycle: Lifecycle, reason: FinishReason) -> None:
-        try:
-            lifecycle.finish(reason)
-        except LifecycleError as exc:
-            self._lifecycle_refused("finish", exc)
+            self._event(what, lifecycle.ack, ticket)
 
     def _untracked(self, ctx: ReqContext, what: str) -> Lifecycle:
         """A call for a request vLLM never started with us: counted, then started."""
         self._refuse(f"{what}:untracked_request", f"request {ctx.req_id} was never started")
         self.on_new_request(ctx)
-        lifecycle: Lifecycle = ctx.get_state(Lifecycle)
-        return lifecycle
-
-    # ---------------------------------------------------------------- requests
+        return cast(Lifecycle, ctx.get_state(Lifecycle))
 
     def _released(self, lifecycle: Lifecycle) -> None:
         self._live.discard(lifecycle)
@@ -352,9 +314,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def on_request_finished(self, req_context: ReqContext) -> None:
         lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
         if lifecycle is not None:
-            self._finish(lifecycle, FinishReason.FINISHED)
-
-    # ---------------------------------------------------------------- lookups and loads
+            self._event("finish", lifecycle.finish, FinishReason.FINISHED)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         entry = self._entries.get(key)
@@ -394,11 +354,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 pages.append(FROM_STORE)
                 self.counts.loaded_from_store += 1
                 hex_keys.append(key.hex())
-        try:
-            ticket: LoadTicket | None = lifecycle.load(hex_keys)
-        except LifecycleError as exc:
-            self._lifecycle_refused("load", exc)
-            ticket = None
+        ticket = self._event("load", lifecycle.load, hex_keys)
         self._loads[lifecycle, frozenset(ordered)] = _LoadJob(ticket, pinned)
         return HostBlocksSpec(pages, ordered)
 
@@ -426,8 +382,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                     self._evictable += 1
         self.counts.loaded += len(keys)
         self._ack("complete_load", lifecycle, job.ticket)
-
-    # ---------------------------------------------------------------- stores
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -470,12 +424,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             entries[key] = [page, False, 0, None]
         self._pending += len(new)
         lifecycle = req_context.get_state(Lifecycle) or self._untracked(req_context, "store")
-        try:
-            ticket: Ticket | None = _start_store(lifecycle, new)
-        except LifecycleError as exc:
-            self._lifecycle_refused("store", exc)
-            ticket = None
-        self._stores[lifecycle, frozenset(new)] = ticket
+        self._stores[lifecycle, frozenset(new)] = self._event("store", _start_store, lifecycle, new)
         return PrepareStoreOutput(
             keys_to_store=new, store_spec=HostBlocksSpec(pages, new), evicted_keys=evicted
         )
@@ -513,8 +462,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self.counts.store_failed += len(failed)
         self._ack("complete_store", lifecycle, ticket)
 
-    # ---------------------------------------------------------------- engine hooks
-
     def on_schedule_end(self, context: Any) -> None:
         if context.preempted_req_ids:
             self.preemptions += len(context.preempted_req_ids)
@@ -542,16 +489,15 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         c = self.counts
-        now = (
+        counters = (
             c.stored,
             c.loaded,
             c.loaded_from_store,
             c.evicted,
             c.dropped_host_full,
             c.refused,
-            self._pending,
-            self._pool.num_used,
         )
+        now = (*counters, self._pending, self._pool.num_used)
         last = self._last_stats
         if now == last:
             return None
@@ -573,7 +519,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         for lifecycle in list(self._live):
             if lifecycle.finish_reason is None:
                 self.finished_at_shutdown += 1
-                self._finish(lifecycle, FinishReason.ABORTED)
+                self._event("finish", lifecycle.finish, FinishReason.ABORTED)
         self._abandon_jobs()
         # Pending entries never became ready; ready ones stay (the pool dies with us).
         for key in [k for k, e in self._entries.items() if not e[_READY]]:
@@ -597,11 +543,8 @@ def _block_views(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
 class BlockViewsLayout(KVLayout):
     """vLLM's KV cache as a kvlife layout: block ``b`` is row ``b`` of every view.
 
-    ``views`` are vLLM's per-layer ``(num_blocks, page_bytes)`` int8 block views
-    (``CanonicalKVCaches``), aliasing its KV tensors: no copy. A kvlife page is
-    one vLLM block, its bytes layer after layer, so a host page is one
-    ``HostPagePool`` row of ``sum(page_bytes)``. The views may be strided
-    (a block stride larger than its page); each page row must be contiguous.
+    ``views`` are vLLM's per-layer ``(num_blocks, page_bytes)`` int8 block views,
+    aliasing its KV tensors; they may be strided, but each page row is contiguous.
     """
 
     def __init__(self, views: Sequence[torch.Tensor], tokens_per_block: int = 1) -> None:
@@ -705,8 +648,6 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         if self._pool.num_free:  # no manager here (or no pool key): the pool is ours
             self._pool.alloc(self._pool.num_free, self)
 
-    # ---------------------------------------------------------------- jobs
-
     def _start(self, job_id: int, load: bool, blocks: int) -> tuple[_WorkerJob, Lifecycle]:
         if not self._pages_claimed:
             self._claim_pages()
@@ -721,43 +662,33 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         return job, lifecycle
 
     def _submit(
-        self,
-        job: _WorkerJob,
-        ticket: Ticket | LoadTicket,
-        device_pages: list[int],
-        host_pages: list[int],
+        self, job: _WorkerJob, ticket: Ticket | LoadTicket, device: list[int], host: list[int]
     ) -> None:
         """Hand one chunk to the engine; a chunk it refuses is acked here, counted."""
         engine = self.engine
         try:
             try:
-                job.event = engine.submit(ticket, device_pages, host_pages)
-            except PageBusy:
-                # A page still in use by an earlier copy (only after a reset or an abort):
-                # wait for the copies in flight, in order, then submit again.
+                job.event = engine.submit(ticket, device, host)
+            except PageBusy:  # in use by an earlier copy (after a reset or an abort): wait
                 self.stats["engine_busy_waits"] += 1
                 self._collect(engine.drain())
-                job.event = engine.submit(ticket, device_pages, host_pages)
+                job.event = engine.submit(ticket, device, host)
         except UnallocatedHostPage as exc:
-            # The manager freed the pages (vLLM reset the offloaded cache) before vLLM
+            # vLLM reset the offloaded cache (the manager freed the pages) before it
             # submitted this stale job; its result is ignored, nothing reads the pages.
             self.stats["stale_jobs_skipped"] += 1
             logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
             ticket.lifecycle.ack(ticket)
         except EngineError as exc:
             self._error_once("copy_refused", repr(exc))
-            self._copy_directly(job, isinstance(ticket, LoadTicket), device_pages, host_pages)
+            self._copy_directly(job, isinstance(ticket, LoadTicket), device, host)
             ticket.lifecycle.ack(ticket)
 
     def _copy_directly(
         self, job: _WorkerJob, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> None:
-        """The copy the engine did not make (it failed or refused it), made here, at once.
-
-        A job never reports a copy it did not make: if this copy fails too, the
-        job's result is a failure (vLLM 0.32 then stops, loudly, rather than
-        decode on blocks that hold no KV or store pages that hold none).
-        """
+        """The copy the engine failed or refused, made here, at once; if this fails too,
+        the job's result is a failure (vLLM 0.32 then stops rather than use the blocks)."""
         pages = torch.tensor(list(device_pages), dtype=torch.int64, device=self.layout.device)
         runs = host_runs(host_pages)
         try:
@@ -776,11 +707,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         if self._jobs.get(job.job_id) is job:  # not a later job that reused the id
             del self._jobs[job.job_id]
         del self._by_life[lifecycle]
-        done = job.copy_done or time.perf_counter()
-        elapsed = done - job.started
-        kind = "load" if job.load else "store"
+        elapsed = (job.copy_done or time.perf_counter()) - job.started
         self.stats["loaded_blocks" if job.load else "stored_blocks"] += job.blocks
-        self.seconds[kind] += elapsed
+        self.seconds["load" if job.load else "store"] += elapsed
         self._finished.append(
             TransferResult(job.job_id, not job.failed, job.blocks * self.row_bytes, elapsed)
         )
@@ -798,8 +727,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 self._copy_directly(job, ack.is_load, ack.device_pages, ack.host_pages)
             if not ack.is_load and self._store is not None and not job.failed:
                 try:  # a private copy: the host pages may be evicted before the write ends
-                    host = self._pool.tensor
-                    rows = host.index_select(0, torch.tensor(ack.host_pages, dtype=torch.int64))
+                    pages = torch.tensor(ack.host_pages, dtype=torch.int64)
+                    rows = self._pool.tensor.index_select(0, pages)
                     keys = cast("tuple[bytes, ...]", ack.ticket.keys)
                     self._store.put(job.job_id, [key.hex() for key in keys], rows)
                 except StoreError as exc:
@@ -842,16 +771,14 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def _load_from_store(
         self, job: _WorkerJob, keys: list[OffloadKey], blocks: list[int], device_ids: list[int]
     ) -> None:
-        """Blocks of a load the persistent tier holds: read (verified) and written straight
-        into the device blocks, here. They are not host pool pages, and the engine copies
-        only between device pages and host pool pages."""
+        """Blocks of a load from the persistent tier: read (verified) straight into the
+        device blocks, here (the engine copies only to and from host pool pages)."""
         for i in blocks:
             name = keys[i].hex()
             payload = self._store.get(name) if self._store is not None else None
             self.stats["disk_reads"] += 1
             if payload is None or len(payload) != self.row_bytes:
-                # Verified at lookup, gone or damaged since: the block holds no KV, and a
-                # job that reported success would have vLLM decode on it. It fails, loudly.
+                # Verified at lookup, gone or damaged since: the job fails (never decode on it).
                 self._error_once("disk_load_errors", f"page {name[:16]} unreadable")
                 job.failed = True
                 continue
@@ -873,10 +800,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
-        """Block until the copies of ``job_ids`` are over (vLLM reuses their blocks next).
-
-        Their results still come from ``get_finished``.
-        """
+        """Block until the copies of ``job_ids`` are over; results still come from
+        ``get_finished``."""
         events = [
             job.event
             for job_id in job_ids
@@ -916,15 +841,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
 
 
 class OffloadCollector:
-    """A ``prometheus_client`` collector of one process's kvlife roles, read at scrape time.
-
-    ``REGISTRY.register(OffloadCollector())`` in the process that runs the
-    roles (the EngineCore process for the manager, the worker process for the
-    worker; both in single-process mode). Counters: blocks stored, loaded,
-    loaded from the persistent tier, evicted, dropped for host-full, refused
-    events; gauges: pending, pinned, live Lifecycles; the worker's transfer
-    seconds by direction.
-    """
+    """A ``prometheus_client`` collector of this process's kvlife roles, read at scrape
+    time: ``REGISTRY.register(OffloadCollector())`` (its families: ``docs/vllm.md``)."""
 
     _COUNTERS = ("stored", "loaded", "loaded_from_store", "evicted", "dropped_host_full", "refused")
     _GAUGES = ("pending", "pinned", "live_lifecycles", "host_pages_used")
@@ -950,8 +868,7 @@ class OffloadCollector:
             "kvlife_vllm_transfer_seconds", "Worker transfer time", labels=["direction"]
         )
         for direction in ("store", "load"):
-            total = sum(w.seconds[direction] for w in live_workers())
-            seconds.add_metric([direction], total)
+            seconds.add_metric([direction], sum(w.seconds[direction] for w in live_workers()))
         yield seconds
 
 
@@ -968,12 +885,8 @@ _SHARED_POOLS: dict[str, HostPagePool] = {}
 
 
 def store_namespace(config: Any, model_id: str | None = None) -> str:
-    """The persistent tier's namespace for one model, KV cache shape and parallel rank.
-
-    Hashes the model identity (``model_id`` or the model name/path), its dtype,
-    the KV bytes per block, tokens per block and per chunk, the KV layout, the
-    layer names and the parallel layout; the rank is a second component.
-    """
+    """The persistent tier's namespace for one model, KV cache shape and parallel rank
+    (``model_id`` overrides the model name/path); the rank is a second component."""
     identity = {
         "model": model_id if model_id is not None else config.model.name,
         "dtype": str(config.model.dtype),
