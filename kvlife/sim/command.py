@@ -9,10 +9,7 @@ import sys
 from typing import Any
 
 from kvlife.sim.runtime import DTYPES, LAYOUTS, STORES, SimConfig, SimReport, run_simulation
-
-# Mooncake's (and SGLang's) variables naming a cluster; the same names as kvlife.store.mooncake.
-ENV_MASTER = "MOONCAKE_MASTER"
-ENV_METADATA = "MOONCAKE_TE_META_DATA_SERVER"
+from kvlife.store.mooncake import ENV_MASTER, ENV_METADATA
 
 __all__ = ["register"]
 
@@ -134,29 +131,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _simulate(args: argparse.Namespace) -> int:
     fields = SimConfig.__dataclass_fields__
     cfg = SimConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    if args.world_size > 1 or args.rank_copy_delays is not None:
-        return _simulate_ranks(cfg, args)
-    quiet = args.json or not sys.stdout.isatty()
-    report = run_simulation(cfg) if quiet else _with_progress(cfg)
+    if args.world_size > 1 or args.rank_copy_delays is not None:  # N processes
+        from kvlife.sim.distributed import run_distributed
+
+        result = run_distributed(
+            cfg, args.world_size, timeout=args.agreement_timeout, copy_delays=args.rank_copy_delays
+        )
+        if args.json:
+            print(json.dumps(result))
+        else:
+            _print_ranks(cfg, result)
+        return 0 if result["ok"] and result["ranks_agreed"] else 1
+    if args.json or not sys.stdout.isatty():
+        report = run_simulation(cfg)
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        columns: list[Any] = [BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        with Progress("[progress.description]{task.description}", *columns) as bar:
+            task = bar.add_task("decoding", total=cfg.requests)
+            report = run_simulation(cfg, progress=lambda n: bar.advance(task, n))
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
         _print_summary(cfg, report)
     return 0 if report.ok else 1
-
-
-def _simulate_ranks(cfg: SimConfig, args: argparse.Namespace) -> int:
-    """``--world-size N``: N processes; ``ranks_agreed`` and per-rank figures."""
-    from kvlife.sim.distributed import run_distributed
-
-    result = run_distributed(
-        cfg, args.world_size, timeout=args.agreement_timeout, copy_delays=args.rank_copy_delays
-    )
-    if args.json:
-        print(json.dumps(result))
-    else:
-        _print_ranks(cfg, result)
-    return 0 if result["ok"] and result["ranks_agreed"] else 1
 
 
 def _print_ranks(cfg: SimConfig, result: dict[str, Any]) -> None:
@@ -184,15 +183,6 @@ def _print_ranks(cfg: SimConfig, result: dict[str, Any]) -> None:
         console.print("[bold green]OK[/]: every rank verified; stores and releases identical")
     else:
         console.print("[bold red]FAILED[/]: ranks_agreed=" + str(result["ranks_agreed"]))
-
-
-def _with_progress(cfg: SimConfig) -> SimReport:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    columns: list[Any] = [BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress("[progress.description]{task.description}", *columns) as bar:
-        task = bar.add_task("decoding", total=cfg.requests)
-        return run_simulation(cfg, progress=lambda n: bar.advance(task, n))
 
 
 def _print_summary(cfg: SimConfig, report: SimReport) -> None:

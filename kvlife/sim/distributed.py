@@ -120,18 +120,16 @@ def _rank_main(
     rank: int,
     world_size: int,
     port: int,
-    cfg: SimConfig,
+    configs: Sequence[SimConfig],
     timeout: float,
     out_dir: str,
-    copy_delays: Sequence[float] | None,
 ) -> None:
-    """One spawned rank: join the group, simulate, write ``rank<r>.json``."""
+    """One spawned rank: join the group, simulate ``configs[rank]``, write ``rank<r>.json``."""
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.json"
     try:
         init_rank(rank, world_size, port, timeout)
-        delay = cfg.copy_delay if copy_delays is None else copy_delays[rank]
-        figures = run_rank(replace(cfg, rank=rank, copy_delay=delay), timeout=timeout)
+        figures = run_rank(configs[rank], timeout=timeout)
     except Exception as exc:  # reported in the JSON, never lost
         figures = {
             "rank": rank,
@@ -166,8 +164,10 @@ def run_distributed(
         )
     if copy_delays is not None and len(copy_delays) != world_size:
         raise ConfigError(f"{len(copy_delays)} copy delays for {world_size} ranks")
-    for delay in copy_delays or [cfg.copy_delay]:
-        replace(cfg, copy_delay=delay).check(processes=world_size)
+    delays = [cfg.copy_delay] * world_size if copy_delays is None else copy_delays
+    configs = [replace(cfg, rank=rank, copy_delay=d) for rank, d in enumerate(delays)]
+    for rank_cfg in configs:
+        rank_cfg.check(processes=world_size)
     if cfg.store_dir:
         make_store_dir(cfg.store_dir)  # each rank makes its own where none is given
     out_dir = tempfile.mkdtemp(prefix="kvlife-sim-ranks-")
@@ -176,10 +176,9 @@ def run_distributed(
         codes = spawn_ranks(
             _rank_main,
             world_size,
-            cfg,
+            configs,
             timeout,
             out_dir,
-            None if copy_delays is None else list(copy_delays),
             join_timeout=max(600.0, 4 * timeout),
         )
         per_rank: list[dict[str, Any]] = []

@@ -1,11 +1,9 @@
 """A decode runtime simulated with real parts, that proves no KV page is lost or misfiled.
 
-The README's "The main job" section describes the run: real parts, a small rid
-pool, poisoned device pages reused at once, and the check at the end. What makes
-it verifiable: a page's KV values are a pure function of its hash-chain key
-(:func:`page_values`), and token ids of the prompt and the position (a greedy
-"model", :func:`next_token`). Prompts come from a fixed pool, so the set of keys,
-and the store, stays bounded however many requests run.
+The run is described in the README ("The main job"). It is verifiable because a
+page's KV values are a pure function of its hash-chain key (:func:`page_values`)
+and token ids of the prompt and position (a greedy "model", :func:`next_token`);
+prompts come from a fixed pool, so the keys, and the store, stay bounded.
 
 The manager under test is pluggable (:class:`SimManager`): kvlife's
 :class:`~kvlife.manager.OffloadManager` by default; a rid-keyed variant in the
@@ -178,11 +176,9 @@ class SimReport:
     chunks_offloaded: int = 0
     pages_stored: int = 0
     pages_verified: int = 0
-    #: Pages this run's puts found already stored with the same bytes (by an
-    #: earlier run, another process sharing the store, or itself).
+    #: Puts that found the page stored with the same bytes (by any run, or this one).
     pages_found_stored: int = 0
-    #: Pages this run's puts wrote to the store (not found there already).
-    pages_written: int = 0
+    pages_written: int = 0  # puts that wrote the page
     #: Pages a store that may lose them (Mooncake: evicted, or gone with a killed
     #: master or pool) no longer had, or could not be read back, at the end.
     pages_missing: int = 0
@@ -312,19 +308,17 @@ class Simulation:
         self.progress = progress
         self.report = SimReport(requests=cfg.requests)
         self.expected_keys: set[str] = set()
-        self.prompts = [self._prompt(i) for i in range(cfg.prompt_pool)]
+        self.prompts = [  # the tokens before position 0 of the greedy model
+            [next_token(i, -1 - j) for j in range(self.rng.randint(*cfg.prompt_len))]
+            for i in range(cfg.prompt_pool)
+        ]
         self.waiting: deque[_Request] = deque()  # retracted, to resume
         self.active: list[_Request] = []
         self.unreleased: set[int] = set()  # lives started and not yet released
-        self.lives = 0
         #: Every release's life, numbered in start order: the same on every rank of a group.
         self.releases: list[int] = []
         self.admitted = 0
         self.done = 0
-
-    def _prompt(self, prompt_id: int) -> list[int]:
-        length = self.rng.randint(*self.cfg.prompt_len)
-        return [next_token(prompt_id, -1 - i) for i in range(length)]
 
     # ------------------------------------------------------------- the run
 
@@ -389,15 +383,14 @@ class Simulation:
             return False
         req.pages = [self.free.pop() for _ in range(needed)]
         req.written = 0
-        self.lives += 1
-        life = self.lives
+        self.report.lifecycles_started += 1
+        life = self.report.lifecycles_started  # lives are numbered in start order
         self.unreleased.add(life)
 
         def on_release(handle: Any, device_pages: Sequence[int]) -> None:
             self._released(req, life, handle, device_pages)
 
         req.handle = self.manager.start(req.rid, req.tokens, on_release)
-        self.report.lifecycles_started += 1
         self._write_pages(req, len(req.tokens))  # prefill computed the prompt's KV
         return True
 
