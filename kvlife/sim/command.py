@@ -69,9 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--rid-pool", type=int, default=d.rid_pool, help="distinct rids (small: reuse)")
     p.add_argument("--prompt-pool", type=int, default=d.prompt_pool, help="distinct prompts")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
-    p.add_argument(
-        "--stride", type=int, default=None, help="offload stride in tokens (default: a page)"
-    )
+    p.add_argument("--stride", type=int, help="offload stride in tokens (default: a page)")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--heads", type=int, default=d.heads, help="KV heads")
     p.add_argument("--head-dim", type=int, default=d.head_dim)

@@ -52,10 +52,7 @@ def init_rank(rank: int, world_size: int, port: int, timeout: float) -> None:
 
 
 def spawn_ranks(
-    target: Callable[..., object],
-    world_size: int,
-    *args: Any,
-    join_timeout: float = 600.0,
+    target: Callable[..., object], world_size: int, *args: Any, join_timeout: float = 600.0
 ) -> list[int | None]:
     """Run ``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes.
 
@@ -87,10 +84,7 @@ def _digest(items: Sequence[object]) -> str:
 
 
 def run_rank(cfg: SimConfig, *, timeout: float = 60.0, group: Any = None) -> dict[str, Any]:
-    """Run this rank's simulation in an initialized process group; its figures as a dict.
-
-    ``cfg.rank`` should be this process's rank.
-    """
+    """Simulate ``cfg`` as rank ``cfg.rank`` of an initialized process group; its figures."""
     agreements: list[TorchAgreement] = []
 
     def make_manager(engine: Any, host: Any, store: Any, **kwargs: Any) -> SimManager:
@@ -174,12 +168,7 @@ def run_distributed(
     t0 = time.perf_counter()
     try:
         codes = spawn_ranks(
-            _rank_main,
-            world_size,
-            configs,
-            timeout,
-            out_dir,
-            join_timeout=max(600.0, 4 * timeout),
+            _rank_main, world_size, configs, timeout, out_dir, join_timeout=max(600.0, 4 * timeout)
         )
         per_rank: list[dict[str, Any]] = []
         for rank, code in enumerate(codes):

@@ -128,18 +128,15 @@ class SimConfig:
             raise ConfigError("requests and rank must be >= 0")
         if self.stride is not None and self.stride < self.page_size:
             raise ConfigError(f"stride {self.stride} is shorter than a page of {self.page_size}")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.store not in STORES:
-            raise ConfigError(f"store must be one of {STORES}, got {self.store!r}")
+        for name, allowed in (("layout", LAYOUTS), ("store", STORES), ("dtype", sorted(DTYPES))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.store == "mooncake" and not (self.mooncake_master and self.mooncake_metadata):
             raise ConfigError(
                 "store mooncake needs the master's HOST:PORT and the metadata URL "
                 "(--mooncake-master, --mooncake-metadata, or MOONCAKE_MASTER and "
                 "MOONCAKE_TE_META_DATA_SERVER)"
             )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.copy_delay <= MAX_COPY_DELAY_S:
             raise ConfigError(
                 f"copy_delay must be 0 to {MAX_COPY_DELAY_S} seconds, got {self.copy_delay}"
@@ -257,17 +254,6 @@ class _Request:
     handle: Any = None
 
 
-def make_layout(cfg: SimConfig, num_pages: int) -> KVLayout:
-    """The device KV pool of ``cfg``'s layout and model shape."""
-    dtype = DTYPES[cfg.dtype]
-    if cfg.layout == "mla":
-        return MLALayout.zeros(
-            cfg.layers, num_pages, cfg.page_size, cfg.heads * cfg.head_dim, dtype
-        )
-    paged = LayerFirstLayout if cfg.layout == "layer-first" else PageFirstLayout
-    return paged.zeros(cfg.layers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim, dtype)
-
-
 class Simulation:
     """One run: build the parts, decode every request, verify, report."""
 
@@ -289,7 +275,12 @@ class Simulation:
         self.keys_before = set(self.store.keys())
         #: Keys this run added to the store, found by :meth:`run`.
         self.stored_keys: list[str] = []
-        self.layout = make_layout(cfg, cfg.device_pages)
+        dtype, shape = DTYPES[cfg.dtype], (cfg.layers, cfg.device_pages, cfg.page_size)
+        if cfg.layout == "mla":
+            self.layout: KVLayout = MLALayout.zeros(*shape, cfg.heads * cfg.head_dim, dtype)
+        else:
+            paged = LayerFirstLayout if cfg.layout == "layer-first" else PageFirstLayout
+            self.layout = paged.zeros(*shape, cfg.heads, cfg.head_dim, dtype)
         #: Free device pages, LIFO: a freed page is reused at once, as real allocators do.
         self.free: list[int] = list(range(cfg.device_pages - 1, -1, -1))
         self.poison = torch.full((self.layout.page_numel,), POISON).to(self.layout.dtype)
@@ -319,8 +310,6 @@ class Simulation:
         self.releases: list[int] = []
         self.admitted = 0
         self.done = 0
-
-    # ------------------------------------------------------------- the run
 
     def run(self) -> SimReport:
         """Decode every request to its end, close, verify; the report."""
@@ -467,8 +456,6 @@ class Simulation:
         self.report.invariant_violations += 1
         self.report.violations.append(what)
 
-    # ------------------------------------------------------------- the proof
-
     def _account(self) -> None:
         rep = self.report
         rep.leaked_host_pages = self.host.num_used
@@ -481,9 +468,8 @@ class Simulation:
             m = metrics()
             rep.chunks_offloaded = m.chunks_acked
             rep.refused_events = sum(m.refused_events.values())
-            rep.copy_failures = m.copy_failures
-            rep.store_failures = m.store_failures
-            rep.host_pool_exhausted = m.host_pool_exhausted
+            for name in ("copy_failures", "store_failures", "host_pool_exhausted"):
+                setattr(rep, name, getattr(m, name))
             if rep.elapsed_s > 0:
                 rep.offload_gbps = m.bytes_offloaded / rep.elapsed_s / 1e9
         if self.engine.copy_errors:  # not the injected faults: a copy that could not be made
