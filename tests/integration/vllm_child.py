@@ -51,7 +51,11 @@ def main() -> None:
         assert llm.reset_prefix_cache()
     with open(args["out"], "w") as f:
         json.dump({"prompts": tokens, "fresh": rounds}, f)
-    del llm, outputs  # the engine shuts down: each role writes its report
+    # Shut the engine down with time to spare: each role drains, flushes its store and
+    # writes its report as its process exits. vLLM's default grace before it kills the
+    # engine processes is 5 s, which a loaded machine can overrun.
+    llm.llm_engine.engine_core.shutdown(timeout=30)
+    del llm, outputs
     gc.collect()
 
 
