@@ -53,7 +53,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Protocol, overload, runtime_checkable
@@ -67,6 +67,7 @@ from kvlife.errors import (
     InvalidPut,
     PageMismatch,
     StoreClosed,
+    StoreError,
 )
 
 __all__ = [
@@ -245,6 +246,17 @@ def unframe_page(key: str, stored: bytes | memoryview) -> bytes | memoryview | N
     if _checksum(payload) != check:
         return None
     return payload
+
+
+def fault_steps(fault_at: int | None, n_pages: int) -> Callable[[int, str], None]:
+    """The ``step(i, what)`` a store's ``_store_pages`` calls before each internal step
+    of a put: at step ``fault_at`` it raises the injected :class:`StoreError`."""
+
+    def step(i: int, what: str) -> None:
+        if fault_at == i:
+            raise StoreError(f"injected failure {what} ({n_pages} pages)")
+
+    return step
 
 
 def _check_put(keys: Sequence[str], pages: torch.Tensor) -> tuple[str, ...]:

@@ -86,11 +86,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from kvlife.errors import ConfigError, PageMismatch, StoreError
+from kvlife.errors import ConfigError, PageMismatch
 from kvlife.store.base import (
     QueuedStore,
     Written,
     check_key,
+    fault_steps,
     frame_page,
     unframe_page,
 )
@@ -258,9 +259,7 @@ class LocalDirectoryStore(QueuedStore):
         created: list[Path] = []
         tag = f"{os.getpid()}.{secrets.token_hex(4)}"
 
-        def step(i: int, what: str) -> None:
-            if fault_at == i:
-                raise StoreError(f"injected failure {what} ({n} pages)")
+        step = fault_steps(fault_at, n)
 
         try:
             for i, key in enumerate(keys):

@@ -90,6 +90,7 @@ from kvlife.store.base import (
     QueuedStore,
     Written,
     check_key,
+    fault_steps,
     frame_into,
     frame_size,
     unframe_page,
@@ -404,9 +405,7 @@ class MooncakeStore(QueuedStore):
     ) -> Written:
         n = len(keys)
 
-        def step(i: int, what: str) -> None:
-            if fault_at == i:
-                raise StoreError(f"injected failure {what} ({n} pages)")
+        step = fault_steps(fault_at, n)
 
         now = time.monotonic()
         if now < self._down_until and self._down_error is not None:
