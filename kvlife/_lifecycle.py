@@ -520,7 +520,7 @@ class Lifecycle:
             return self._ack_other(ticket)
         # The oldest chunk in flight, the common case: it is this Lifecycle's (only its
         # own tickets are in _chunks) and in flight, so it needs no further check.
-        inflight = self._inflight
+        inflight = self._inflight  # _ack_next_state, inlined: this is the hot path
         dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
         if dest is None:  # unreachable while the table and the checks agree
             raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
@@ -567,9 +567,7 @@ class Lifecycle:
         if not index:  # an equal copy of the oldest chunk's ticket: settle the original
             return self.ack(chunk)  # type: ignore[arg-type]
         inflight = self._inflight
-        dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
-        if dest is None:  # unreachable while the table and the checks above agree
-            raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
+        dest = self._ack_next_state(inflight)
         # An earlier chunk is still in flight: remember this one's last key. That earlier
         # chunk keeps the Lifecycle from draining, so nothing is released here.
         chunks[index] = _Settled(keys[-1])
@@ -612,9 +610,7 @@ class Lifecycle:
                 raise self._refuse(DuplicateAck, _ACK, f"load {seq} was already acked")
             raise self._refuse(UnknownChunk, _ACK, f"load {seq!r} was never started")
         inflight = self._inflight
-        dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
-        if dest is None:  # unreachable while the table and the checks above agree
-            raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
+        dest = self._ack_next_state(inflight)
         del loads[seq]
         self._inflight = inflight - 1
         self._state = dest
@@ -644,6 +640,13 @@ class Lifecycle:
                     rid=self._rid,
                     ident=id(self),
                 ) from exc
+
+    def _ack_next_state(self, inflight: int) -> State:
+        """The table's destination of an ack with ``inflight`` in flight (before it)."""
+        dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
+        if dest is None:  # unreachable while the table and the ack checks agree
+            raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
+        return dest
 
     def _next_state(self, rows: dict[State, State], event: Event) -> State:
         """The table's destination of ``event`` (a guard-free one) from the current state."""
