@@ -345,7 +345,6 @@ class Lifecycle:
 
     __slots__ = (
         "__weakref__",
-        "_acked_seq",
         "_chunks",
         "_finish_reason",
         "_hasher",
@@ -353,6 +352,7 @@ class Lifecycle:
         "_last_hash",
         "_loads",
         "_loads_started",
+        "_next_seq",
         "_on_release",
         "_page_size",
         "_pages_submitted",
@@ -385,11 +385,11 @@ class Lifecycle:
         self._last_hash = prior_hash
         self._tail = prior_hash
         # Every chunk from the first one not yet in the acked prefix, in seq order:
-        # _chunks[i] has seq _acked_seq + i. An entry is the chunk's Ticket while
+        # _chunks[i] has seq _next_seq - len(_chunks) + i. An entry is the chunk's Ticket while
         # it is in flight; once acked out of order it becomes a _Settled holding
         # the chunk's last page key, until the prefix reaches it.
         self._chunks: list[Ticket | _Settled] = []
-        self._acked_seq = 0
+        self._next_seq = 0
         self._finish_reason: FinishReason | None = None
         self._loads: dict[int, LoadTicket] | None = None  # in flight, by seq (made at a load)
         self._loads_started = 0
@@ -440,7 +440,7 @@ class Lifecycle:
     @property
     def next_seq(self) -> int:
         """Sequence number the next submitted chunk will get."""
-        return self._acked_seq + len(self._chunks)
+        return self._next_seq
 
     def chunks_in_flight(self) -> tuple[Ticket, ...]:
         """Tickets submitted and not yet acked, in page order."""
@@ -498,10 +498,11 @@ class Lifecycle:
             raise self._refuse(
                 InvalidChunk, _SUBMIT, f"the hasher gave {len(keys)} keys for {pages} pages"
             )
-        chunks = self._chunks
+        seq = self._next_seq
         first_page = self._pages_submitted
-        ticket = _new_ticket(Ticket, (self, self._acked_seq + len(chunks), first_page, keys))
-        chunks.append(ticket)
+        ticket = _new_ticket(Ticket, (self, seq, first_page, keys))
+        self._chunks.append(ticket)
+        self._next_seq = seq + 1
         self._pages_submitted = first_page + pages
         self._tail = keys[-1]
         self._inflight += 1
@@ -521,21 +522,21 @@ class Lifecycle:
         # The oldest chunk in flight, the common case: it is this Lifecycle's (only its
         # own tickets are in _chunks) and in flight, so it needs no further check.
         inflight = self._inflight  # _ack_next_state, inlined: this is the hot path
-        dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
-        if dest is None:  # unreachable while the table and the checks agree
+        try:
+            dest = _ON_ACK[self._state][inflight if inflight < 2 else 2]
+        except KeyError:  # unreachable while the table and the checks agree
+            dest = None
+        if dest is None:
             raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
         # The acked prefix grows over this chunk and any acked early after it.
         del chunks[0]
         last = ticket[3][-1]
-        settled = ticket[1] + 1
         while chunks:
             head: Ticket | _Settled = chunks[0]
             if type(head) is not _Settled:
                 break
             del chunks[0]
             last = head.last_key
-            settled += 1
-        self._acked_seq = settled
         self._last_hash = last
         self._inflight = inflight - 1
         self._state = dest
@@ -551,7 +552,7 @@ class Lifecycle:
         chunks = self._chunks
         try:
             owner, seq, _, keys = ticket  # type: ignore[misc]  # a LoadTicket went above
-            index = seq - self._acked_seq
+            index = seq - self._next_seq + len(chunks)
             chunk = chunks[index] if 0 <= index < len(chunks) else None
             # Not the chunk in flight: None, an acked chunk's key, or a forgery.
             other = chunk is not ticket and chunk != ticket
@@ -658,7 +659,8 @@ class Lifecycle:
             ) from None
 
     def _ack_refusal(self, seq: int, chunk: Ticket | _Settled | None) -> LifecycleError:
-        if type(chunk) is _Settled or (chunk is None and 0 <= seq < self._acked_seq):
+        acked = self._next_seq - len(self._chunks)  # every chunk before this seq is settled
+        if type(chunk) is _Settled or (chunk is None and 0 <= seq < acked):
             return self._refuse(DuplicateAck, _ACK, f"chunk {seq} was already acked")
         return self._refuse(UnknownChunk, _ACK, f"chunk {seq} was never submitted")
 
