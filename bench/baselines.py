@@ -104,3 +104,58 @@ class MachinePerRequest:
         self.trigger("release")
         if self.on_release is not None:
             self.on_release(self)
+
+
+class UncheckedPerRequest:
+    """One object per request with kvlife's bookkeeping and none of its checks.
+
+    The same work as :class:`kvlife.Lifecycle` on the happy path (hash the chunk,
+    keep it in seq order until its ack, move ``last_hash``, release once when a
+    finished request drains), but no argument checks, no table, and a plain
+    tuple for a ticket. It prices the per-request object against the rid-keyed
+    dicts, and so shows what kvlife's checks and its ``Ticket`` cost on top.
+    """
+
+    __slots__ = ("chain_tail", "chunks", "finished", "hasher", "inflight", "last_hash",
+                 "on_release", "page_size", "rid", "tokens_submitted")  # fmt: skip
+
+    def __init__(
+        self,
+        rid: object,
+        *,
+        page_size: int,
+        on_release: ReleaseCallback | None = None,
+        prior_hash: str | None = None,
+        hasher: PageHasher = sglang_page_hashes,
+    ) -> None:
+        self.rid, self.page_size, self.on_release, self.hasher = rid, page_size, on_release, hasher
+        self.chain_tail = self.last_hash = prior_hash
+        self.chunks: list[tuple[UncheckedPerRequest, tuple[str, ...]]] = []
+        self.inflight = self.tokens_submitted = 0
+        self.finished = False
+
+    def submit(self, tokens: Sequence[int]) -> tuple[UncheckedPerRequest, tuple[str, ...]]:
+        keys = tuple(self.hasher(tokens, self.page_size, self.chain_tail))
+        ticket = (self, keys)
+        self.chunks.append(ticket)
+        self.chain_tail = keys[-1]
+        self.tokens_submitted += len(tokens)
+        self.inflight += 1
+        return ticket
+
+    def ack(self, ticket: tuple[UncheckedPerRequest, tuple[str, ...]]) -> None:
+        del self.chunks[0]  # acked in order: the head
+        self.last_hash = ticket[1][-1]
+        self.inflight -= 1
+        if self.finished and not self.inflight:
+            self._release()
+
+    def finish(self) -> None:
+        self.finished = True
+        if not self.inflight:
+            self._release()
+
+    def _release(self) -> None:
+        callback, self.on_release = self.on_release, None
+        if callback is not None:
+            callback(self)

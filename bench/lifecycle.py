@@ -6,7 +6,10 @@ same page hasher called with the same arguments per chunk:
 
 * ``kvlife``   -- :class:`kvlife.Lifecycle`;
 * ``dict``     -- :class:`RidKeyedBook` (``tests/rid_keyed_manager.py``), rid-keyed dicts;
-* ``machine``  -- :class:`MachinePerRequest`, one ``transitions.Machine`` built per request.
+* ``machine``  -- :class:`MachinePerRequest`, one ``transitions.Machine`` built per request;
+* ``unchecked`` -- :class:`UncheckedPerRequest`, one object per request doing kvlife's
+  bookkeeping with no checks and a plain-tuple ticket: what the checks and the
+  ``Ticket`` cost on top of the per-request object.
 
 Two hashers: ``sglang`` (the real SHA-256 page chain) and ``trivial`` (returns a
 constant key per page), so the second pair of figures is the bookkeeping alone.
@@ -23,7 +26,8 @@ no intra-op thread pool to pin.
 
 The last line is one JSON object: ratio_vs_dict_baseline and
 speedup_vs_transitions_machine (sglang hashing), the same two with suffix
-``_no_hash`` (trivial hasher), and bytes_per_live_lifecycle.
+``_no_hash`` (trivial hasher), ratio_unchecked_vs_dict_baseline(_no_hash), and
+bytes_per_live_lifecycle.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(2, str(Path(__file__).resolve().parents[1]))
 
-from baselines import MachinePerRequest
+from baselines import MachinePerRequest, UncheckedPerRequest
 from rid_keyed_manager import RidKeyedBook
 
 from kvlife import Lifecycle
@@ -102,10 +106,23 @@ def run_machine(n: int, hasher: PageHasher) -> float:
     return (time.perf_counter() - start) / n
 
 
+def run_unchecked(n: int, hasher: PageHasher) -> float:
+    """Seconds per life for ``n`` lives of the unchecked per-request object."""
+    chunks, cb = CHUNK_TOKENS, _on_release
+    start = time.perf_counter()
+    for rid in range(n):
+        req = UncheckedPerRequest(rid, page_size=PAGE, on_release=cb, hasher=hasher)
+        for tokens in chunks:
+            req.ack(req.submit(tokens))
+        req.finish()
+    return (time.perf_counter() - start) / n
+
+
 VARIANTS: dict[str, Callable[[int, PageHasher], float]] = {
     "kvlife": run_kvlife,
     "dict": run_dict,
     "machine": run_machine,
+    "unchecked": run_unchecked,
 }
 HASHERS: dict[str, PageHasher] = {"sglang": sglang_page_hashes, "trivial": trivial_hasher}
 
@@ -202,10 +219,15 @@ def main() -> None:
             print(_row(f"{name} [{hname}]", values, 1e6, "us/life"))
         vs_dict = [k / d for k, d in zip(per["kvlife"], per["dict"], strict=True)]
         vs_machine = [m / k for k, m in zip(per["kvlife"], per["machine"], strict=True)]
+        unchecked = [u / d for u, d in zip(per["unchecked"], per["dict"], strict=True)]
         print(_row(f"kvlife / dict [{hname}]", vs_dict, 1.0, "x (target <= 1.3)"))
         print(_row(f"machine / kvlife [{hname}]", vs_machine, 1.0, "x (target >= 20)"))
+        print(_row(f"unchecked / dict [{hname}]", unchecked, 1.0, "x"))
         suffix = "" if hname == "sglang" else "_no_hash"
         figures[f"ratio_vs_dict_baseline{suffix}"] = round(statistics.median(vs_dict), 3)
+        figures[f"ratio_unchecked_vs_dict_baseline{suffix}"] = round(
+            statistics.median(unchecked), 3
+        )
         figures[f"speedup_vs_transitions_machine{suffix}"] = round(statistics.median(vs_machine), 1)
         for name, values in per.items():
             figures[f"us_per_life_{name}{suffix}"] = round(statistics.median(values) * 1e6, 3)
