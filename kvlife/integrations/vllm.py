@@ -35,6 +35,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -143,8 +144,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
 }
 
-#: The counters, in the order of the tuple :meth:`KVLifeOffloadingManager.get_stats` builds.
+#: The counter metrics' names and the manager's counts they report (``_Counts`` fields).
 _COUNTER_NAMES = tuple(name for name, (kind, _) in METRICS.items() if kind == "counter")
+_COUNTED = ("stored", "loaded", "loaded_from_store", "evicted", "dropped_host_full", "refused")
+_read_counted = attrgetter(*_COUNTED)
 
 # ----------------------------------------------------------------------------- scheduler side
 
@@ -153,17 +156,11 @@ _COUNTER_NAMES = tuple(name for name, (kind, _) in METRICS.items() if kind == "c
 #: ``ready`` while its store is in flight; ``pins``: loads reading it; ``hex`` made once.
 _PAGE, _READY, _PINS, _HEX = 0, 1, 2, 3
 
-#: ``self._stores.pop(job, _NO_JOB)``: no store job of these keys.
+#: ``jobs.pop(job_id, _NO_JOB)``: no job of these keys.
 _NO_JOB: Any = object()
 
 #: A job of one request: its Lifecycle (by identity) and the job's key set.
 _JobId = tuple[Lifecycle, frozenset[OffloadKey]]
-
-
-@dataclass(slots=True)
-class _LoadJob:
-    ticket: LoadTicket | None  # None when the Lifecycle refused the load (counted)
-    pinned: list[OffloadKey]  # host keys this load pins until its ack
 
 
 @dataclass(slots=True)
@@ -233,8 +230,9 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._evictable = 0  # entries ready and unpinned
         self._on_disk: set[OffloadKey] = set()  # keys verified in the persistent tier
         self._live: set[Lifecycle] = set()  # not yet released (each on its ReqContext)
-        self._stores: dict[_JobId, Ticket | None] = {}  # None: the Lifecycle refused it
-        self._loads: dict[_JobId, _LoadJob] = {}
+        # A job's ticket (None: the Lifecycle refused it); a load's host keys it pins.
+        self._stores: dict[_JobId, Ticket | None] = {}
+        self._loads: dict[_JobId, tuple[LoadTicket | None, list[OffloadKey]]] = {}
         self._on_release = self._released  # one bound method for every Lifecycle
         self._pending = 0
         self.counts = _Counts()
@@ -298,6 +296,18 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.on_new_request(ctx)
         return cast(Lifecycle, ctx.get_state(Lifecycle))
 
+    def _pop_job(
+        self, jobs: dict[_JobId, _T], what: str, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> tuple[Lifecycle, _T] | None:
+        """The job ``complete_<what>`` names, by (Lifecycle, key set); unknown: refused."""
+        call = f"complete_{what}"
+        lifecycle = ctx.get_state(Lifecycle) or self._untracked(ctx, call)
+        job = jobs.pop((lifecycle, frozenset(keys)), _NO_JOB)
+        if job is _NO_JOB:
+            self._refuse(f"{call}:unknown_job", f"no {what} of these {len(keys)} keys")
+            return None
+        return lifecycle, job
+
     def _released(self, lifecycle: Lifecycle) -> None:
         self._live.discard(lifecycle)
         self.lifecycles_released += 1
@@ -355,7 +365,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 self.counts.loaded_from_store += 1
                 hex_keys.append(key.hex())
         ticket = self._event("load", lifecycle.load, hex_keys)
-        self._loads[lifecycle, frozenset(ordered)] = _LoadJob(ticket, pinned)
+        self._loads[lifecycle, frozenset(ordered)] = (ticket, pinned)
         return HostBlocksSpec(pages, ordered)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -366,22 +376,19 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def complete_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext, **kwargs: Any
     ) -> None:
-        lifecycle = req_context.get_state(Lifecycle) or self._untracked(
-            req_context, "complete_load"
-        )
-        job = self._loads.pop((lifecycle, frozenset(keys)), None)
-        if job is None:
-            self._refuse("complete_load:unknown_job", f"no load of these {len(keys)} keys")
+        found = self._pop_job(self._loads, "load", keys, req_context)
+        if found is None:
             return
+        lifecycle, (ticket, pinned) = found
         entries = self._entries
-        for key in job.pinned:
+        for key in pinned:
             entry = entries.get(key)
             if entry is not None and entry[_PINS] > 0:
                 entry[_PINS] -= 1
                 if not entry[_PINS] and entry[_READY]:
                     self._evictable += 1
         self.counts.loaded += len(keys)
-        self._ack("complete_load", lifecycle, job.ticket)
+        self._ack("complete_load", lifecycle, ticket)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -432,18 +439,14 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        lifecycle = req_context.get_state(Lifecycle) or self._untracked(
-            req_context, "complete_store"
-        )
-        job_keys = frozenset(keys)
-        ticket = self._stores.pop((lifecycle, job_keys), _NO_JOB)
-        if ticket is _NO_JOB:
-            self._refuse("complete_store:unknown_job", f"no store of these {len(keys)} keys")
+        found = self._pop_job(self._stores, "store", keys, req_context)
+        if found is None:
             return
+        lifecycle, ticket = found
         entries = self._entries
         settled = 0
         failed: list[int] = []
-        for key in job_keys:
+        for key in keys:
             entry = entries.get(key)
             if entry is None or entry[_READY]:
                 continue
@@ -473,8 +476,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.counts.abandoned_jobs += len(stores) + len(loads)
         for (lifecycle, _), ticket in stores.items():
             self._ack("abandon", lifecycle, ticket)
-        for (lifecycle, _), job in loads.items():
-            self._ack("abandon", lifecycle, job.ticket)
+        for (lifecycle, _), (load, _) in loads.items():
+            self._ack("abandon", lifecycle, load)
 
     def reset_cache(self) -> None:
         """vLLM dropped its offloaded state: no complete_* will come for jobs begun before."""
@@ -488,26 +491,17 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self._pool.free(owned, self)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        c = self.counts
-        counters = (
-            c.stored,
-            c.loaded,
-            c.loaded_from_store,
-            c.evicted,
-            c.dropped_host_full,
-            c.refused,
-        )
-        now = (*counters, self._pending, self._pool.num_used)
+        now = (*_read_counted(self.counts), self._pending, self._pool.num_used)
         last = self._last_stats
         if now == last:
             return None
         stats = OffloadingConnectorStats()
-        for i, name in enumerate(_COUNTER_NAMES):
-            delta = now[i] - (last[i] if last is not None else 0)
-            if delta:
-                stats.increase_counter(name, delta)
-        stats.set_gauge("vllm:kvlife_pending_blocks", now[6])
-        stats.set_gauge("vllm:kvlife_host_usage_perc", now[7] / self._capacity)
+        # The counters lead ``now``: zip stops at the last of their names.
+        for name, value, old in zip(_COUNTER_NAMES, now, last or (0,) * len(now), strict=False):
+            if value != old:
+                stats.increase_counter(name, value - old)
+        stats.set_gauge("vllm:kvlife_pending_blocks", now[-2])
+        stats.set_gauge("vllm:kvlife_host_usage_perc", now[-1] / self._capacity)
         self._last_stats = now
         return stats
 
@@ -844,7 +838,7 @@ class OffloadCollector:
     """A ``prometheus_client`` collector of this process's kvlife roles, read at scrape
     time: ``REGISTRY.register(OffloadCollector())`` (its families: ``docs/vllm.md``)."""
 
-    _COUNTERS = ("stored", "loaded", "loaded_from_store", "evicted", "dropped_host_full", "refused")
+    _COUNTERS = _COUNTED
     _GAUGES = ("pending", "pinned", "live_lifecycles", "host_pages_used")
 
     def describe(self) -> list[Any]:
