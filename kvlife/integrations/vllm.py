@@ -629,22 +629,22 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         if self.stats[kind] == 1:
             logger.error("kvlife worker: %s (%s); counted, logged once", kind, message)
 
-    def _claim_pages(self) -> None:
-        """Before the first copy: if no manager in this process took the pool (vLLM's
-        multiprocess mode), the scheduler allocates the page indices elsewhere and this
-        worker owns every page of its pool (the engine copies only allocated pages)."""
-        self._pages_claimed = True
+    def _unshare(self) -> bool:
+        """Take the pool back from ``_SHARED_POOLS`` if no manager of this process took it."""
         key = self._pool_key
-        if key is not None:
-            if _SHARED_POOLS.get(key) is not self._pool:
-                return  # the manager of this process took the pool: it allocates the pages
+        if key is not None and _SHARED_POOLS.get(key) is self._pool:
             del _SHARED_POOLS[key]
-        if self._pool.num_free:  # no manager here (or no pool key): the pool is ours
-            self._pool.alloc(self._pool.num_free, self)
+            return True
+        return False
 
     def _start(self, job_id: int, load: bool, blocks: int) -> tuple[_WorkerJob, Lifecycle]:
-        if not self._pages_claimed:
-            self._claim_pages()
+        if not self._pages_claimed:  # the first job
+            self._pages_claimed = True
+            # No manager here took the pool (vLLM's multiprocess mode; or no pool key): the
+            # scheduler allocates page indices elsewhere and this worker owns every page
+            # (the engine copies only allocated pages).
+            if (self._unshare() or self._pool_key is None) and self._pool.num_free:
+                self._pool.alloc(self._pool.num_free, self)
         if job_id in self._jobs:  # vLLM reused a job id in flight: both still get results
             self._error_once("job_id_in_flight", f"job {job_id} submitted while in flight")
         job = _WorkerJob(job_id, load, blocks, time.perf_counter())
@@ -711,10 +711,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def _collect(self, acks: Iterable[Ack]) -> None:
         """Ack each engine ack to its job's Lifecycle (never looked up by job id)."""
         for ack in acks:
-            job = self._by_life.get(ack.lifecycle)
-            if job is None:  # unreachable: every ticket the engine holds is a job's
-                self._error_once("unknown_acks", repr(ack.ticket))
-                continue
+            job = self._by_life[ack.lifecycle]  # every ticket the engine holds is a job's
             job.copy_done = ack.completed_at
             if ack.error is not None:  # made again directly; a failure only if that fails
                 self._error_once("copy_failures", repr(ack.error))
@@ -745,15 +742,16 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, **kwargs: Any
     ) -> bool:
         spec = cast(HostBlocksSpec, src_spec)
-        host_ids = list(spec.block_ids)
+        host_ids = spec.block_ids
         device_ids: list[int] = dst_spec.block_ids.tolist()
         job, lifecycle = self._start(job_id, True, len(device_ids))
-        on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
-        if len(on_host) < len(host_ids):
-            disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
-            ticket = lifecycle.load([spec.keys[i].hex() for i in disk])
-            self._load_from_store(job, spec.keys, disk, device_ids)
+        disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
+        if disk:
+            names = [spec.keys[i].hex() for i in disk]
+            ticket = lifecycle.load(names)
+            self._load_from_store(job, names, [device_ids[i] for i in disk])
             lifecycle.ack(ticket)
+        on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
         if on_host:
             ticket = lifecycle.load([spec.keys[i].hex() for i in on_host])
             self._submit(
@@ -762,13 +760,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         lifecycle.finish(FinishReason.FINISHED)
         return True
 
-    def _load_from_store(
-        self, job: _WorkerJob, keys: list[OffloadKey], blocks: list[int], device_ids: list[int]
-    ) -> None:
-        """Blocks of a load from the persistent tier: read (verified) straight into the
-        device blocks, here (the engine copies only to and from host pool pages)."""
-        for i in blocks:
-            name = keys[i].hex()
+    def _load_from_store(self, job: _WorkerJob, names: list[str], blocks: list[int]) -> None:
+        """Read persistent-tier pages (verified) straight into device blocks, here: the
+        engine copies only to and from host pool pages."""
+        for name, block in zip(names, blocks, strict=True):
             payload = self._store.get(name) if self._store is not None else None
             self.stats["disk_reads"] += 1
             if payload is None or len(payload) != self.row_bytes:
@@ -777,7 +772,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 job.failed = True
                 continue
             row = torch.frombuffer(bytearray(payload), dtype=torch.int8)
-            self.layout.write_page(device_ids[i], row.to(self.layout.device))
+            self.layout.write_page(block, row.to(self.layout.device))
 
     def _poll_store(self, results: Iterable[Any]) -> None:
         for result in results:
@@ -796,16 +791,12 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def wait(self, job_ids: set[int]) -> None:
         """Block until the copies of ``job_ids`` are over; results still come from
         ``get_finished``."""
-        events = [
-            job.event
-            for job_id in job_ids
-            if (job := self._jobs.get(job_id)) is not None and job.event is not None
-        ]
-        if not events:
-            return
+        jobs = [self._jobs.get(job_id) for job_id in job_ids]
+        events = [job.event for job in jobs if job is not None and job.event is not None]
         for event in events:
             event.synchronize()
-        self._collect(self.engine.poll())
+        if events:
+            self._collect(self.engine.poll())
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every copy is over and the persistent tier wrote every queued page."""
@@ -822,8 +813,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         except KVLifeError as exc:
             self._error_once("shutdown_drain", repr(exc))
         self.engine.close()
-        if self._pool_key is not None and _SHARED_POOLS.get(self._pool_key) is self._pool:
-            del _SHARED_POOLS[self._pool_key]  # no manager in this process took it
+        self._unshare()
         if self._store is not None:
             self._store.close()
             self._poll_store(self._store.drain())
