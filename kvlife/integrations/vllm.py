@@ -1,25 +1,12 @@
-"""kvlife as a vLLM KV offloading backend: ``KVLifeOffloadingSpec`` (vLLM 0.32).
+"""kvlife as vLLM's KV offloading backend, ``KVLifeOffloadingSpec`` (vLLM 0.32).
 
 Switch it on with ``LLM(..., kv_transfer_config=transfer_config(host_bytes, ...))``.
-The page ``docs/vllm.md`` has the configuration keys, the call sequence, the
-process layouts, the persistent tier and the metrics; in short:
-
-- vLLM builds the spec once per role: :class:`KVLifeOffloadingManager` on the
-  scheduler decides everything and copies nothing; :class:`KVLifeWorker` in
-  each worker process holds the bytes and copies through a kvlife copy engine.
-  The manager hands out host page indices only: in one process both share one
-  :class:`~kvlife.pool.HostPagePool`, otherwise page ``i`` names row ``i`` of
-  the worker's own pool.
-- Each request gets a :class:`~kvlife.Lifecycle`, kept on its ``ReqContext``;
-  every store and load is a job on it, found again by (Lifecycle, key set)
-  when vLLM completes it, so it releases once finished and nothing is in flight.
-- A host entry is pending from ``prepare_store`` to ``complete_store`` (never a
-  ``HIT``, never evicted) and pinned while a load reads it; LRU eviction takes
-  only ready, unpinned entries. Refusals change nothing: counted and logged
-  once per kind, raised with ``strict``.
-- Each worker job gets its own Lifecycle; its one release is the job's one
-  ``TransferResult``, and a job never reports a copy it did not make.
-
+:class:`KVLifeOffloadingManager` runs on the scheduler: it decides and copies nothing,
+hands out host page indices, and gives each request a :class:`~kvlife.Lifecycle`
+whose stores and loads are jobs, found again by (Lifecycle, key set) when vLLM
+completes them. :class:`KVLifeWorker` holds the bytes and copies through a kvlife
+copy engine, one Lifecycle and one ``TransferResult`` per job. The rules, keys, call
+sequence, process layouts, persistent tier and metrics are in ``docs/vllm.md``.
 Limits: one KV cache group (plain attention models), ``blocks_per_chunk`` 1.
 """
 
@@ -109,9 +96,8 @@ _start_store = cast("Callable[[Lifecycle, Sequence[object]], Ticket]", Lifecycle
 
 
 class HostBlocksSpec(LoadStoreSpec):  # type: ignore[misc]
-    """Where a job's blocks are on the host side: ``block_ids[i]`` is block ``i``'s host
-    page, or ``FROM_STORE`` (a load from the persistent tier); ``keys[i]`` its vLLM key.
-    Only the worker reads it, so plain lists: no array on the scheduler's hot path."""
+    """A job's host side: ``block_ids[i]`` is block ``i``'s host page (or ``FROM_STORE``),
+    ``keys[i]`` its vLLM key. Only the worker reads it: plain lists, no array."""
 
     __slots__ = ("block_ids", "keys")
 
@@ -173,6 +159,10 @@ class _Counts:
     refused: int = 0
     store_failed: int = 0
     abandoned_jobs: int = 0
+    lifecycles_started: int = 0
+    lifecycles_released: int = 0
+    finished_at_shutdown: int = 0
+    preemptions: int = 0  # requests vLLM preempted (seen at the end of each step)
 
 
 _LIVE_MANAGERS: weakref.WeakSet[KVLifeOffloadingManager] = weakref.WeakSet()
@@ -205,12 +195,9 @@ def live_workers() -> list[KVLifeWorker]:
 
 
 class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
-    """vLLM's scheduler-side offloading manager on a kvlife host pool and Lifecycles.
-
-    Runs on vLLM's scheduler thread only, every step, so its hot paths avoid work
-    per call. ``pool`` is the host tier (shared with the worker in one process,
-    allocator-only otherwise); ``disk`` the persistent tier, read-side, or None.
-    """
+    """vLLM's scheduler-side manager, on vLLM's scheduler thread every step (hot paths
+    avoid work per call). ``pool``: the host tier (the worker's in one process, else
+    an allocator only); ``disk``: the persistent tier, read side, or None."""
 
     def __init__(
         self,
@@ -238,10 +225,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.counts = _Counts()
         self._last_stats: tuple[int, ...] | None = None
         self.refusals: Counter[str] = Counter()
-        self.lifecycles_started = 0
-        self.lifecycles_released = 0
-        self.finished_at_shutdown = 0
-        self.preemptions = 0  # requests vLLM preempted (seen at the end of each step)
         self._shut = False
         _LIVE_MANAGERS.add(self)
 
@@ -261,10 +244,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "pinned": sum(e[_PINS] for e in entries),
             "evictable_drift": self._evictable - evictable,  # 0 unless the count is wrong
             "live_lifecycles": len(self._live),
-            "lifecycles_started": self.lifecycles_started,
-            "lifecycles_released": self.lifecycles_released,
-            "finished_at_shutdown": self.finished_at_shutdown,
-            "preemptions": self.preemptions,
             **asdict(self.counts),
         }
 
@@ -310,7 +289,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def _released(self, lifecycle: Lifecycle) -> None:
         self._live.discard(lifecycle)
-        self.lifecycles_released += 1
+        self.counts.lifecycles_released += 1
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         lifecycle = Lifecycle(
@@ -318,7 +297,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         )
         req_context.set_state(lifecycle)
         self._live.add(lifecycle)
-        self.lifecycles_started += 1
+        self.counts.lifecycles_started += 1
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -467,7 +446,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def on_schedule_end(self, context: Any) -> None:
         if context.preempted_req_ids:
-            self.preemptions += len(context.preempted_req_ids)
+            self.counts.preemptions += len(context.preempted_req_ids)
 
     def _abandon_jobs(self) -> None:
         """Ack every job vLLM will never complete (reset or shutdown); pins and pending go."""
@@ -512,7 +491,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._shut = True
         for lifecycle in list(self._live):
             if lifecycle.finish_reason is None:
-                self.finished_at_shutdown += 1
+                self.counts.finished_at_shutdown += 1
                 self._event("finish", lifecycle.finish, FinishReason.ABORTED)
         self._abandon_jobs()
         # Pending entries never became ready; ready ones stay (the pool dies with us).
@@ -535,11 +514,8 @@ def _block_views(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
 
 
 class BlockViewsLayout(KVLayout):
-    """vLLM's KV cache as a kvlife layout: block ``b`` is row ``b`` of every view.
-
-    ``views`` are vLLM's per-layer ``(num_blocks, page_bytes)`` int8 block views,
-    aliasing its KV tensors; they may be strided, but each page row is contiguous.
-    """
+    """vLLM's KV cache as a kvlife layout: block ``b`` is row ``b`` of every view, vLLM's
+    per-layer ``(num_blocks, page_bytes)`` int8 views (strided, each row contiguous)."""
 
     def __init__(self, views: Sequence[torch.Tensor], tokens_per_block: int = 1) -> None:
         if not views:
@@ -573,13 +549,9 @@ class _WorkerJob:
 
 
 class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
-    """Copies blocks between vLLM's KV cache and the host tier through a kvlife copy engine.
-
-    ``pool.tensor`` row ``p`` holds host page ``p``. Each vLLM job gets its own
-    :class:`~kvlife.Lifecycle`: its chunk (a store's ``Ticket``, a load's
-    ``LoadTicket``) goes to the engine, the engine's ack acks it, and the
-    Lifecycle, finished at submit, releases once: the job's one ``TransferResult``.
-    """
+    """Copies blocks between vLLM's KV cache and host page rows through a kvlife copy
+    engine. Each job's Lifecycle is finished at submit; the engine acks its chunks and
+    its one release is the job's one ``TransferResult``."""
 
     def __init__(
         self,
@@ -887,11 +859,8 @@ def store_namespace(config: Any, model_id: str | None = None) -> str:
 
 
 class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
-    """vLLM offloading spec: ``spec_name="KVLifeOffloadingSpec"``,
-    ``spec_module_path="kvlife.integrations.vllm"``; its extra-config keys
-    (``host_bytes``, ``store_dir``, ``eviction``, ``strict``, ``model_id``,
-    ``report_dir``) are in ``docs/vllm.md``.
-    """
+    """The vLLM offloading spec (see :func:`transfer_config`); its extra-config keys are
+    in ``docs/vllm.md``."""
 
     @classmethod
     def build_metric_definitions(
