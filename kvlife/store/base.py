@@ -1,46 +1,15 @@
-"""The storage tier's protocol, its typed errors, and the one-writer-thread base both stores share.
+"""The storage tier's protocol, its typed errors, the page format, and the one-writer-thread
+base every store shares; the rules are in ``docs/store.md``.
 
-Theory of operation
-===================
-
-The manager hands a store the host pages of one acked chunk with their hash
-keys: ``put(token, keys, pages)``. The put is *asynchronous*: it validates,
-queues and returns; one writer thread per store does the work, and the outcome
-comes back later as a :class:`StoreResult` carrying the caller's ``token``
-(the manager passes its Lifecycle and the chunk's host pages). The caller
-polls results on its own thread (``poll()``) or waits for all of them
-(``drain()``), exactly like copy acks, so no callback ever runs on the writer
-thread.
-
-Rules every store keeps:
-
-1. Validation happens in ``put`` before anything changes: a refused put raises
-   :class:`~kvlife.errors.InvalidPut` (:class:`~kvlife.errors.StoreClosed` after
-   ``close``), queues nothing, consumes no injected fault and changes no counter.
-2. The writer reads the host pages lazily, but it has finished reading them
-   before the put's result becomes visible to ``poll``/``drain``: the caller
-   may free or reuse the pages as soon as it holds the result, not before.
-3. A put is all-or-nothing: a put that reports an error leaves none of its
-   pages visible that were not visible before it (a page that already held the
-   same bytes stays). A put that reports success has every page visible.
-4. Keys are content hashes, so a page is written once. Re-putting a key with
-   the same bytes is a success that writes nothing (counted as deduplicated).
-   Re-putting it with *different* bytes is a corruption signal: the put fails
-   with :class:`~kvlife.errors.PageMismatch`, the stored page is kept, and it is
-   counted.
-5. Results arrive in completion order, which is put order (one writer thread).
-6. A page is served only whole: every store keeps each page in the one format
-   of :func:`frame_page` (a header with magic, version, key, payload length and
-   XXH3-64 checksum) and :func:`unframe_page` checks it on every read. A stored page that
-   fails the check (truncated, extended, a flipped bit, another key's page) is
-   a miss: ``get`` returns None, ``contains`` False, ``stats().pages_corrupt``
-   counts it, and the next put of that key replaces it.
-
-Fault injection (for tests and the simulator): ``fail_rate`` and ``seed`` at
-construction and ``fail_next(n)``. Whether a put fails, and at which internal
-step, is drawn in ``put`` on the caller's thread from a seeded generator, so a
-run is reproducible whatever the thread timing. An injected failure goes
-through the same rollback as a real I/O error.
+Theory of operation: ``put(token, keys, pages)`` validates, draws any injected
+fault and queues; one writer thread per store calls ``_store_pages`` (all or
+nothing, rolled back on failure) and queues a :class:`StoreResult` carrying the
+caller's ``token``, which the caller collects with ``poll``/``drain`` on its own
+thread. The writer has finished reading the host pages before their result is
+visible. Every page is stored as :func:`frame_page` frames it and served only if
+:func:`unframe_page` finds it whole; a page failing the check is a counted miss
+(``pages_corrupt``) that the next put of its key replaces. A key stored with
+other bytes fails the put with :class:`~kvlife.errors.PageMismatch`.
 """
 
 from __future__ import annotations
@@ -56,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Protocol, overload, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 import xxhash
@@ -184,6 +153,7 @@ PAGE_VERSION = 1
 # XXH3-64 checks a 64 KiB page in about a microsecond.
 _HEADER = struct.Struct("<4sBBQQ")
 _checksum = xxhash.xxh3_64_intdigest
+_B = TypeVar("_B", bytes, memoryview)
 
 
 def frame_page(key: str, payload: bytes | memoryview) -> bytes:
@@ -220,11 +190,7 @@ def frame_into(out: memoryview, key: str, payload: bytes | memoryview) -> int:
     return end
 
 
-@overload
-def unframe_page(key: str, stored: bytes) -> bytes | None: ...
-@overload
-def unframe_page(key: str, stored: memoryview) -> memoryview | None: ...
-def unframe_page(key: str, stored: bytes | memoryview) -> bytes | memoryview | None:
+def unframe_page(key: str, stored: _B) -> _B | None:
     """The payload of ``stored`` if it is a whole page of ``key``, else None.
 
     Whole means: the magic and version match, the header names ``key``, the
@@ -257,6 +223,16 @@ def fault_steps(fault_at: int | None, n_pages: int) -> Callable[[int, str], None
             raise StoreError(f"injected failure {what} ({n_pages} pages)")
 
     return step
+
+
+def check_held(key: str, held: bytes | memoryview | None, page: bytes | memoryview) -> bool:
+    """Whether ``key`` already holds ``page`` (``held``: its verified stored payload, None if
+    none); PageMismatch if it holds other bytes (the stored page is kept)."""
+    if held is not None and held != page:
+        raise PageMismatch(
+            f"key {key} is stored with different bytes; the stored page is kept", key=key
+        )
+    return held is not None
 
 
 def _check_put(keys: Sequence[str], pages: torch.Tensor) -> tuple[str, ...]:
@@ -359,14 +335,14 @@ class QueuedStore(abc.ABC):
         """The stored payload bytes of a page, or None when no whole page is stored under it."""
 
     @abc.abstractmethod
-    def contains(self, key: str) -> bool:
-        """Whether a whole, verified page is stored under ``key``."""
-
-    @abc.abstractmethod
     def keys(self) -> Iterator[str]:
         """Every stored key (for verification; order unspecified)."""
 
     # -- the protocol
+
+    def contains(self, key: str) -> bool:
+        """Whether a whole, verified page is stored under ``key`` (reads it)."""
+        return self.get(key) is not None
 
     def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
         """Queue ``pages[i]`` under ``keys[i]``; keep the pages until this token's result."""
@@ -462,10 +438,16 @@ class QueuedStore(abc.ABC):
 
     # -- internals
 
-    def _count_corrupt(self) -> None:
-        """Count one read that found a stored page failing verification (any thread)."""
-        with self._lock:
-            self._stats = replace(self._stats, pages_corrupt=self._stats.pages_corrupt + 1)
+    def _verify(self, key: str, stored: _B | None, *, count: bool = True) -> _B | None:
+        """The payload of ``stored`` if it is a whole page of ``key``, else None; a stored
+        page failing verification is counted in ``pages_corrupt`` (when ``count``)."""
+        if stored is None:
+            return None
+        payload = unframe_page(key, stored)
+        if payload is None and count:
+            with self._lock:
+                self._stats = replace(self._stats, pages_corrupt=self._stats.pages_corrupt + 1)
+        return payload
 
     def _take(self) -> list[StoreResult]:
         taken = list(self._done)

@@ -1,21 +1,11 @@
 """Pages in a dict: :class:`MemoryStore` behind a real writer thread, :class:`InlineStore`
-on the caller's thread.
+on the caller's thread (see ``docs/store.md``).
 
-It completes asynchronously, exactly like the directory store: ``put`` queues,
-the writer thread copies the pages' bytes out of the host tensor and commits
-them, and the result appears at the next ``poll`` after that. So tests that use
-it see the same interleavings (a result arriving between two polls, pages read
-after ``put`` returned) as with files.
-
-All-or-nothing: the writer copies every page of a put first and commits them to
-the dict in one step under the lock; a failure (injected, or a key already
-holding different bytes) happens before the commit, so nothing of that put is
-ever visible.
-
-Pages are kept in the shared page format (``frame_page``: a header with the
-key, length and checksum) and checked on every read like files are, so a page
-damaged in memory is a miss, counted in ``stats().pages_corrupt``, and the
-next put of its key replaces it.
+``MemoryStore`` completes asynchronously exactly like the directory store, so
+tests see the same interleavings. Its writer frames every page of a put first
+and commits them to the dict in one step under the lock; a failure (injected,
+or a key holding other bytes) strikes before the commit, so nothing of that put
+is ever visible. Pages are kept framed and checked on every read like files.
 """
 
 from __future__ import annotations
@@ -30,10 +20,10 @@ from kvlife.store.base import (
     StoreResult,
     Written,
     _check_put,
+    check_held,
     check_key,
     frame_page,
     page_views,
-    unframe_page,
 )
 
 if TYPE_CHECKING:
@@ -67,36 +57,15 @@ class MemoryStore(QueuedStore):
         new: dict[str, bytes] = {}
         with self._pages_lock:
             for i, key in enumerate(keys):
-                held = self._verified(key)
-                if held is None:
+                if not check_held(key, self._verify(key, self._pages.get(key)), pages[i]):
                     new[key] = framed[i]
-                elif held != pages[i]:
-                    raise PageMismatch(
-                        f"key {key} is stored with different bytes; the stored page is kept",
-                        key=key,
-                    )
             self._pages.update(new)
         return Written(len(new), len(keys) - len(new), len(new) * len(pages[0]))
 
-    def _verified(self, key: str) -> bytes | None:
-        """The payload stored under ``key`` if it is whole; None (a bad one counted) if not."""
-        framed = self._pages.get(key)
-        if framed is None:
-            return None
-        payload = unframe_page(key, framed)
-        if payload is None:
-            self._count_corrupt()
-        return payload
-
     def get(self, key: str) -> bytes | None:
         """The stored payload bytes of a page, or None when no whole page is stored under it."""
-        check_key(key)
         with self._pages_lock:
-            return self._verified(key)
-
-    def contains(self, key: str) -> bool:
-        """Whether a whole, verified page is stored under ``key``."""
-        return self.get(key) is not None
+            return self._verify(key, self._pages.get(check_key(key)))
 
     def keys(self) -> Iterator[str]:
         """Every stored key (a snapshot taken at the call)."""
@@ -122,14 +91,13 @@ class InlineStore:
         """Store every page under its key now, or none; the result comes at the next poll."""
         checked = _check_put(keys, pages)
         copies = {key: bytes(view) for key, view in zip(checked, page_views(pages), strict=True)}
-        error: BaseException | None = None
-        for key, page in copies.items():
-            held = self._pages.get(key)
-            if held is not None and held != page:
-                error = PageMismatch(f"key {key} is stored with different bytes", key=key)
-                break
-        if error is None:
+        error: PageMismatch | None = None
+        try:
+            for key, page in copies.items():
+                check_held(key, self._pages.get(key), page)
             self._pages.update(copies)
+        except PageMismatch as exc:
+            error = exc
         self._done.append(StoreResult(token, checked, error))
 
     def poll(self) -> list[StoreResult]:

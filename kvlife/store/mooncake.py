@@ -1,71 +1,23 @@
 """MooncakeStore: pages in a Mooncake Store cluster, behind the same writer thread as files.
 
-Mooncake Store (``MooncakeDistributedStore``) is a distributed key-value store:
-a master keeps the key -> replica map, memory-pool processes
-(``mooncake_client``) hold the bytes, and any process with a client can put and
-get. kvlife uses it as a store tier that several processes (ranks, instances,
-an SGLang fleet) share. Install the extra: ``pip install 'kvlife[mooncake]'``.
+Install the extra: ``pip install 'kvlife[mooncake]'``. The guarantees, and how
+they differ from the directory store's, are in ``docs/store-tier.md``.
 
-Topology
-========
-
-The store's own client contributes **no** memory (``global_segment_size`` 0):
-pages live in the pool processes, so they outlive the writer. (A writer that
-holds pages itself loses them when it exits.) Per-call transfers use two
-buffers this store registers with the client: one the writer thread stages puts
-in, one reads land in.
-
-Keys and page format
-====================
-
-A page of kvlife key ``k`` in namespace ``ns`` is the Mooncake object
-``kvlife/<ns>/<k>``; namespaces follow the directory store's rules
-(``check_namespace``). The object is the page in the shared format of
-:func:`~kvlife.store.base.frame_page` (key, length, checksum), checked on every
-read: a truncated, corrupted or misfiled object is a miss, counted in
-``stats().pages_corrupt``, and the next put of the key replaces it.
-
-Mooncake's semantics, and what this store makes of them
-=======================================================
-
-- ``get`` answers ``b''`` both for a missing key and for any failure. This
-  store reads with ``get_into``/``batch_get_into``, which answer a negative
-  error code: -704 (not found, including an evicted page) is a miss (``None``);
-  any other code raises :class:`~kvlife.errors.StoreError` with ``code`` and
-  ``call`` (:class:`~kvlife.errors.StoreUnavailable` for the codes that mean the
-  master or pool cannot be reached).
-- Putting an existing key answers 0 and keeps the first value. So a put first
-  asks which keys exist (``batch_is_exist``), reads those and compares: the
-  same bytes are deduplicated, other bytes fail the put whole with
-  :class:`~kvlife.errors.PageMismatch` (nothing written), a page failing
-  verification is removed (``force``) and written again. Two writers putting
-  *different* bytes under one key in the same instant both succeed, and the
-  first value stays; readers still only ever get whole, verified pages.
-- Reads take a lease (a plain ``remove`` answers -706 for a while after a
-  read); the rollback removes with ``force=True``.
-- A full pool evicts old objects: an evicted page is a miss, never an error.
-- ``keys()`` cannot list a cluster; it yields the keys this store object put
-  or found stored by its own puts (what the simulator verifies).
-
-Failures
-========
-
-A put is all-or-nothing as far as the cluster lets it: when the batch put
-fails for any key, the writer removes every page this put created before it
-reports the error. (If the master is gone the removal fails too; such pages are
-whole and correct, as keys are content hashes.) Calls that fail with a code
-meaning the master or the pool is unreachable raise
-:class:`~kvlife.errors.StoreUnavailable` and open a *breaker*: for ``retry_after``
-seconds every put fails at once with :class:`~kvlife.errors.StoreUnavailable`
-(the same ``code`` and ``call``) without calling the cluster, then the next put
-tries again. So with the master killed each put's result arrives within one
-failing call (about 4.5 s, Mooncake's own RPC timeout) and then at once; with
-the pool killed, within about a second. After a restart the next try succeeds
-and the store is used again (a restarted master starts empty).
-
-``setup`` retries for about 90 s when no master answers; this module sets
-``MC_STORE_CLIENT_SETUP_RETRIES`` (unless the environment already does) so the
-constructor fails with :class:`~kvlife.errors.StoreUnavailable` in a few seconds.
+Theory of operation: page ``k`` of namespace ``ns`` is the object
+``kvlife/<ns>/<k>``, framed by ``frame_page`` and verified on every read. This
+store's client contributes no memory, so pages live in the pool processes;
+transfers go through two buffers it registers (puts staged in one, reads landing
+in the other). Mooncake keeps the first value of a key and its ``get`` answers
+``b''`` for a miss and a failure alike, so reads use ``batch_get_into`` (-704,
+not found or evicted, is a miss; other codes raise), and a put first asks which
+keys exist and reads them: same bytes are deduplicated, other bytes fail it with
+``PageMismatch``, a page failing verification is removed (``force``, past the
+read lease) and written again. A failed put removes the pages it created. A code
+meaning the master or pool is unreachable raises ``StoreUnavailable`` and opens
+a breaker: for ``retry_after`` seconds puts fail at once without calling the
+cluster. ``keys()`` yields only the keys this store object put or found stored.
+This module sets ``MC_STORE_CLIENT_SETUP_RETRIES`` (unless set) so that a
+missing master fails the constructor in seconds, not Mooncake's 90.
 """
 
 from __future__ import annotations
@@ -82,25 +34,21 @@ import numpy as np
 from kvlife.errors import (
     ConfigError,
     MissingDependency,
-    PageMismatch,
     StoreError,
     StoreUnavailable,
 )
 from kvlife.store.base import (
     QueuedStore,
     Written,
+    check_held,
     check_key,
     fault_steps,
     frame_into,
     frame_size,
-    unframe_page,
 )
 from kvlife.store.directory import check_namespace
 
-__all__ = [
-    "MooncakeStore",
-    "load_client_class",
-]
+__all__ = ["MooncakeStore", "load_client_class"]
 
 #: Mooncake's error codes this store tells apart (``mooncake-store`` ``types.h``).
 NO_AVAILABLE_HANDLE = -200  # no pool memory (or no pool)
@@ -128,9 +76,6 @@ _CODE_NAMES = {
     RPC_TIMEOUT: "RPC_TIMEOUT",
 }
 
-#: The package that ships ``mooncake.store`` (kvlife's ``mooncake`` extra).
-PACKAGE = "mooncake-transfer-engine-non-cuda"
-
 #: Environment variables read by :meth:`MooncakeStore.from_env` (SGLang's names).
 ENV_MASTER = "MOONCAKE_MASTER"
 ENV_METADATA = "MOONCAKE_TE_META_DATA_SERVER"
@@ -138,16 +83,10 @@ ENV_PROTOCOL = "MOONCAKE_PROTOCOL"
 ENV_LOCAL_HOSTNAME = "MOONCAKE_LOCAL_HOSTNAME"
 
 
-def code_name(code: int) -> str:
-    """Mooncake's name of an error code (``"OBJECT_NOT_FOUND"``), or the number."""
-    return _CODE_NAMES.get(code, str(code))
-
-
-def _error(call: str, code: int, what: str) -> StoreError:
-    kind = StoreUnavailable if code in UNAVAILABLE_CODES else StoreError
-    return kind(
-        f"mooncake {call} failed for {what}: {code_name(code)} ({code})", code=code, call=call
-    )
+def _error(call: str, code: int, what: str, *, unavailable: bool = False) -> StoreError:
+    kind = StoreUnavailable if unavailable or code in UNAVAILABLE_CODES else StoreError
+    name = _CODE_NAMES.get(code, code)
+    return kind(f"mooncake {call} failed for {what}: {name} ({code})", code=code, call=call)
 
 
 def load_client_class() -> Any:
@@ -156,7 +95,7 @@ def load_client_class() -> Any:
         module = importlib.import_module("mooncake.store")
     except ImportError as exc:
         raise MissingDependency(
-            f"MooncakeStore needs {PACKAGE}: pip install 'kvlife[mooncake]' "
+            "MooncakeStore needs mooncake-transfer-engine-non-cuda: pip install 'kvlife[mooncake]' "
             f"(and apt-get install libibverbs1, needed even over TCP): {exc}"
         ) from exc
     return module.MooncakeDistributedStore
@@ -179,12 +118,8 @@ class _Buffer:
         ptr = int(array.ctypes.data)
         code = self._client.register_buffer(ptr, size)
         if code != 0:  # the metadata server (the master's) cannot take the registration
-            raise StoreUnavailable(
-                f"mooncake register_buffer failed for the {self._what} buffer ({size} bytes): "
-                f"{code_name(code)} ({code})",
-                code=int(code),
-                call="register_buffer",
-            )
+            what = f"the {self._what} buffer ({size} bytes)"
+            raise _error("register_buffer", int(code), what, unavailable=True)
         self.release()
         self.array, self.ptr = array, ptr
 
@@ -246,7 +181,6 @@ class MooncakeStore(QueuedStore):
             )
         self._client = client
         self._master = master
-        self._metadata = metadata
         self._namespace = namespace
         self._prefix = f"kvlife/{namespace}/"
         self._retry_after = float(retry_after)
@@ -317,10 +251,6 @@ class MooncakeStore(QueuedStore):
         """
         return self.get_batch([key])[0]
 
-    def contains(self, key: str) -> bool:
-        """Whether a whole, verified page is stored under ``key`` (reads it)."""
-        return self.get(key) is not None
-
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """``get`` of every key in one batched read; raises on the first key that fails."""
         if isinstance(keys, str):
@@ -330,12 +260,8 @@ class MooncakeStore(QueuedStore):
 
         def use(i: int, data: memoryview | None) -> None:
             # Verified in the read buffer: one copy, of the payload only.
-            if data is not None:
-                payload = unframe_page(keys[i], data)
-                if payload is None:
-                    self._count_corrupt()
-                else:
-                    out[i] = payload.tobytes()
+            if (payload := self._verify(keys[i], data)) is not None:
+                out[i] = payload.tobytes()
 
         if names:
             with self._read_lock:
@@ -403,10 +329,6 @@ class MooncakeStore(QueuedStore):
     def _store_pages(
         self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
     ) -> Written:
-        n = len(keys)
-
-        step = fault_steps(fault_at, n)
-
         now = time.monotonic()
         if now < self._down_until and self._down_error is not None:
             raise StoreUnavailable(
@@ -415,13 +337,15 @@ class MooncakeStore(QueuedStore):
                 call=self._down_error.call,
             )
         try:
-            return self._write(keys, pages, step)
+            return self._write(keys, pages, fault_steps(fault_at, len(keys)))
         except StoreUnavailable as exc:
             self._down_error = exc
             self._down_until = time.monotonic() + self._retry_after
             raise
 
-    def _write(self, keys: tuple[str, ...], pages: Sequence[memoryview], step: Any) -> Written:
+    def _write(
+        self, keys: tuple[str, ...], pages: Sequence[memoryview], step: Callable[[int, str], None]
+    ) -> Written:
         names = [self._prefix + k for k in keys]
         step(0, "before looking for stored pages")
         found = self._client.batch_is_exist(names)
@@ -435,17 +359,13 @@ class MooncakeStore(QueuedStore):
 
             def check(j: int, data: memoryview | None) -> None:
                 i = existing[j]
-                payload = None if data is None else unframe_page(keys[i], data)
+                payload = self._verify(keys[i], data)
                 if payload is None:
                     if data is not None:  # a stored object failing verification
-                        self._count_corrupt()
                         bad.append(i)
                     to_write.append(i)  # (or evicted since it was found)
-                elif payload.tobytes() != pages[i].tobytes():  # memcmp, not per item
-                    raise PageMismatch(
-                        f"key {keys[i]} is stored with different bytes; the stored page is kept",
-                        key=keys[i],
-                    )
+                else:  # compared as bytes: memcmp, not per item
+                    check_held(keys[i], payload.tobytes(), pages[i].tobytes())
 
             held = [names[i] for i in existing]
             self._read_each(held, self._put_buffer, "put", check)
