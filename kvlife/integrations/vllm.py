@@ -384,8 +384,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 keys_to_store=[], store_spec=HostBlocksSpec([], []), evicted_keys=[]
             )
         del new[self._capacity :]  # more new keys than the tier: store the leading ones
-        free = self._pool.num_free
-        need = len(new) - free
+        need = len(new) - self._pool.num_free
         evicted: list[OffloadKey] = []
         if need > 0:
             if need <= self._evictable:  # else every other page is pending or pinned
@@ -761,8 +760,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
-        """Block until the copies of ``job_ids`` are over; results still come from
-        ``get_finished``."""
+        """Block until the copies of ``job_ids`` are over (results: ``get_finished``)."""
         jobs = [self._jobs.get(job_id) for job_id in job_ids]
         events = [job.event for job in jobs if job is not None and job.event is not None]
         for event in events:
@@ -800,7 +798,6 @@ class OffloadCollector:
     """A ``prometheus_client`` collector of this process's kvlife roles, read at scrape
     time: ``REGISTRY.register(OffloadCollector())`` (its families: ``docs/vllm.md``)."""
 
-    _COUNTERS = _COUNTED
     _GAUGES = ("pending", "pinned", "live_lifecycles", "host_pages_used")
 
     def describe(self) -> list[Any]:
@@ -813,7 +810,7 @@ class OffloadCollector:
 
         books = [m.accounting() for m in live_managers()]
         for family_type, names in (
-            (CounterMetricFamily, self._COUNTERS),
+            (CounterMetricFamily, _COUNTED),
             (GaugeMetricFamily, self._GAUGES),
         ):
             for name in names:
