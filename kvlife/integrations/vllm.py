@@ -279,11 +279,10 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self, jobs: dict[_JobId, _T], what: str, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> tuple[Lifecycle, _T] | None:
         """The job ``complete_<what>`` names, by (Lifecycle, key set); unknown: refused."""
-        call = f"complete_{what}"
-        lifecycle = ctx.get_state(Lifecycle) or self._untracked(ctx, call)
+        lifecycle = ctx.get_state(Lifecycle) or self._untracked(ctx, f"complete_{what}")
         job = jobs.pop((lifecycle, frozenset(keys)), _NO_JOB)
         if job is _NO_JOB:
-            self._refuse(f"{call}:unknown_job", f"no {what} of these {len(keys)} keys")
+            self._refuse(f"complete_{what}:unknown_job", f"no {what} of these {len(keys)} keys")
             return None
         return lifecycle, job
 
