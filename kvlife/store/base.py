@@ -21,10 +21,8 @@ import re
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -95,36 +93,28 @@ class Store(Protocol):
 
     def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
         """Queue ``pages[i]`` under ``keys[i]``; the outcome arrives later as a StoreResult."""
-        ...
 
     def poll(self) -> list[StoreResult]:
         """Results completed since the last poll or drain, in completion order; never blocks."""
-        ...
 
     def drain(self, timeout: float | None = None) -> list[StoreResult]:
         """Wait until every put completed and return the results not yet reported."""
-        ...
 
     def get(self, key: str) -> bytes | None:
         """The stored payload bytes of a page, or None when no whole page is stored under it."""
-        ...
 
     def contains(self, key: str) -> bool:
         """Whether a whole, verified page is stored under ``key``."""
-        ...
 
     def keys(self) -> Iterator[str]:
         """Every stored key (for verification; order unspecified)."""
-        ...
 
     def close(self) -> None:
         """Finish queued puts and stop the writer; results stay available to poll."""
-        ...
 
     @property
     def pending(self) -> int:
         """Puts accepted whose result was not yet returned by poll or drain."""
-        ...
 
 
 # ----------------------------------------------------------------------------- validation
@@ -164,8 +154,8 @@ def frame_page(key: str, payload: bytes | memoryview) -> bytes:
     (``xxhash.xxh3_64_intdigest``), then the key itself.
     """
     digits = key.encode("ascii")
-    check = _checksum(payload)
-    return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), check) + digits
+    header = _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), _checksum(payload))
+    return header + digits
 
 
 def frame_size(key: str, payload_nbytes: int) -> int:
@@ -176,17 +166,12 @@ def frame_size(key: str, payload_nbytes: int) -> int:
 def frame_into(out: memoryview, key: str, payload: bytes | memoryview) -> int:
     """Write the stored page of ``key`` (``frame_page(key, payload) + payload``) at ``out[0:]``.
 
-    One copy of the payload, no intermediate bytes; returns the bytes written.
-    ``key`` is ASCII (a checked store key).
+    One copy of the payload, none of it in intermediate bytes; returns the bytes written.
     """
-    digits = key.encode("ascii")
-    start = _HEADER.size + len(digits)
-    end = start + len(payload)
-    _HEADER.pack_into(
-        out, 0, PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), _checksum(payload)
-    )
-    out[_HEADER.size : start] = digits
-    out[start:end] = payload
+    header = frame_page(key, payload)
+    end = len(header) + len(payload)
+    out[: len(header)] = header
+    out[len(header) : end] = payload
     return end
 
 
@@ -304,7 +289,7 @@ class QueuedStore(abc.ABC):
         self._fail_next = 0
         self._lock = threading.Lock()
         self._done_cv = threading.Condition(self._lock)
-        self._done: deque[StoreResult] = deque()
+        self._done: list[StoreResult] = []
         self._unfinished = 0  # accepted puts the writer has not completed
         self._pending = 0  # accepted puts not yet returned by poll/drain
         self._stats = StoreStats()
@@ -350,14 +335,12 @@ class QueuedStore(abc.ABC):
         with self._lock:
             if self._closed:
                 raise StoreClosed("put on a closed store")
-            fault_at: int | None = None
             fail = self._fail_next > 0
             if fail:
                 self._fail_next -= 1
             elif self._fail_rate > 0.0:
                 fail = self._rng.random() < self._fail_rate
-            if fail:
-                fault_at = self._rng.randrange(self._fault_steps(len(checked)))
+            fault_at = self._rng.randrange(self._fault_steps(len(checked))) if fail else None
             self._unfinished += 1
             self._pending += 1
             self._queue.put(_Put(token, checked, pages, fault_at))
@@ -428,12 +411,7 @@ class QueuedStore(abc.ABC):
     def __enter__(self) -> QueuedStore:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # -- internals
@@ -450,8 +428,7 @@ class QueuedStore(abc.ABC):
         return payload
 
     def _take(self) -> list[StoreResult]:
-        taken = list(self._done)
-        self._done.clear()
+        taken, self._done = self._done, []
         self._pending -= len(taken)
         return taken
 

@@ -23,7 +23,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 
 from kvlife.errors import ConfigError, MissingDependency, StoreUnavailable
 from kvlife.store.mooncake import load_client_class
@@ -37,6 +36,10 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def _start_failed(name: str, why: str) -> StoreUnavailable:
+    return StoreUnavailable(f"mooncake {name} {why}", code=-1, call=f"start_{name}")
 
 
 def _listening(port: int) -> bool:
@@ -55,7 +58,8 @@ class LocalMooncake:
                     f"{binary} is not on PATH: pip install 'kvlife[mooncake]' in this environment"
                 )
         load_client_class()  # the library loads (libibverbs.so.1 is there)
-        _check_size(pool_size)
+        if not pool_size or not pool_size[0].isdigit():
+            raise ConfigError(f"pool size must be like 512MB or 1GB, got {pool_size!r}")
         self.pool_size = pool_size
         self.rpc_port = free_port()
         self.http_port = free_port()
@@ -121,11 +125,8 @@ class LocalMooncake:
         deadline = time.monotonic() + timeout
         while not self._pool_mounted():  # the pool registers with the master shortly after
             if time.monotonic() > deadline or self.pool_proc.poll() is not None:
-                raise StoreUnavailable(
-                    f"the pool did not register with the master; see {self.log_dir}/pool.log",
-                    code=-1,
-                    call="start_pool",
-                )
+                why = f"did not register with the master; see {self.log_dir}/pool.log"
+                raise _start_failed("pool", why)
             time.sleep(0.05)
 
     def _pool_mounted(self) -> bool:
@@ -148,18 +149,11 @@ class LocalMooncake:
         deadline = time.monotonic() + timeout
         while not all(_listening(p) for p in ports):
             if proc.poll() is not None:
-                raise StoreUnavailable(
-                    f"mooncake {name} exited with {proc.returncode}; see {self.log_dir}/{name}.log",
-                    code=-1,
-                    call=f"start_{name}",
-                )
+                why = f"exited with {proc.returncode}; see {self.log_dir}/{name}.log"
+                raise _start_failed(name, why)
             if time.monotonic() > deadline:
                 self._kill(proc)
-                raise StoreUnavailable(
-                    f"mooncake {name} not listening after {timeout} s",
-                    code=-1,
-                    call=f"start_{name}",
-                )
+                raise _start_failed(name, f"not listening after {timeout} s")
             time.sleep(0.05)
 
     def start(self) -> LocalMooncake:
@@ -199,15 +193,5 @@ class LocalMooncake:
     def __enter__(self) -> LocalMooncake:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
-
-
-def _check_size(pool_size: str) -> None:
-    if not pool_size or not pool_size[0].isdigit():
-        raise ConfigError(f"pool size must be like 512MB or 1GB, got {pool_size!r}")
