@@ -275,6 +275,11 @@ class Written:
     pages_deduplicated: int
     bytes_written: int
 
+    @classmethod
+    def of(cls, n_written: int, pages: Sequence[memoryview]) -> Written:
+        """``n_written`` of the put's ``pages`` written; the rest were stored with their bytes."""
+        return cls(n_written, len(pages) - n_written, n_written * len(pages[0]))
+
 
 class QueuedStore(abc.ABC):
     """A store with one writer thread: validation, queue, results, fault injection, counters.

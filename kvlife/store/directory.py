@@ -235,7 +235,7 @@ class LocalDirectoryStore(QueuedStore):
             for final in created:
                 final.unlink(missing_ok=True)
             raise
-        return Written(len(created), n - len(created), len(created) * len(pages[0]))
+        return Written.of(len(created), pages)
 
     def _claim(self, temp: Path, final: Path, key: str, page: memoryview) -> bool:
         """Give the complete ``temp`` the name ``final`` unless a whole page has it first.

@@ -60,7 +60,7 @@ class MemoryStore(QueuedStore):
                 if not check_held(key, self._verify(key, self._pages.get(key)), pages[i]):
                     new[key] = framed[i]
             self._pages.update(new)
-        return Written(len(new), len(keys) - len(new), len(new) * len(pages[0]))
+        return Written.of(len(new), pages)
 
     def get(self, key: str) -> bytes | None:
         """The stored payload bytes of a page, or None when no whole page is stored under it."""

@@ -388,8 +388,7 @@ class MooncakeStore(QueuedStore):
         self._slot = max(self._slot, longest)
         with self._known_lock:
             self._known.update(keys)
-        written = len(to_write)
-        return Written(written, len(keys) - written, written * len(pages[0]))
+        return Written.of(len(to_write), pages)
 
     def _put(
         self,
@@ -399,11 +398,8 @@ class MooncakeStore(QueuedStore):
         indices: list[int],
         created: list[str],
     ) -> None:
-        """Frame pages ``indices`` into the staging buffer and put them, batch by batch.
-
-        Each page is framed in place (header, then one copy of the page, its
-        checksum taken from the caller's memory): no intermediate bytes.
-        """
+        """Frame pages ``indices`` into the staging buffer (one copy of each page, its
+        checksum taken from the caller's memory) and put them, batch by batch."""
         if not indices:
             return
         frame = max(frame_size(keys[i], len(pages[0])) for i in indices)
