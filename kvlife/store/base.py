@@ -154,8 +154,8 @@ def frame_page(key: str, payload: bytes | memoryview) -> bytes:
     (``xxhash.xxh3_64_intdigest``), then the key itself.
     """
     digits = key.encode("ascii")
-    header = _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), _checksum(payload))
-    return header + digits
+    check = _checksum(payload)
+    return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), check) + digits
 
 
 def frame_size(key: str, payload_nbytes: int) -> int:

@@ -10,8 +10,8 @@ first whole page of a key wins (same bytes: deduplicated; other bytes:
 ``PageMismatch``; a page failing verification is moved aside and the link tried
 again). A failed put removes its temporary files and every page it linked. A
 writer killed mid-put leaves temporary files, which opening a store removes once
-their process is gone (``clean_temps``); with ``fsync=True`` files and then
-directories are flushed to disk before the put reports success.
+their process is gone (``clean_temps``). With ``fsync=True`` each file is flushed
+to disk before it is linked, and the directories after.
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ class LocalDirectoryStore(QueuedStore):
                 return True
             except FileExistsError:
                 pass
-            if check_held(key, self._read(final, key, count=False), page):  # counted before
+            # A bad page was counted when _store_pages read it before writing.
+            if check_held(key, self._read(final, key, count=False), page):
                 return False
             # No whole page under the name (a bad one, or one just removed): move it aside,
             # but put back a whole page another writer may have linked in the meantime.
