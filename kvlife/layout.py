@@ -1,26 +1,16 @@
 """Device KV pools as serving engines lay them out, and page-wise copies out of them.
 
-A page is ``page_size`` consecutive token slots: page ``p`` covers slots
-``[p * page_size, (p + 1) * page_size)`` of every buffer of the layout. The
-host side is always page-contiguous: one host page is one row of
-``page_numel`` elements, the page's *rows* one after the other.
-
-Every layout is described by its *page rows*: each buffer viewed as
-``[num_pages, row_numel]``, so that one page of one buffer is one contiguous
-row. A page is the concatenation of its rows in the order of
-:meth:`KVLayout.page_rows`. Copying is then one ``index_select`` per buffer,
-written straight into a strided column block of the page-major output: no
-temporary, no per-page Python loop (a naive ``index_select`` + ``index_copy_``
-runs at about a quarter of a contiguous copy here; this runs at about four fifths,
-see ``bench/engine.py``).
-
-Every layout is made from the runtime's buffers (no copy); each kind also has
-a ``zeros(...)`` classmethod that allocates fresh zeroed buffers, one per
-layer, as a runtime does.
+A page is ``page_size`` consecutive token slots of every buffer; one host page is
+one row of ``page_numel`` elements, the page's *page rows* (each buffer viewed as
+``[num_pages, row_numel]``) one after the other. A copy is one ``index_select``
+per buffer straight into that buffer's column block of the page-major output: no
+temporary, no per-page Python loop. Layouts, restores and their speed
+(``bench/engine.py``): ``docs/engines.md``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -71,29 +61,20 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def _positive_ints(dtype: torch.dtype, **dims: int) -> None:
-    """Refuse a ``zeros`` call whose ``dims`` are not positive ints or whose dtype is wrong."""
+    """Refuse ``dims`` that are not positive ints or a ``dtype`` that is not a torch.dtype."""
     for name, value in dims.items():
         _positive_int(name, value)
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
 
 
-def _zeros(
-    count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
-) -> list[torch.Tensor]:
-    """``count`` zeroed buffers, one allocation each, as a runtime makes them."""
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
-
-
 class KVLayout:
     """A device KV pool cut into pages; copies whole pages to and from page-major rows.
 
-    Made from its *page rows*: ``rows`` are the buffers viewed as
-    ``[num_pages, row_numel]`` (one page of one buffer is one row, whose
-    elements are contiguous), of one dtype and device; a page is its rows
-    concatenated. The kinds below make their rows from the runtime's buffers;
-    a runtime whose buffers are already page rows (vLLM's block views) passes
-    them here.
+    Made from its *page rows*, the buffers viewed as ``[num_pages, row_numel]``
+    (one page of one buffer is one contiguous row), of one dtype and device. The
+    kinds below make them from a runtime's buffers; a runtime whose buffers are
+    already page rows (vLLM's block views) passes them here.
     """
 
     def __init__(self, rows: Sequence[torch.Tensor], page_size: int) -> None:
@@ -117,8 +98,14 @@ class KVLayout:
         self.page_size = _positive_int("page_size", page_size)
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
+        # Each buffer's row and its column block of a page: the one walk of every copy.
+        ends = list(itertools.accumulate(int(r.shape[1]) for r in self._rows))
+        self._blocks = tuple(
+            (row, slice(end - int(row.shape[1]), end))
+            for row, end in zip(self._rows, ends, strict=True)
+        )
+        self._page_numel = ends[-1]
         self._np_rows: tuple[np.ndarray[Any, np.dtype[np.void]], ...] | None = None
-        self._page_numel = sum(int(r.shape[1]) for r in self._rows)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The device tensors that hold the KV cache, as the runtime sees them."""
@@ -168,15 +155,24 @@ class KVLayout:
             if low < 0 or high >= self.num_pages:
                 raise ConfigError(f"page out of range [0, {self.num_pages}): min {low}, max {high}")
 
-    def _check_rows(self, what: str, pages: torch.Tensor, rows: torch.Tensor) -> None:
-        self._check_index(pages)
-        n = pages.numel()
-        if rows.dtype != self.dtype:
-            raise ConfigError(f"{what} dtype {rows.dtype} is not the layout's {self.dtype}")
-        if tuple(rows.shape) != (n, self._page_numel):
-            raise ConfigError(f"{what} shape {tuple(rows.shape)} is not ({n}, {self._page_numel})")
-        if n and rows.stride(1) != 1:
-            raise ConfigError(f"{what} rows must be contiguous (stride(1) == 1)")
+    def _check_rows(self, what: str, rows: torch.Tensor, n: int | None = None) -> None:
+        """``rows`` must be ``[n, page_numel]`` of this dtype (any count when ``n`` is
+        ``None``, a host pool; else with contiguous rows)."""
+        if (
+            rows.dtype != self.dtype
+            or rows.dim() != 2
+            or rows.shape[1] != self._page_numel
+            or (n is not None and (rows.shape[0] != n or (n and rows.stride(1) != 1)))
+        ):
+            raise ConfigError(
+                f"{what} must be {self.dtype} [{'rows' if n is None else n}, "
+                f"{self._page_numel}] with contiguous rows, got {rows.dtype} {tuple(rows.shape)}"
+            )
+
+    def _page(self, page: int) -> int:
+        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
+            raise ConfigError(f"page {page!r} out of range [0, {self.num_pages})")
+        return page
 
     # ---------------------------------------------------------------- copies
 
@@ -187,26 +183,15 @@ class KVLayout:
         through a device staging buffer and ``non_blocking`` copies when
         ``out`` is pinned; the caller then waits for the current stream.
         """
-        self._check_rows("out", pages, out)
+        self._check_index(pages)
+        self._check_rows("out", out, pages.numel())
         self.gather_runs(pages.to(self.device), out, [(0, 0, pages.numel())])
 
-    def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
-        rows = self._rows
-        if len(rows) == 1:
-            torch.index_select(rows[0], 0, pages, out=out)
-            return
-        start = 0
-        for row in rows:
-            end = start + row.shape[1]
-            torch.index_select(row, 0, pages, out=out[:, start:end])
-            start = end
-
-    def _check_host(self, host: torch.Tensor) -> None:
-        if host.dtype != self.dtype or host.dim() != 2 or host.shape[1] != self._page_numel:
-            raise ConfigError(
-                f"host must be {self.dtype} [rows, {self._page_numel}], "
-                f"got {host.dtype} {tuple(host.shape)}"
-            )
+    def scatter(self, pages: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` ``[n, page_numel]`` back into ``pages`` (restore from host)."""
+        self._check_index(pages)
+        self._check_rows("src", src, pages.numel())
+        self.scatter_runs(pages.to(self.device), src, [(0, 0, pages.numel())])
 
     def gather_runs(
         self,
@@ -219,27 +204,12 @@ class KVLayout:
         """Copy ``pages`` into rows of ``host`` given as runs ``(offset, first row, length)``.
 
         This is a copy engine's step: a chunk's host pages are a few runs of
-        consecutive rows of the host pool. Pages and runs must already be
-        checked (the engine does); a host tensor on another device goes through
-        device staging of at most ``max_staging_bytes`` at a time, with
-        ``non_blocking`` copies when it is pinned.
+        consecutive rows of the host pool; the chunk's page ``offset + i`` is host
+        row ``row + i``. Pages and runs must already be checked (the engine does);
+        a host tensor on another device goes through device staging of at most
+        ``max_staging_bytes`` at a time, with ``non_blocking`` copies when it is pinned.
         """
-        self._check_host(host)
-        if host.device == self.device:
-            for offset, row, length in runs:
-                self._gather_into(pages[offset : offset + length], host[row : row + length])
-            return
-        non_blocking = host.is_pinned()
-        for lo, hi, pieces in staging_windows(pages.numel(), runs, self._window(max_staging_bytes)):
-            staging = torch.empty((hi - lo, self._page_numel), dtype=self.dtype, device=self.device)
-            self._gather_into(pages[lo:hi], staging)
-            for first, last, row in pieces:
-                host[row : row + last - first].copy_(staging[first:last], non_blocking=non_blocking)
-
-    def scatter(self, pages: torch.Tensor, src: torch.Tensor) -> None:
-        """Write ``src`` ``[n, page_numel]`` back into ``pages`` (restore from host)."""
-        self._check_rows("src", pages, src)
-        self.scatter_runs(pages.to(self.device), src, [(0, 0, pages.numel())])
+        self._copy_runs(False, pages, host, runs, max_staging_bytes)
 
     def scatter_runs(
         self,
@@ -249,105 +219,98 @@ class KVLayout:
         *,
         max_staging_bytes: int = 256 << 20,
     ) -> None:
-        """Copy rows of ``host`` given as runs ``(offset, first row, length)`` into ``pages``.
+        """The mirror of :meth:`gather_runs` (a load: host -> device): rows of ``host``
+        given as runs ``(offset, first row, length)`` into ``pages``.
 
-        The mirror of :meth:`gather_runs` (a load: host -> device): the chunk's
-        page ``offset + i`` is host row ``row + i``. Pages and runs must already
-        be checked (the engine does). Each run is one contiguous host slice;
-        on a CPU layout, device pages that are consecutive too are written with
+        On a CPU layout, device pages that are consecutive too are written with
         one ``copy_`` per buffer, the others with one row-wise memcpy scatter per
-        buffer. A host tensor on another device is copied into device staging of
-        at most ``max_staging_bytes`` at a time (``non_blocking`` when pinned),
-        then ``index_copy_`` per buffer on the device.
+        buffer; from another device, through device staging, then ``index_copy_``
+        per buffer on the device.
         """
-        self._check_host(host)
+        self._copy_runs(True, pages, host, runs, max_staging_bytes)
+
+    def _copy_runs(
+        self,
+        load: bool,
+        pages: torch.Tensor,
+        host: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+        max_staging_bytes: int,
+    ) -> None:
+        """Both directions of :meth:`gather_runs` and :meth:`scatter_runs`: they cannot differ."""
+        self._check_rows("host", host)
         if host.device == self.device:
             for offset, row, length in runs:
-                self._scatter_from(pages[offset : offset + length], host[row : row + length])
+                on_device, on_host = pages[offset : offset + length], host[row : row + length]
+                if load:
+                    self._scatter_from(on_device, on_host)
+                else:
+                    self._gather_into(on_device, on_host)
             return
         non_blocking = host.is_pinned()
-        for lo, hi, pieces in staging_windows(pages.numel(), runs, self._window(max_staging_bytes)):
+        window = max(1, max_staging_bytes // max(1, self.page_nbytes))
+        for lo, hi, pieces in staging_windows(pages.numel(), runs, window):
             staging = torch.empty((hi - lo, self._page_numel), dtype=self.dtype, device=self.device)
+            if not load:
+                self._gather_into(pages[lo:hi], staging)
             for first, last, row in pieces:
-                staging[first:last].copy_(host[row : row + last - first], non_blocking=non_blocking)
-            self._scatter_from(pages[lo:hi], staging)
+                src, dst = staging[first:last], host[row : row + last - first]
+                if load:
+                    src, dst = dst, src
+                dst.copy_(src, non_blocking=non_blocking)
+            if load:
+                self._scatter_from(pages[lo:hi], staging)
 
-    def _window(self, max_staging_bytes: int) -> int:
-        """Pages per device staging buffer of at most ``max_staging_bytes`` (one at least)."""
-        return max(1, max_staging_bytes // max(1, self.page_nbytes))
+    def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
+        for row, cols in self._blocks:
+            torch.index_select(row, 0, pages, out=out[:, cols])
 
     def _scatter_from(self, pages: torch.Tensor, src: torch.Tensor) -> None:
         """Write rows ``src`` ``[n, page_numel]`` (on this device) into ``pages`` (checked)."""
-        rows = self._rows
         if self.device.type != "cpu" or pages.numel() == 0:
             # On a GPU index_copy_ runs at memory bandwidth.
-            start = 0
-            for row in rows:
-                end = start + row.shape[1]
-                row.index_copy_(0, pages, src[:, start:end])
-                start = end
+            for row, cols in self._blocks:
+                row.index_copy_(0, pages, src[:, cols])
             return
         # On a CPU index_copy_ copies element by element (about 0.3x a contiguous
-        # copy); whole rows are copied instead: consecutive device pages with one
-        # copy_ per buffer, scattered ones with numpy's fancy assignment over rows
-        # viewed as one opaque item each (a memcpy per row, the GIL released).
+        # copy); whole rows are copied instead: runs of _MIN_RUN or more consecutive
+        # device pages with one copy_ per buffer, the pages between them by _scatter_rows.
         listed = pages.tolist()
         n = len(listed)
-        short_from = -1  # start of the current stretch of scattered (short-run) pages
-        i = 0
-        while i <= n:
-            j = i + 1
-            while j < n and listed[j] == listed[j - 1] + 1:
-                j += 1
-            if i < n and j - i < _MIN_RUN:
-                if short_from < 0:
-                    short_from = i
-                i = j
+        short = start = 0  # short: the first page of the stretch between long runs
+        for end in range(1, n + 1):
+            if end < n and listed[end] == listed[end - 1] + 1:
                 continue
-            if short_from >= 0:
-                self._scatter_rows(pages[short_from:i], src[short_from:i])
-                short_from = -1
-            if i < n:
-                first, start = listed[i], 0
-                for row in rows:
-                    end = start + row.shape[1]
-                    row[first : first + j - i].copy_(src[i:j, start:end])
-                    start = end
-            i = j
+            if end - start >= _MIN_RUN:
+                if short < start:
+                    self._scatter_rows(pages[short:start], src[short:start])
+                first = listed[start]
+                for row, cols in self._blocks:
+                    row[first : first + end - start].copy_(src[start:end, cols])
+                short = end
+            start = end
+        if short < n:
+            self._scatter_rows(pages[short:], src[short:])
 
     def _scatter_rows(self, pages: torch.Tensor, src: torch.Tensor) -> None:
-        """CPU: one numpy fancy assignment per buffer, one memcpy per page row.
-
-        Rows of ``_BIG_ROW_BYTES`` and more (a page-first page) are copied with one
-        ``copy_`` each instead: the call's cost is then lost in the copy's.
+        """CPU: one numpy fancy assignment per buffer over its rows viewed as opaque items
+        (a memcpy per row, the GIL released); rows of ``_BIG_ROW_BYTES`` and more (a
+        page-first page) with one ``copy_`` each instead, the call's cost lost in the copy's.
         """
         itemsize = self.dtype.itemsize
         if all(int(row.shape[1]) * itemsize >= _BIG_ROW_BYTES for row in self._rows):
-            start = 0
-            for row in self._rows:
-                end = start + int(row.shape[1])
+            for row, cols in self._blocks:
                 for i, page in enumerate(pages.tolist()):
-                    row[page].copy_(src[i, start:end])
-                start = end
+                    row[page].copy_(src[i, cols])
             return
-        targets = self._numpy_rows()
+        if self._np_rows is None:
+            as_bytes = [row.detach().view(torch.uint8).numpy() for row in self._rows]
+            self._np_rows = tuple(b.view(np.dtype((np.void, b.shape[1])))[:, 0] for b in as_bytes)
         index = pages.numpy()
         host = src.detach().view(torch.uint8).numpy()
-        start = 0
-        for row, target in zip(self._rows, targets, strict=True):
-            end = start + int(row.shape[1]) * itemsize
-            target[index] = host[:, start:end].view(target.dtype)[:, 0]
-            start = end
-
-    def _numpy_rows(self) -> tuple[np.ndarray[Any, np.dtype[np.void]], ...]:
-        """Each page-row buffer as a 1-D numpy array of opaque row-sized items (cached)."""
-        if self._np_rows is None:
-            made = []
-            for row in self._rows:
-                as_bytes = row.detach().view(torch.uint8).numpy()
-                made.append(as_bytes.view(np.dtype((np.void, as_bytes.shape[1])))[:, 0])
-            self._np_rows = tuple(made)
-        return self._np_rows
+        for (_, cols), target in zip(self._blocks, self._np_rows, strict=True):
+            block = host[:, cols.start * itemsize : cols.stop * itemsize]
+            target[index] = block.view(target.dtype)[:, 0]
 
     def read_page(self, page: int) -> torch.Tensor:
         """A flat copy of one page (for verification), on the layout's device."""
@@ -362,16 +325,8 @@ class KVLayout:
                 f"values must be {self.dtype} of shape ({self._page_numel},), "
                 f"got {values.dtype} {tuple(values.shape)}"
             )
-        start = 0
-        for row in self._rows:
-            end = start + row.shape[1]
-            row[p].copy_(values[start:end])
-            start = end
-
-    def _page(self, page: int) -> int:
-        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
-            raise ConfigError(f"page {page!r} out of range [0, {self.num_pages})")
-        return page
+        for row, cols in self._blocks:
+            row[p].copy_(values[cols])
 
 
 def _slot_rows(
@@ -443,8 +398,11 @@ class LayerFirstLayout(KVLayout):
             num_heads=num_heads, head_dim=head_dim,
         )  # fmt: skip
         shape = (num_pages * page_size, num_heads, head_dim)
-        k = _zeros(num_layers, shape, dtype, device)
-        return cls(k, _zeros(num_layers, shape, dtype, device), page_size)
+        k, v = (
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            for _ in "kv"
+        )
+        return cls(k, v, page_size)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """K and V buffers, layer by layer: ``(k0, v0, k1, v1, ...)``."""
@@ -485,7 +443,7 @@ class PageFirstLayout(KVLayout):
             num_heads=num_heads, head_dim=head_dim,
         )  # fmt: skip
         shape = (num_pages, num_layers, 2, page_size, num_heads, head_dim)
-        return cls(_zeros(1, shape, dtype, device)[0])
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The single page-first tensor."""
@@ -525,7 +483,9 @@ class MLALayout(KVLayout):
             latent_dim=latent_dim,
         )  # fmt: skip
         shape = (num_pages * page_size, 1, latent_dim)
-        return cls(_zeros(num_layers, shape, dtype, device), page_size)
+        return cls(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)], page_size
+        )
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The latent buffers, one per layer."""
