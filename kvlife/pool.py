@@ -1,27 +1,12 @@
 """The host page pool: a torch tensor of host pages and an allocator that knows every owner.
 
-One host page is one row of :attr:`HostPagePool.tensor` (``[num_pages,
-page_numel]``), pinned when CUDA is available so device-to-host copies can be
-asynchronous. Each allocated page records its owner, compared by identity.
-The offload manager allocates a chunk's pages before the chunk exists (so a
-full pool changes nothing), with the chunk's Lifecycle as owner: another
-Lifecycle can never free them, and the pages of one chunk are those its ack
-lists.
-
-Rules the allocator enforces, each with a typed error and no change on refusal:
-
-- an allocation is all ``n`` pages or nothing: running out returns ``None``
-  (the caller retries later), never a partial allocation;
-- a page is freed only by its owner and only once; a ``free`` call checks every
-  page before it frees any. Each refusal is a :class:`~kvlife.errors.PoolError`
-  whose message says which rule.
-
-Free pages are a stack: a freed chunk's pages come back in their order, so
-the next allocation of the same size gets the same consecutive run, and copy
-engines can write runs of host pages with one copy each. ``alloc`` and
-``free`` cost O(pages touched), never a scan of the pool. The pool is used by
-one thread (the scheduler's); copy engines write page contents, never the
-allocator.
+One host page is one row of :attr:`HostPagePool.tensor`, pinned when CUDA is
+available. An allocation is all ``n`` pages or nothing (``None``: retry later);
+a page is freed only by its owner (compared by identity) and only once, every
+page checked before any is freed; each refusal is a
+:class:`~kvlife.errors.PoolError` and changes nothing. Free pages are a stack, so
+a freed chunk's run comes back whole to the next chunk of its size. One thread
+(the scheduler's) uses the allocator. Details: ``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlife.errors import ConfigError, PoolError
+from kvlife.errors import PoolError
+from kvlife.layout import _positive_ints
 
 __all__ = ["HostPagePool"]
 
@@ -48,11 +34,7 @@ class HostPagePool:
         *,
         pin_memory: bool | None = None,
     ) -> None:
-        for name, value in (("num_pages", num_pages), ("page_numel", page_numel)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
+        _positive_ints(dtype, num_pages=num_pages, page_numel=page_numel)
         pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         #: The host pages, one per row.
         self.tensor = torch.zeros((num_pages, page_numel), dtype=dtype, pin_memory=pin)
@@ -129,11 +111,7 @@ class HostPagePool:
         owners = self._owner
         for p in pages:
             owners[p] = owner
-        held = self._owned.get(id(owner))
-        if held is None:
-            self._owned[id(owner)] = set(pages)
-        else:
-            held.update(pages)
+        self._owned.setdefault(id(owner), set()).update(pages)
         return pages
 
     def free(self, pages: Sequence[int], owner: object) -> None:
