@@ -1,39 +1,13 @@
 """What every copy engine shares: the ack, the engine protocol, and chunk validation.
 
-A copy engine copies one *chunk* (some whole device pages of one Lifecycle)
-into host pages of a :class:`~kvlife.pool.HostPagePool` (a *store*, ticket
-:class:`~kvlife.Ticket`), or host pages back into device pages (a *load*,
-ticket :class:`~kvlife.LoadTicket`), asynchronously, and later reports its
-:class:`Ack`. The ack carries the chunk's ticket, and the ticket its
-Lifecycle: an engine never looks anything up by rid, so a late ack can only
-reach the life that submitted it.
-
-The runtime must not read (nor reuse) a load's device pages before its ack,
-nor reuse a store's device pages before its ack: the engine orders a copy
-after earlier work, never before later work.
-
-Engines are driven by one thread (the scheduler's): it submits, polls and
-drains. Engine primitives, one line each:
-
-- ``check(device_pages, host_pages)``: the page checks of ``submit``, nothing else;
-- ``submit(ticket, device_pages, host_pages)``: validate, start the copy, and return
-  the chunk's completion handle (``query()``, ``synchronize()``, as ``torch.cuda.Event``);
-- ``poll()``: acks completed since the last poll or drain, without blocking;
-- ``drain(timeout)``: block until every submitted chunk is acked;
-- ``inflight``: chunks submitted whose acks were not yet returned;
-- ``close()``: stop taking chunks; acks of submitted chunks still arrive.
-
-A chunk is refused with an :class:`~kvlife.errors.EngineError`, before anything
-is copied or counted, when its lengths disagree with the ticket, a page index is
-out of range or repeated, or a page conflicts with a copy in flight:
-
-- a host page must be allocated (:class:`~kvlife.errors.UnallocatedHostPage`);
-  no host page is written by two chunks at once, nor read by a load while a
-  store writes it (:class:`~kvlife.errors.PageBusy`); loads may read one host
-  page together (two requests sharing a prefix);
-- no device page is written by two loads at once, nor read by a store while a
-  load writes it, nor written by a load while a store reads it
-  (:class:`~kvlife.errors.PageBusy`); stores may read one device page together.
+A copy engine copies a *chunk* (whole device pages of one Lifecycle) into host
+pages of a :class:`~kvlife.pool.HostPagePool` (a store, :class:`~kvlife.Ticket`)
+or back (a load, :class:`~kvlife.LoadTicket`), asynchronously, and later reports
+its :class:`Ack`. The ack carries the ticket, and the ticket its Lifecycle: a
+late ack can only reach the life that submitted it. One thread (the
+scheduler's) drives an engine; the runtime leaves a chunk's device pages alone
+until its ack. The engine calls, the refusals (:class:`~kvlife.errors.EngineError`
+and its subclasses) and what copies in flight may share: ``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -174,7 +148,7 @@ class PageCopyEngine:
 
     def _checked(
         self,
-        ticket: object,
+        ticket: Ticket | LoadTicket | None,
         device_pages: Sequence[int],
         host_pages: Sequence[int],
         load: bool = False,
@@ -192,10 +166,10 @@ class PageCopyEngine:
             if kind is not Ticket and kind is not LoadTicket:
                 raise EngineError(f"expected a Ticket or a LoadTicket, got {kind.__name__}")
             load = kind is LoadTicket
-            n = ticket.n_pages  # type: ignore[attr-defined]
+            n = ticket.n_pages
             if len(device_pages) != n or len(host_pages) != n:
                 raise EngineError(
-                    f"{'load' if load else 'chunk'} {ticket.seq} has {n} pages but "  # type: ignore[attr-defined]
+                    f"{'load' if load else 'chunk'} {ticket.seq} has {n} pages but "
                     f"{len(device_pages)} device and {len(host_pages)} host pages"
                 )
         dev, hst = tuple(device_pages), tuple(host_pages)
