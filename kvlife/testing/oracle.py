@@ -12,7 +12,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,14 +122,27 @@ class Oracle:
         """Lives started and not finished."""
         return [life for life in self.lives if life.running]
 
+    def growing(self, max_tokens: int) -> list[Life]:
+        """Running lives with fewer than ``max_tokens`` tokens."""
+        return [life for life in self.running() if len(life.tokens) < max_tokens]
+
+    def idle(self, rids: Iterable[str]) -> list[str]:
+        """Those of ``rids`` no running life uses."""
+        busy = {life.rid for life in self.running()}
+        return [rid for rid in rids if rid not in busy]
+
     def resumable(self) -> list[Life]:
         """Retracted lives not yet resumed whose rid no running life uses."""
-        busy = {life.rid for life in self.running()}
+        idle = set(self.idle(life.rid for life in self.lives))
         return [
             life
             for life in self.lives
-            if life.reason is FinishReason.RETRACTED and not life.resumed and life.rid not in busy
+            if life.reason is FinishReason.RETRACTED and not life.resumed and life.rid in idle
         ]
+
+    def owner(self, copy: object) -> Life:
+        """The life that submitted ``copy`` (a copy :meth:`check` has seen)."""
+        return self._owner[id(copy)]
 
     def unreleased(self) -> int:
         """Lives not released yet (they hold device pages)."""
@@ -208,7 +221,7 @@ class Oracle:
     def complete(self, copy: object, ok: bool, poll: bool) -> None:
         """Complete one copy the adapter lists as in flight (the stateful machine's event)."""
         self.check()
-        life = self._owner[id(copy)]
+        life = self.owner(copy)
         self.apply(Complete(life.index, life.copies.index(copy), ok, poll))
 
     def _start(self, rid: str, prompt: tuple[int, ...], resumed: Life | None = None) -> None:
@@ -273,6 +286,20 @@ class Oracle:
             raise InvariantViolation(
                 "device-leak", f"{held()} device pages still held after every life was released"
             )
+
+    def run(self, events: Iterable[KitEvent]) -> None:
+        """Apply ``events`` up to the first :class:`Close`; abandon the adapter unless that
+        close passed (on a failure, or when the events end without one)."""
+        closed = False
+        try:
+            for event in events:
+                self.apply(event)
+                if isinstance(event, Close):
+                    closed = True
+                    break
+        finally:
+            if not closed:
+                self.abandon()
 
     def abandon(self) -> None:
         """Close the adapter after a failure, bounded by the deadline; errors are dropped.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvlife.testing.adapter import RuntimeAdapter
-from kvlife.testing.events import Close, KitEvent
+from kvlife.testing.events import KitEvent
 from kvlife.testing.options import KitOptions
 from kvlife.testing.oracle import InvariantViolation, Oracle
 
@@ -62,14 +62,5 @@ def replay_trace(
     """Run ``events`` (a failure's ``events``) on a fresh adapter under the oracle; the
     oracle. Raises what the run raises; ends with a close if the trace does."""
     oracle = Oracle(adapter_factory(), options)
-    done = False
-    try:
-        for event in events:
-            oracle.apply(event)
-            if isinstance(event, Close):
-                done = True
-                break
-        return oracle
-    finally:
-        if not done:
-            oracle.abandon()
+    oracle.run(events)
+    return oracle

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 
 from kvlife._lifecycle import FinishReason
 from kvlife.testing.adapter import RuntimeAdapter
-from kvlife.testing.events import Finish, Poll, Resume, Start, Step
+from kvlife.testing.events import Close, Finish, Poll, Resume, Start, Step
 from kvlife.testing.options import KitOptions
 from kvlife.testing.oracle import Oracle
 from kvlife.testing.report import KitFailure, rule_of
@@ -56,7 +56,6 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.options = options or KitOptions()
         self.adapter = adapter_factory()
         self.oracle = Oracle(self.adapter, self.options)
-        self._closed = False
         self.rids = rids
         self.max_unreleased = max_unreleased
         self.max_tokens = max_tokens
@@ -72,8 +71,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(data=st.data(), prompt=prompts())
     def start(self, data: st.DataObject, prompt: tuple[int, ...]) -> None:
         """A request life begins, often with a rid a draining life still uses."""
-        busy = {life.rid for life in self.oracle.running()}
-        free = [rid for rid in self.rids if rid not in busy]
+        free = self.oracle.idle(self.rids)
         if free:
             rid = data.draw(st.sampled_from(free), label="rid")
             self._run(self.oracle.apply, Start(rid, prompt))
@@ -82,7 +80,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(data=st.data(), steps=st.lists(decode_tokens(), min_size=1, max_size=3))
     def step(self, data: st.DataObject, steps: list[tuple[int, ...]]) -> None:
         """A running life decodes a few steps; its runtime offloads what is due after each."""
-        growing = [lf for lf in self.oracle.running() if len(lf.tokens) < self.max_tokens]
+        growing = self.oracle.growing(self.max_tokens)
         if growing:
             life = data.draw(st.sampled_from(growing), label="life")
             for tokens in steps:
@@ -92,9 +90,8 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(tokens=decode_tokens(2))
     def batch_step(self, tokens: tuple[int, ...]) -> None:
         """One scheduler step: every running life decodes the same number of tokens."""
-        for life in self.oracle.running():
-            if len(life.tokens) < self.max_tokens:
-                self._run(self.oracle.apply, Step(life.index, tokens))
+        for life in self.oracle.growing(self.max_tokens):
+            self._run(self.oracle.apply, Step(life.index, tokens))
 
     @precondition(lambda self: bool(self.oracle.running()))
     @rule(data=st.data())
@@ -125,7 +122,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         progress model copies complete only in polls.)"""
         ok = data.draw(copy_outcomes() if self.options.failures else st.just(True), label="ok")
         waiting = self.oracle.in_flight()
-        late = [c for c in waiting if not self.oracle_owner(c).running]
+        late = [c for c in waiting if not self.oracle.owner(c).running]
         choices = [st.just(waiting[0]), st.just(waiting[-1]), st.sampled_from(waiting)]
         if late:
             choices.append(st.sampled_from(late))
@@ -137,20 +134,12 @@ class RuntimeMachine(RuleBasedStateMachine):
         """The scheduler polls."""
         self._run(self.oracle.apply, Poll())
 
-    def oracle_owner(self, copy: object) -> Any:
-        """The oracle's life that submitted ``copy``."""
-        return next(lf for lf in self.oracle.lives if any(c is copy for c in lf.copies))
-
     def teardown(self) -> None:
         """Finish, drain and close; then every life released once and no host page left."""
-        try:
-            if self._clean:
-                self._clean = False
-                self.oracle.close()
-                self._closed = True
-        finally:
-            if not self._closed:
-                self.oracle.abandon()
+        if self._clean:
+            self.oracle.run([Close()])  # abandons the adapter if the close fails
+        else:
+            self.oracle.abandon()
 
 
 def run_kit(

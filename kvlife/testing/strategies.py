@@ -7,13 +7,13 @@ common case. :func:`replay` runs an :func:`events` sequence: the stateless twin 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from hypothesis import strategies as st
 
 from kvlife._lifecycle import FinishReason
 from kvlife.testing.adapter import RuntimeAdapter
-from kvlife.testing.events import Complete, Finish, KitEvent, Poll, Resume, Start, Step
+from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
 from kvlife.testing.oracle import Oracle
 
 __all__ = [
@@ -87,17 +87,15 @@ def replay(
     broken rule; the adapter is closed either way.
     """
     oracle = Oracle(adapter_factory())
-    closed = False
-    try:
+
+    def concrete() -> Iterator[KitEvent]:
         for event in sequence:
-            concrete = _concrete(oracle, event, max_unreleased, max_tokens)
-            if concrete is not None:
-                oracle.apply(concrete)
-        oracle.close()
-        closed = True
-    finally:
-        if not closed:
-            oracle.abandon()  # the first failure is the one to report
+            resolved = _concrete(oracle, event, max_unreleased, max_tokens)
+            if resolved is not None:
+                yield resolved
+        yield Close()
+
+    oracle.run(concrete())
     return oracle
 
 
@@ -105,29 +103,24 @@ def _concrete(
     oracle: Oracle, event: KitEvent, max_unreleased: int, max_tokens: int
 ) -> KitEvent | None:
     """``event`` with its indices resolved against the oracle's lives now, or None to skip."""
-    running = oracle.running()
+    room = oracle.unreleased() < max_unreleased
     if isinstance(event, Start):
-        busy = {life.rid for life in running}
-        ok = event.rid not in busy and oracle.unreleased() < max_unreleased
-        return event if ok else None
+        return event if room and oracle.idle([event.rid]) else None
     if isinstance(event, Step):
-        growing = [life for life in running if len(life.tokens) < max_tokens]
-        if not growing:
-            return None
-        return Step(growing[event.life % len(growing)].index, event.tokens)
+        growing = oracle.growing(max_tokens)
+        return Step(growing[event.life % len(growing)].index, event.tokens) if growing else None
     if isinstance(event, Finish):
+        running = oracle.running()
         return Finish(running[event.life % len(running)].index, event.reason) if running else None
     if isinstance(event, Resume):
         ready = oracle.resumable()
-        if not ready or oracle.unreleased() >= max_unreleased:
-            return None
-        return Resume(ready[event.life % len(ready)].index)
+        return Resume(ready[event.life % len(ready)].index) if ready and room else None
     if isinstance(event, Complete):
         oracle.check()  # registers the copies submitted so far
         waiting = oracle.in_flight()
         if not waiting:
             return None
         copy = waiting[event.chunk % len(waiting)]
-        life = next(lf for lf in oracle.lives if any(c is copy for c in lf.copies))
+        life = oracle.owner(copy)
         return Complete(life.index, life.copies.index(copy), event.ok, event.poll)
     return event
