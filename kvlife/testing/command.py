@@ -149,7 +149,7 @@ def _check(args: argparse.Namespace) -> int:
 def _print_summary(report: CheckReport, runtime: str | None) -> None:
     cfg = report.config
     o = cfg.options
-    reasons = ",".join(r.value for r in cfg.reasons)
+    reasons = ",".join(r.value for r in o.reasons)
     switches = "".join(
         f", {name}" for name, on in (("failures", o.failures), ("resumes", o.resumes)) if on
     )

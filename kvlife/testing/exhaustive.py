@@ -25,7 +25,7 @@ from kvlife.testing.adapter import ManagerAdapter, RuntimeAdapter
 from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
 from kvlife.testing.options import KitOptions, Progress, progress_of
 from kvlife.testing.oracle import InvariantViolation, Oracle
-from kvlife.testing.report import format_trace
+from kvlife.testing.report import format_trace, rule_of
 
 __all__ = ["CheckConfig", "CheckReport", "Violation", "check_exhaustively", "count_interleavings"]
 
@@ -56,11 +56,6 @@ class CheckConfig:
             raise ConfigError(f"options must be KitOptions, got {self.options!r}")
 
     @property
-    def reasons(self) -> tuple[FinishReason, ...]:
-        """The finish reasons tried at each finish."""
-        return self.options.reasons
-
-    @property
     def host_pages_needed(self) -> int:
         """Host pages with which a runtime that submits each due chunk at once never defers
         one: every chunk of every life in flight, plus a page a store write still holds."""
@@ -71,7 +66,7 @@ class CheckConfig:
         return {
             "requests": self.requests,
             "chunks": self.chunks,
-            "reasons": [r.value for r in self.reasons],
+            "reasons": [r.value for r in self.options.reasons],
             "page_size": self.page_size,
             **self.options.as_dict(),
         }
@@ -168,7 +163,7 @@ def _moves(
                 first = 100 * (i + 1) + k * cfg.page_size
                 tokens = tuple(range(first, first + cfg.page_size))
                 yield Step(i, tokens), now((True, k + 1, 0, done))
-            for reason in cfg.reasons:
+            for reason in opts.reasons:
                 fin = 2 if reason is FinishReason.RETRACTED else 1
                 yield Finish(i, reason), now((True, k, fin, done & ~_SETTLED))
         if progress == "poll":
@@ -199,8 +194,12 @@ def count_interleavings(cfg: CheckConfig, progress: Progress = "poll") -> int:
     return count(_initial(cfg))
 
 
-#: What :func:`_run` found: (index of the breaking event, rule, message), or a deferral.
+#: The rule :func:`_run` gives a completion of a chunk the runtime deferred.
 _DEFERRED = "deferred"
+
+
+class _Deferred(Exception):
+    """The trace completes a chunk the runtime deferred (its host pool was full)."""
 
 
 def _run(
@@ -215,27 +214,28 @@ def _run(
     free = getattr(adapter, "host_pages_free", None)
     full: set[int] = set()  # lives that had a step while the host pool was full
     index = 0
-    closed = False
-    try:
-        for index, event in enumerate(trace):
+
+    def events() -> Iterator[KitEvent]:
+        nonlocal index
+        for event in trace:
             if isinstance(event, Complete):
                 oracle.check()  # registers the copies submitted so far
                 missing = event.chunk >= len(oracle.lives[event.life].copies)
                 if missing and (free is None or event.life in full):
-                    return index, _DEFERRED, f"chunk {event.chunk} deferred"
+                    raise _Deferred(f"chunk {event.chunk} deferred")
             if isinstance(event, Step) and free is not None and free() == 0:
                 full.add(event.life)
-            oracle.apply(event)
-        index = len(trace)
-        oracle.close()
-        closed = True
-    except InvariantViolation as exc:
-        return index, exc.rule, str(exc)
-    except Exception as exc:  # the runtime raised: a double free, a refused event, ...
-        return index, type(exc).__name__, f"{type(exc).__name__}: {exc}"
-    finally:
-        if not closed:
-            oracle.abandon()  # a failure here is already reported
+            yield event
+            index += 1
+        yield Close()
+
+    try:
+        oracle.run(events())
+    except _Deferred as exc:
+        return index, _DEFERRED, str(exc)
+    except Exception as exc:  # a broken rule, or the runtime raised (a double free, ...)
+        rule = rule_of(exc)
+        return index, rule, str(exc) if isinstance(exc, InvariantViolation) else f"{rule}: {exc}"
     return None
 
 
