@@ -1,23 +1,12 @@
 """A torch CPU copy engine: real worker threads, so races in tests are real.
 
-The owning thread submits chunks; worker threads copy device pages (a CPU
-:class:`~kvlife.layout.KVLayout`) into host pool pages (a store,
-:class:`~kvlife.Ticket`) or host pool pages into device pages (a load,
-:class:`~kvlife.LoadTicket`), then hand each finished chunk back through a
-queue and set its :class:`CpuCopyEvent`. ``poll`` and
-``drain`` collect finished chunks in completion order, on the owning thread,
-which alone changes the engine's counters: no lock on the hot path.
-
-A copy reads the device pages when it *runs*, not when it is submitted: a
-runtime that reuses device pages before the ack gets a wrong host copy, as on
-a GPU; likewise a load writes the device pages when it runs, so a runtime
-that reads them before the ack reads stale KV. Copy delays and fault
-injection (loads and stores alike) make that and other interleavings
-reproducible: ``copy_delay`` and ``delay_jitter`` (seeded), ``fail_rate``
-(seeded), and for the next submitted chunks :meth:`CpuCopyEngine.fail_next`,
-:meth:`CpuCopyEngine.slow_next` and :meth:`CpuCopyEngine.hold_next` (the copy
-waits until the test opens its :class:`Gate`). With ``workers > 1`` chunks
-complete out of order.
+The owning thread submits chunks; worker threads copy them between a CPU
+:class:`~kvlife.layout.KVLayout` and the host pool when they *run* (so a runtime
+that touches a chunk's device pages before its ack sees what it would on a GPU),
+then queue each finished chunk and set its :class:`CpuCopyEvent`. ``poll`` and
+``drain`` collect finished chunks in completion order on the owning thread, which
+alone changes the engine's counters: no lock on the hot path. Delays and fault
+injection make interleavings reproducible: ``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -40,10 +29,6 @@ from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 
 __all__ = ["CpuCopyEngine", "CpuCopyEvent", "Gate"]
-
-
-def _what(load: bool) -> str:
-    return "load" if load else "chunk"
 
 
 class CpuCopyEvent:
@@ -196,14 +181,12 @@ class CpuCopyEngine(PageCopyEngine):
         :class:`~kvlife.LoadTicket` host -> device. Refusals raise and change nothing.
         """
         load, dev, hst = self._checked(ticket, device_pages, host_pages)
-        fault: BaseException | None = None
-        if self._fail_next:
-            fault = self._fail_next.popleft() or CopyFault(
-                f"injected copy fault in {_what(load)} {ticket.seq} of {ticket.lifecycle!r}"
-            )
-        elif self.fail_rate and self._rng.random() < self.fail_rate:
+        injected = bool(self._fail_next)
+        fault = self._fail_next.popleft() if injected else None
+        if fault is None and (injected or (self.fail_rate and self._rng.random() < self.fail_rate)):
             fault = CopyFault(
-                f"random copy fault in {_what(load)} {ticket.seq} of {ticket.lifecycle!r}"
+                f"{'injected' if injected else 'random'} copy fault in "
+                f"{'load' if load else 'chunk'} {ticket.seq} of {ticket.lifecycle!r}"
             )
         delay = self.copy_delay
         if self.delay_jitter:
@@ -295,7 +278,7 @@ class CpuCopyEngine(PageCopyEngine):
         if job.error is not None and job.fault is None:
             self.copy_errors += 1
             self.last_copy_error = job.error
-        if job.gate is not None and job.gate in self._held:
+        if job.gate in self._held:
             self._held.remove(job.gate)
         return Ack(
             job.ticket,
