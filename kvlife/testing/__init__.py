@@ -1,14 +1,8 @@
 """kvlife.testing: check a decode runtime's offload bookkeeping against the lifecycle rules.
 
-* :class:`RuntimeAdapter` -- all the kit needs from a runtime (:class:`ManagerAdapter` for
-  one built on kvlife's manager); :class:`Oracle` checks every rule after each event;
-* :func:`run_kit` / :class:`RuntimeMachine` -- the hypothesis state machine;
-* :func:`check_exhaustively` -- every interleaving of a small configuration (``kvlife check``).
-
-Both drivers take one :class:`KitOptions` and report a failure as one readable trace
-(:class:`KitFailure`, :class:`Violation`), replayable with :func:`replay_trace`. The
-hypothesis parts are imported on first use, so ``kvlife check`` runs without hypothesis.
-Guide: docs/testing-kit.md.
+A :class:`RuntimeAdapter` drives the runtime, the :class:`Oracle` checks every rule after each
+event; :func:`run_kit` (hypothesis, imported on first use) and :func:`check_exhaustively`
+(every interleaving, ``kvlife check``) drive it. Guide: docs/testing-kit.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """What the kit needs from a runtime (:class:`RuntimeAdapter`), and kvlife's own adapter.
 
-The adapter owns the device side: it writes each page's values as soon as the page is
-whole (a pure function of the page's key, :func:`page_bytes_of`, so a page stored under
-a key it does not belong to is caught by its bytes), and poisons and reuses a released
-life's pages at once. See docs/testing-kit.md, "Writing an adapter for another runtime".
+The adapter owns the device side: page values are a pure function of the page's key
+(:func:`page_bytes_of`), and a released life's pages are poisoned and reused at once.
+Guide: docs/testing-kit.md, "Writing an adapter for another runtime".
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from kvlife.testing.options import Progress
 from kvlife.testing.scripted import ScriptedCopy, ScriptedEngine
 
 __all__ = [
-    "OPTIONAL_MEMBERS",
     "AdapterError",
     "DevicePages",
     "ManagerAdapter",
@@ -58,8 +56,9 @@ class Release:
 
 @runtime_checkable
 class RuntimeAdapter(Protocol):
-    """All the kit needs from a decode runtime's offload bookkeeping (and the optional
-    :data:`OPTIONAL_MEMBERS`)."""
+    """All the kit needs from a decode runtime's offload bookkeeping. Optional members, read
+    with ``getattr``: ``progress`` (default ``"poll"``), ``device_pages_allocated()`` and
+    ``host_pages_free()`` (docs/testing-kit.md)."""
 
     #: Tokens per page.
     page_size: int
@@ -70,12 +69,8 @@ class RuntimeAdapter(Protocol):
         """Begin a new request life with ``rid`` whose prefill computed ``prompt``; its handle."""
 
     def resume(self, request: object, tokens: Sequence[int]) -> object:
-        """Resume the retracted request ``request`` (a handle :meth:`start` or :meth:`resume`
-        returned) as a new life whose prefill recomputes ``tokens``; the new life's handle.
-
-        Return ``request`` itself if your runtime resumes the same request object (SGLang
-        does): the kit then tells the lives apart by which one is running.
-        """
+        """Resume retracted ``request`` as a new life recomputing ``tokens``; its handle
+        (``request`` itself if the runtime reuses the request object)."""
 
     def step(self, request: object, tokens: Sequence[int]) -> None:
         """Decode ``tokens`` (append them, write whole pages' KV), then offload what is due."""
@@ -114,14 +109,6 @@ class RuntimeAdapter(Protocol):
         """Host pages allocated now."""
 
 
-#: Optional adapter members, read with ``getattr`` (an adapter may leave them out):
-#: ``progress`` (default ``"poll"``), ``device_pages_allocated() -> int`` (device pages
-#: held by lives now; checked to be 0 after close: the ``device-leak`` rule) and
-#: ``host_pages_free() -> int`` (lets the exhaustive checker tell a chunk deferred because
-#: the host pool was full from one the runtime skipped).
-OPTIONAL_MEMBERS = ("progress", "device_pages_allocated", "host_pages_free")
-
-
 # ----------------------------------------------------------------------------- kvlife's adapter
 
 
@@ -145,13 +132,9 @@ ManagerFactory = Callable[..., OffloadManager]
 
 
 class ManagerAdapter:
-    """The kit's adapter for kvlife's :class:`~kvlife.manager.OffloadManager` (or a subclass).
-
-    A scripted engine, an :class:`~kvlife.store.InlineStore` whose writes complete by
-    the next poll (or the given ``store``), a layer-first device pool whose page values are
-    the page key's digest, and a small host pool (``host_pages``) so that
-    exhaustion is frequent.
-    """
+    """The kit's adapter for kvlife's :class:`~kvlife.manager.OffloadManager` (or a subclass):
+    a scripted engine, an :class:`~kvlife.store.InlineStore` (or ``store``), a layer-first
+    device pool and a small host pool, so that exhaustion is frequent."""
 
     namespace: str | None = None
     #: kvlife's poll never blocks: it applies the acks of copies that completed.
@@ -299,14 +282,7 @@ def page_bytes_of(key: str, nbytes: int) -> bytes:
 
 class DevicePages:
     """The device-page accounting hook, for a runtime that frees its own pages (it has no
-    release callback): the adapter hands it to the runtime as its device allocator.
-
-    ``alloc(n, owner)`` gives pages (the most recently freed first); ``write(page, key)``
-    fills a page with :func:`page_bytes_of` its key; ``free(pages, owner)`` poisons the
-    pages, takes them back and records one :class:`Release` of ``owner`` (so free all of a
-    life's pages at once). The adapter's ``device_pages_allocated`` returns
-    :meth:`allocated`, its ``releases`` returns :attr:`releases`.
-    """
+    release callback): its device allocator (docs/testing-kit.md)."""
 
     def __init__(
         self,

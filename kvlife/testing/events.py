@@ -1,10 +1,5 @@
-"""The kit's events: one step of a run, as data.
-
-A run is a sequence of these (the exhaustive checker's traces, the hypothesis
-strategies' sequences, a replayed trace); :meth:`kvlife.testing.oracle.Oracle.apply`
-runs one on an adapter and checks every rule after it. Lives are numbered in
-start order.
-"""
+"""The kit's events: one step of a run, as data; :meth:`kvlife.testing.Oracle.apply` runs
+one and checks every rule after it. Lives are numbered in start order."""
 
 from __future__ import annotations
 
@@ -28,7 +23,7 @@ class Start:
 
 @dataclass(frozen=True)
 class Step:
-    """Decode ``tokens`` for life number ``life`` (lives are numbered in start order)."""
+    """Decode ``tokens`` for life number ``life``."""
 
     life: int
     tokens: tuple[int, ...]
@@ -50,8 +45,7 @@ class Finish:
 
 @dataclass(frozen=True)
 class Resume:
-    """Resume retracted life ``life`` as a new life (:meth:`RuntimeAdapter.resume`): same rid
-    (often the same request object), its tokens so far as the prompt."""
+    """Resume retracted life ``life`` as a new life: same rid, its tokens as the prompt."""
 
     life: int
 
@@ -89,5 +83,5 @@ class Close:
         return "close"
 
 
-#: One event of a run, as data (the exhaustive checker's traces, the strategies' sequences).
+#: One event of a run.
 KitEvent = Start | Step | Finish | Resume | Complete | Poll | Close

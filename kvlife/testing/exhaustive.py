@@ -1,12 +1,10 @@
 """Every interleaving of a small configuration, run on a real runtime and checked.
 
-A depth-first walk over a model of what may happen next (:func:`_moves`) enumerates the
-interleavings of a :class:`CheckConfig`; each complete one runs on a fresh adapter under
-the :class:`~kvlife.testing.Oracle`. A violation prunes every interleaving that shares its
-prefix up to the violating event (they all break the same way); the report keeps the
-shortest trace of each broken rule. An interleaving that completes a chunk the runtime
-deferred (its host pool was full) is counted as deferred, not run further. The
-configuration, in words: docs/testing-kit.md, "Every interleaving: kvlife check".
+A depth-first walk over a model of what may happen next (:func:`_moves`) runs each complete
+interleaving on a fresh adapter under the :class:`~kvlife.testing.Oracle`. A violation (or a
+completion of a chunk the runtime deferred) prunes every interleaving sharing its prefix;
+the report keeps the shortest trace of each broken rule. Guide: docs/testing-kit.md,
+"Every interleaving: kvlife check".
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ RID = "r"
 
 @dataclass(frozen=True)
 class CheckConfig:
-    """The bounds of one exhaustive check, and the kit's options (same defaults as
-    :func:`~kvlife.testing.run_kit`)."""
+    """The bounds of one exhaustive check, and the kit's options."""
 
     #: Request lives sharing one rid, started one after the other.
     requests: int = 2
@@ -302,24 +299,18 @@ class _Explorer:
         for violation in found:
             self.keep(violation)
 
-    def subtree(
-        self, task: tuple[tuple[KitEvent, ...], _State]
-    ) -> tuple[int, int, int, list[Violation]]:
-        """Explore one subtree from a frontier prefix (a worker's task)."""
-        self.interleavings = self.violating = self.deferred = 0
-        self.shortest = {}
-        self.prefix = list(task[0])
-        self.explore(task[1])
-        return self.interleavings, self.violating, self.deferred, list(self.shortest.values())
-
 
 _NO_UNWIND = 1 << 30
 _WORKER: _Explorer | None = None
 
 
 def _work(task: tuple[tuple[KitEvent, ...], _State]) -> tuple[int, int, int, list[Violation]]:
+    """Explore one subtree from a frontier prefix (a worker's task)."""
     assert _WORKER is not None
-    return _WORKER.subtree(task)
+    sub = _Explorer(_WORKER.cfg, _WORKER.adapter_factory, _WORKER.model)
+    sub.prefix = list(task[0])
+    sub.explore(task[1])
+    return sub.interleavings, sub.violating, sub.deferred, list(sub.shortest.values())
 
 
 def _frontier(
@@ -349,9 +340,8 @@ def check_exhaustively(
 ) -> CheckReport:
     """Run every interleaving of ``cfg`` on fresh adapters; report the count and violations.
 
-    The adapter's ``progress`` model and ``page_size`` are read from one adapter made
-    first. ``jobs`` > 1 splits the walk into subtrees run by forked worker processes
-    (where the platform can fork); a violation then prunes only inside its subtree.
+    ``progress`` and ``page_size`` are read from one adapter made first. ``jobs`` > 1 runs
+    subtrees in forked workers (where possible); a violation prunes only inside its subtree.
     """
     global _WORKER
     cfg = cfg or CheckConfig()

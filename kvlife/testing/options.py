@@ -22,16 +22,10 @@ PROGRESS_MODELS: tuple[Progress, ...] = ("poll", "drain")
 
 @dataclass(frozen=True)
 class KitOptions:
-    """What the kit may do to a runtime. The defaults are the adversarial ones.
+    """What the kit may do to a runtime; the defaults are the adversarial ones. Turn off
+    what your runtime does not have (docs/testing-kit.md, "Options")."""
 
-    Turn off what your runtime does not have: ``failures=False`` for a runtime with no
-    per-copy failure path (SGLang's decode offload), ``retractions=False`` (and so no
-    resumes) for one that never preempts.
-    """
-
-    #: Copies may fail (one completion in four, in :func:`run_kit`; every completion is
-    #: also tried as a failure in :func:`check_exhaustively`). Only under the ``"poll"``
-    #: progress model: a draining poll completes every copy successfully.
+    #: Copies may fail (only under the ``"poll"`` progress model).
     failures: bool = True
     #: Lives may be aborted.
     aborts: bool = True
@@ -39,8 +33,8 @@ class KitOptions:
     retractions: bool = True
     #: A retracted life may be resumed (:meth:`RuntimeAdapter.resume`).
     resumes: bool = True
-    #: Seconds a runtime call (a draining poll, close) may block, and a completed copy may
-    #: stay listed in flight, before the kit reports ``stuck-copy``; ``None``: wait forever.
+    #: Seconds a runtime call may block, or a completed copy stay listed, before
+    #: ``stuck-copy``; ``None``: wait forever.
     stuck_after: float | None = 10.0
 
     def __post_init__(self) -> None:

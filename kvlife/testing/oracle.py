@@ -1,9 +1,7 @@
-"""The kit's trusted model: it drives a runtime's adapter and checks the lifecycle rules.
-
-:class:`Oracle` runs the kit's events on a :class:`~kvlife.testing.adapter.RuntimeAdapter`,
-knows each life's tokens (hence its keys), which copies the kit completed and which lives
-finished, and after every event raises :class:`InvariantViolation` naming the first rule
-broken (the rules: docs/testing-kit.md, "What the kit checks").
+"""The kit's trusted model: :class:`Oracle` runs events on a runtime's adapter, knows each
+life's tokens (hence its keys), which copies completed and which lives finished, and after
+every event raises :class:`InvariantViolation` naming the first rule broken
+(docs/testing-kit.md, "What the kit checks").
 """
 
 from __future__ import annotations
@@ -94,13 +92,9 @@ def _deadline(seconds: float | None) -> Iterator[None]:
 
 
 class Oracle:
-    """The trusted model: drives an adapter and checks every rule after every event.
-
-    Under the adapter's ``progress`` model: with ``"drain"``, every copy in flight when a
-    poll starts is complete when it returns. A copy submitted while a life finishes (a
-    finish-time flush) belongs to that life. Every adapter call runs under
-    ``options.stuck_after``: a call still blocked then is a ``stuck-copy`` violation.
-    """
+    """The trusted model: drives an adapter and checks every rule after every event. Under
+    ``"drain"`` progress every copy in flight when a poll starts completes in it; a copy
+    submitted during a finish belongs to the finishing life."""
 
     def __init__(self, adapter: RuntimeAdapter, options: KitOptions | None = None) -> None:
         self.adapter = adapter

@@ -1,9 +1,5 @@
-"""One readable failure: the broken rule, the shortest run found, and how to replay it.
-
-:class:`KitFailure` is an :class:`InvariantViolation` (so ``except InvariantViolation`` and
-``pytest.raises(AssertionError)`` catch it; never an ExceptionGroup) with the trace in its
-message, not in ``__notes__``. :func:`replay_trace` runs a trace again on a fresh adapter.
-"""
+"""One readable failure (:class:`KitFailure`): the broken rule, the shortest run found, and
+how to replay it (:func:`replay_trace`); docs/testing-kit.md, "When it fails"."""
 
 from __future__ import annotations
 

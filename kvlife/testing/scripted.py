@@ -1,10 +1,7 @@
 """ScriptedEngine: a copy engine whose copies complete only when the test says so.
 
-It reads a chunk's device pages at completion, the latest moment a real engine may, never
-at submit: a runtime that hands the pages back before the ack stores the reused pages'
-bytes under the chunk's keys (docs/testing-kit.md, "Why the scripted engine reads late").
-Otherwise a real copy engine: same checks, real tensor copies, one ack per chunk at the
-next poll; no thread.
+It reads a chunk's device pages at completion, never at submit, so pages handed back
+before the ack are caught (docs/testing-kit.md, "Why the scripted engine reads late").
 """
 
 from __future__ import annotations
@@ -65,20 +62,14 @@ class ScriptedEngine(PageCopyEngine):
         self._ready: list[Ack] = []
         self._submitted = 0
 
-    def in_flight(self, lifecycle: Lifecycle | None = None) -> list[ScriptedCopy]:
-        """Copies submitted and not completed, in submit order (only ``lifecycle``'s if given)."""
-        if lifecycle is None:
-            return list(self._in_flight)
-        return [c for c in self._in_flight if c.ticket.lifecycle is lifecycle]
+    def in_flight(self) -> list[ScriptedCopy]:
+        """Copies submitted and not completed, in submit order."""
+        return list(self._in_flight)
 
     def complete(self, copy: ScriptedCopy, ok: bool = True) -> None:
-        """Complete ``copy`` now: a store reads its device pages into its host pages, a
-        load its host pages into its device pages (or fail it).
-
-        The ack appears at the next :meth:`poll`. Refused with
-        :class:`~kvlife.errors.EngineError` (nothing changes) if ``copy`` is not in flight
-        (already completed, or never submitted).
-        """
+        """Complete ``copy`` now (a store reads its device pages, a load writes them), or
+        fail it; its ack comes at the next :meth:`poll`. :class:`~kvlife.errors.EngineError`
+        (nothing changes) if ``copy`` is not in flight."""
         if not any(c is copy for c in self._in_flight):
             raise EngineError(f"{copy!r} is not in flight in this engine")
         error: BaseException | None = None

@@ -152,13 +152,9 @@ def run_kit(
 ) -> None:
     """Run :class:`RuntimeMachine` against ``adapter_factory`` as one test.
 
-    ``settings`` default to :data:`KIT_SETTINGS` (derive yours from it to keep its health
-    checks: ``settings(KIT_SETTINGS, max_examples=500)``); ``options`` to
-    :class:`KitOptions`'s defaults, the same as :func:`check_exhaustively`'s. A failure is
-    raised as one :class:`~kvlife.testing.KitFailure` (an ``InvariantViolation``; never an
-    ExceptionGroup: the first bug found is the one reported) whose message is the broken
-    rule and the shrunk run, event by event, with the seed: ``run_kit(..., seed=N)``
-    reruns it, ``replay_trace(factory, failure.events)`` replays it.
+    ``settings`` default to :data:`KIT_SETTINGS` (derive yours from it). A failure is raised
+    as one :class:`~kvlife.testing.KitFailure`: the broken rule, the shrunk run and the seed
+    (docs/testing-kit.md, "Running it").
     """
     chosen = settings or KIT_SETTINGS
     chosen = type(chosen)(chosen, report_multiple_bugs=False)
