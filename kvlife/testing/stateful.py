@@ -1,9 +1,6 @@
-"""The kit's hypothesis state machine: your runtime, through its adapter, against the oracle.
-
-Each rule is one scheduler event that the :class:`~kvlife.testing.Oracle` runs on the
-adapter and checks. Importing this module defines no test; run it with
-``run_kit(MyAdapter)`` (docs/testing-kit.md, "Running it").
-"""
+"""The kit's hypothesis state machine: each rule is one scheduler event the
+:class:`~kvlife.testing.Oracle` runs on the adapter and checks (docs/testing-kit.md,
+"Running it")."""
 
 from __future__ import annotations
 
@@ -117,9 +114,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.oracle.progress == "poll" and bool(self.oracle.in_flight()))
     @rule(data=st.data(), poll=st.booleans())
     def complete(self, data: st.DataObject, poll: bool) -> None:
-        """A copy completes: the oldest, the newest, a finished life's (late), or any; it
-        fails one time in four if the options allow failures. (Under the ``"drain"``
-        progress model copies complete only in polls.)"""
+        """A copy completes (the oldest, the newest, a late one, or any), or fails."""
         ok = data.draw(copy_outcomes() if self.options.failures else st.just(True), label="ok")
         waiting = self.oracle.in_flight()
         late = [c for c in waiting if not self.oracle.owner(c).running]
