@@ -41,6 +41,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -69,16 +70,26 @@ def _on_release(_: object) -> None:
     pass
 
 
-def run_kvlife(n: int, hasher: PageHasher) -> float:
-    """Seconds per life for ``n`` lives of :class:`kvlife.Lifecycle`."""
-    chunks, cb = CHUNK_TOKENS, _on_release
-    start = time.perf_counter()
-    for rid in range(n):
-        lc = Lifecycle(rid, page_size=PAGE, on_release=cb, hasher=hasher)
-        for tokens in chunks:
-            lc.ack(lc.submit(tokens))
-        lc.finish()
-    return (time.perf_counter() - start) / n
+def _per_request(make: Callable[..., Any]) -> Callable[[int, PageHasher], float]:
+    """A run of ``n`` lives of one object per request made by ``make`` (submit, ack, finish)."""
+
+    def run(n: int, hasher: PageHasher) -> float:
+        chunks, cb = CHUNK_TOKENS, _on_release
+        start = time.perf_counter()
+        for rid in range(n):
+            lc = make(rid, page_size=PAGE, on_release=cb, hasher=hasher)
+            for tokens in chunks:
+                lc.ack(lc.submit(tokens))
+            lc.finish()
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+#: Seconds per life for ``n`` lives of :class:`kvlife.Lifecycle`.
+run_kvlife = _per_request(Lifecycle)
+#: Seconds per life for ``n`` lives of the unchecked per-request object.
+run_unchecked = _per_request(UncheckedPerRequest)
 
 
 def run_dict(n: int, hasher: PageHasher) -> float:
@@ -103,18 +114,6 @@ def run_machine(n: int, hasher: PageHasher) -> float:
         for tokens in chunks:
             req.complete(req.offload(tokens))
         req.end()
-    return (time.perf_counter() - start) / n
-
-
-def run_unchecked(n: int, hasher: PageHasher) -> float:
-    """Seconds per life for ``n`` lives of the unchecked per-request object."""
-    chunks, cb = CHUNK_TOKENS, _on_release
-    start = time.perf_counter()
-    for rid in range(n):
-        req = UncheckedPerRequest(rid, page_size=PAGE, on_release=cb, hasher=hasher)
-        for tokens in chunks:
-            req.ack(req.submit(tokens))
-        req.finish()
     return (time.perf_counter() - start) / n
 
 
