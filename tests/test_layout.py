@@ -365,3 +365,33 @@ def test_staging_windows_map_each_chunk_page_to_its_host_row_once(
                 assert page not in seen
                 seen[page] = host_row + i
     assert seen == expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_staged_path_copies_what_the_direct_path_copies(kind: str) -> None:
+    """A host tensor on another device goes through device staging, a window at a time.
+
+    No second device here: the layout is told it lives on ``cpu:0``, which compares
+    unequal to the host tensor's ``cpu``, so gather_runs and scatter_runs take the
+    staging branch a GPU takes, with windows of two pages, on real CPU tensors.
+    """
+    stored = torch.tensor([11, 0, 7, 3, 5, 1, 8, 6])
+    restored = torch.tensor([2, 3, 4, 5, 9, 10, 0, 7])
+    runs = [(0, 9, 3), (3, 2, 1), (4, 4, 4)]  # host rows 9 10 11 | 2 | 4 5 6 7
+    results = []
+    for staged in (False, True):
+        src = make(kind, torch.float32, num_pages=12)
+        fill_random_bits(src, seed=7)
+        dst = make(kind, torch.float32, num_pages=12)
+        if staged:
+            src.device = dst.device = torch.device("cpu", 0)
+        window = 2 * src.page_nbytes
+        host = torch.zeros((13, src.page_numel))
+        src.gather_runs(stored, host, runs, max_staging_bytes=window)
+        dst.scatter_runs(restored, host, runs, max_staging_bytes=window)
+        results.append((host, dst.buffers()))
+    (host, restored_buffers), (staged_host, staged_buffers) = results
+    assert torch.equal(bits(staged_host), bits(host)) and bool(bits(host).any())
+    assert all(
+        torch.equal(bits(a), bits(b)) for a, b in zip(staged_buffers, restored_buffers, strict=True)
+    )
