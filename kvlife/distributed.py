@@ -1,66 +1,14 @@
 """Agreement across the ranks of one tensor-parallel group, over ``torch.distributed``.
 
-Theory of operation
-===================
-
-Every rank of a tensor-parallel group runs its own copy engine on its own
-shard of the KV pool, and must apply the same acks in the same order, or the
-ranks' stores and releases diverge. :class:`TorchAgreement` is the
-:class:`~kvlife.manager.Agreement` that makes them do so. Its primitives, one
-line each:
-
-* ``submitted(ticket)`` -- the manager submitted a chunk; it gets the next
-  *submission index* (0, 1, 2, ... on every rank alike) and extends the
-  running fingerprint of submissions;
-* ``agree(acks)`` -- each poll: record this rank's newly completed acks, run
-  **one** collective, return the acks every rank completed, in submission order;
-* ``admit(n_pages)`` -- before the manager takes host pages for a chunk: the
-  same yes/no on every rank (the host pools fill at different times);
-* ``pending`` -- submissions not yet returned by ``agree``.
-
-The collective is one ``all_reduce(MIN)`` of seven int64 words, on every
-poll, even with nothing to do, so no rank can wait on a collective another
-skipped:
-
-====  ===============================  ====================================
-word  this rank puts                    the MIN means
-====  ===============================  ====================================
-0     completed prefix (local)          chunks complete on every rank
-1,2   submissions, minus submissions    fewest, and (negated) most, submitted
-3,4   fingerprint, minus fingerprint    lowest, and (negated) highest, fingerprint
-5     first failed copy not applied     the first failure on any rank
-6     free host pages                   the host budget until the next poll
-====  ===============================  ====================================
-
-A rank's *completed prefix* is the number of chunks, in submission order,
-whose copies completed locally with no gap. The MIN over ranks is the prefix
-complete everywhere; every rank applies exactly the chunks from the last agreed
-point up to it, in submission order, so an ack is never applied on one rank
-before every rank has completed it. A copy that failed on *any* rank is applied
-as failed on *every* rank (word 5 caps the agreed prefix just after the first
-failure), so no rank stores a page another rank lost.
-
-Divergence: the fingerprint is a running hash of each submission's page count
-and last page key (the hash chain's tail, which names the whole token prefix;
-never the rid, which is a label). If MIN and MAX of the submission count or of
-the fingerprint differ, the ranks submitted different sequences: every rank
-sees that in the same collective and raises :class:`~kvlife.errors.GroupBroken`
-naming the first differing chunk (``index``, ``chunks``). The
-first differing chunk is found from a short history: the fingerprint after
-each submission since the last poll at which all ranks agreed, gathered once
-(``all_gather_object``) on this rare path only.
-
-Host pages: the manager asks ``admit`` before it allocates. The answer comes
-from a budget that is the same on every rank: the MIN of free host pages at the
-last collective, less the pages admitted since. A rank's pool only gains pages
-between collectives (stores finish, failures free), so an admitted allocation
-always succeeds locally, and a full pool on one rank stops every rank alike.
-
-Failure: a peer that crashed closes its connections; a peer that hangs or stops
-polling leaves the collective waiting. Both become a
-:class:`~kvlife.errors.GroupBroken` within ``timeout`` seconds (for the latter,
-its message says no peer answered in time). After
-any error the agreement is broken for good: every later call raises at once.
+Theory of operation: every rank copies its own shard of the KV pool, and
+:class:`TorchAgreement` makes every rank apply the same acks in the same order.
+Each poll runs one ``all_reduce(MIN)`` of seven int64 words (the completed
+prefix, submission counts and fingerprints, the first failure, free host
+pages): acks complete everywhere are applied in submission order, a copy failed
+on any rank fails on every rank, different submission sequences raise
+:class:`~kvlife.errors.GroupBroken` naming the first differing chunk, and a
+crashed or silent peer raises it within ``timeout``. The word table, the host
+budget and the failure cases are in docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -140,7 +88,13 @@ class TorchAgreement:
             )
         self.timeout = float(timeout)
         self._wait = timedelta(seconds=self.timeout)
-        self.group = self._cpu_group(group)
+        group = group if group is not None else dist.group.WORLD
+        if "gloo" not in str(dist.get_backend(group)):  # NCCL: a gloo group of the same ranks
+            ranks = dist.get_process_group_ranks(group)
+            group = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=self._wait, use_local_synchronization=True
+            )
+        self.group = group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._buf = torch.zeros(_WORDS, dtype=torch.int64)
@@ -175,17 +129,6 @@ class TorchAgreement:
             self._words[6] = host.num_free
             self._all_reduce("construction")
             self._budget = int(self._words[6])
-
-    def _cpu_group(self, group: Any) -> Any:
-        """The group the collective runs on: ``group`` if it has gloo, else a gloo sibling."""
-        target = group if group is not None else dist.group.WORLD
-        backend = str(dist.get_backend(target))
-        if "gloo" in backend:
-            return target
-        ranks = dist.get_process_group_ranks(target)
-        return dist.new_group(
-            ranks=ranks, backend="gloo", timeout=self._wait, use_local_synchronization=True
-        )
 
     # ------------------------------------------------------------ the Agreement
 
