@@ -1,34 +1,14 @@
 """Decode-side offload orchestration: what a decode runtime calls each step.
 
-The runtime's scheduler thread owns the manager (no locks on the hot path).
-Its primitives, one line each:
-
-* :meth:`OffloadManager.start` -- a request life begins: an
-  :class:`OffloadRequest` record holding a new Lifecycle whose hash chain
-  continues from the prefill side's pages (the runtime passes the record back);
-* :meth:`OffloadManager.offload` -- after a decode step: submit the chunk that
-  is due under the stride policy, if any;
-* :meth:`OffloadManager.poll` -- each step: apply completed copies (ack the
-  Lifecycle, hand host pages to the store), free host pages the store holds;
-* :meth:`OffloadManager.finish` -- decoding ended (finished, aborted,
-  retracted); the release callback gets the device pages once nothing is in flight;
-* :meth:`OffloadManager.close` -- drain every copy and every store write;
-* :meth:`OffloadManager.metrics` -- a copy of the counters (:class:`ManagerMetrics`).
-
-Page accounting, end to end: a chunk's host pages are allocated before its
-Lifecycle is told of the chunk (so a full host pool changes nothing), are owned
-in the host pool by that request's record (a free by anyone else is refused), belong to
-that chunk alone, and are freed exactly once: when the store reports the pages
-written, or at once when the copy or the store failed. A chunk's device
-pages go back to the runtime only through the release callback, which the
-Lifecycle calls only when nothing is in flight.
-
-Stride policy (the SGLang decode-offload rules): the first ``prefill_len`` =
-prompt length rounded down to whole pages were stored by the prefill side;
-tokens with KV are all tokens but the newest; the next chunk starts at
-``prefill_len + submitted`` and covers the largest multiple of the stride that
-has KV; a tail shorter than the stride is never offloaded (its device pages go
-back with the rest at release).
+The runtime's scheduler thread owns the manager (no locks on the hot path). It
+calls :meth:`OffloadManager.start` when a request life begins,
+:meth:`~OffloadManager.offload` after each decode step (the stride policy picks
+the chunk that is due), :meth:`~OffloadManager.poll` each step (acks applied,
+host pages handed to the store and freed once written),
+:meth:`~OffloadManager.finish` when decoding ends (the release callback gets the
+device pages once nothing is in flight) and :meth:`~OffloadManager.close` to drain.
+The stride policy is in ``docs/integration.md``; page accounting and every failure
+path in ``docs/failures.md``.
 """
 
 from __future__ import annotations
@@ -101,17 +81,10 @@ class Agreement(Protocol):
 
 
 class OffloadRequest:
-    """One request life under an :class:`OffloadManager`: it holds the life's Lifecycle and
-    the request data the manager needs.
-
-    :meth:`OffloadManager.start` returns it; the runtime keeps it on its own request
-    object, passes it to :meth:`~OffloadManager.offload` and
-    :meth:`~OffloadManager.finish`, and its release handler receives it. It has no
-    events: chunks, acks and finish go through the manager, which keeps the counters
-    and the pages, so none can bypass them. The Lifecycle is the manager's; the
-    record shows it read-only (:attr:`state`, :attr:`inflight`, :meth:`snapshot`).
-    A ticket still names its Lifecycle (engines route acks by it): read it, never
-    drive it. The manager never needs the rid.
+    """One request life under an :class:`OffloadManager`, returned by its
+    :meth:`~OffloadManager.start`: the runtime passes it back to the manager, and its
+    release handler receives it. It has no events (they go through the manager, which
+    keeps the counters and the pages) and shows its Lifecycle read-only.
     """
 
     __slots__ = (
@@ -300,8 +273,7 @@ class OffloadManager:
         ``prior_hash`` is the key of the prompt's last whole page if the
         runtime has it from the prefill side; otherwise it is computed here.
         """
-        if get_ident() != self._thread:
-            self._check_thread()
+        self._check_thread()
         try:
             prefill_len = len(prompt) // self.page_size * self.page_size
             if prior_hash is None:
@@ -312,8 +284,7 @@ class OffloadManager:
             else:  # the scheme checks a prior it is given even with no page to hash
                 self.hasher((), self.page_size, prior_hash)
         except (HashingError, TypeError) as exc:
-            self._refused[ManagerError.__name__] += 1
-            raise ManagerError(f"cannot start rid={rid!r}: {exc}") from None
+            raise self._refuse(f"cannot start rid={rid!r}: {exc}") from None
         lc = Lifecycle(
             rid,
             page_size=self.page_size,
@@ -365,8 +336,7 @@ class OffloadManager:
             n_device = len(device_pages)
         except TypeError:
             raise self._invalid_step(req, "tokens and device_pages must be sequences") from None
-        if get_ident() != self._thread:
-            self._check_thread()
+        self._check_thread()
         n = ready // self.stride * self.stride
         end = (start + n) // self.page_size
         if n_device < end:
@@ -376,34 +346,27 @@ class OffloadManager:
             chunk_pages = _slice(device_pages, first, end)
         except TypeError as exc:
             raise self._invalid_step(req, str(exc)) from None
-        if self.agreement is not None and not self.agreement.admit(end - first):
-            self._metrics.host_pool_exhausted += 1  # host pool full on some rank: none submits
-            return None
-        return self._submit(req, chunk_tokens, chunk_pages, device_pages)
-
-    def _submit(
-        self,
-        req: OffloadRequest,
-        tokens: Sequence[int],
-        chunk_pages: Sequence[int],
-        device_pages: Sequence[int],
-    ) -> Ticket | None:
-        """Allocate host pages, then commit: until the Lifecycle holds the chunk,
-        any exception (a refusal, a bug in a hasher or engine, Ctrl-C) gives them back."""
-        host_pages = self.host.alloc(len(chunk_pages), owner=req)
+        agreement = self.agreement
+        # host pool full (on some rank, with an agreement: then none submits)
+        if agreement is not None and not agreement.admit(end - first):
+            host_pages = None
+        else:
+            host_pages = self.host.alloc(end - first, owner=req)
         if host_pages is None:
             self._metrics.host_pool_exhausted += 1
             return None
+        # Until the Lifecycle holds the chunk, any exception (a refusal, a bug in a
+        # hasher or engine, Ctrl-C) gives the host pages back.
         try:
             self.engine.check(chunk_pages, host_pages)
-            ticket = req._lifecycle.submit(tokens)
+            ticket = req._lifecycle.submit(chunk_tokens)
         except BaseException as exc:
             self.host.free(host_pages, owner=req)
             if isinstance(exc, KVLifeError):
                 self._refused[type(exc).__name__] += 1
             raise
         req.device_pages = device_pages
-        req.next_page += len(chunk_pages)
+        req.next_page = end
         self._metrics.chunks_submitted += 1
         try:
             self.engine.submit(ticket, chunk_pages, host_pages)
@@ -413,8 +376,8 @@ class OffloadManager:
             fault = CopyFault(f"the engine failed to take chunk {ticket.seq}: {exc!r}")
             self._apply_ack(Ack(ticket, tuple(chunk_pages), tuple(host_pages), fault))
             raise
-        if self.agreement is not None:
-            self.agreement.submitted(ticket)
+        if agreement is not None:
+            agreement.submitted(ticket)
         return ticket
 
     def finish(
@@ -428,8 +391,7 @@ class OffloadManager:
         ``device_pages`` is the request's final page table, if it changed since
         the last :meth:`offload` (or there was none): the release callback gets it.
         """
-        if get_ident() != self._thread:
-            self._check_thread()
+        self._check_thread()
         self._check_owned(req)
         kept, decoding = req.device_pages, req._decoding
         if device_pages is not None:
@@ -455,8 +417,7 @@ class OffloadManager:
         reported, not raised; a store or pool error is) leaves the others for
         the next call, none lost.
         """
-        if get_ident() != self._thread:
-            self._check_thread()
+        self._check_thread()
         acks = self.engine.poll()
         if self.agreement is not None:
             acks = self.agreement.agree(acks)
@@ -472,35 +433,28 @@ class OffloadManager:
         was not applied yet is applied by a later :meth:`poll` or :meth:`close`.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        if get_ident() != self._thread:
-            self._check_thread()
+        self._check_thread()
+        agreement = self.agreement
         while True:
             try:
-                self._drain_copies(deadline, timeout)
+                acks = self.engine.drain(_left(deadline))
+                while True:  # with an agreement, until every rank completed its copies
+                    self._apply_acks(acks if agreement is None else agreement.agree(acks))
+                    if agreement is None or not agreement.pending:
+                        break
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise DrainTimeout(
+                            f"{agreement.pending} chunks not yet complete on every rank "
+                            f"after {timeout} s"
+                        )
+                    acks = []
             finally:
                 self._apply_store_results(self.store.drain(_left(deadline)))
-            if not self._busy():
+            pending = agreement is not None and agreement.pending
+            if not (self.engine.inflight or self._acks or self.store.pending or pending):
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise DrainTimeout(f"work still in flight after {timeout} s")
-
-    def _busy(self) -> bool:
-        agreed = self.agreement is None or not self.agreement.pending
-        return bool(self.engine.inflight or self._acks or self.store.pending or not agreed)
-
-    def _drain_copies(self, deadline: float | None, timeout: float | None) -> None:
-        acks = self.engine.drain(_left(deadline))
-        if self.agreement is None:
-            self._apply_acks(acks)
-            return
-        self._apply_acks(self.agreement.agree(acks))
-        while self.agreement.pending:
-            if deadline is not None and time.monotonic() > deadline:
-                raise DrainTimeout(
-                    f"{self.agreement.pending} chunks not yet complete on every rank "
-                    f"after {timeout} s"
-                )
-            self._apply_acks(self.agreement.agree([]))
 
     def _apply_acks(self, acks: list[Ack]) -> None:
         pending = self._acks
@@ -591,26 +545,26 @@ class OffloadManager:
             handler(req, req.device_pages)
 
     def _check_thread(self) -> None:
-        """Bind the manager to the calling thread, or refuse a second thread.
-
-        The first call binds it; a call from another thread while the bound one
-        is alive raises :class:`~kvlife.errors.ManagerError` before anything
-        changes (two threads would corrupt the counters and the Lifecycles).
-        Once the bound thread has ended, the next caller takes over.
-        """
+        """Bind the manager to the calling thread, or refuse a second one before anything
+        changes while the bound thread is alive; once it has ended, the next caller takes over."""
+        if get_ident() == self._thread:
+            return
         bound = self._thread_obj
         if bound is not None and bound.is_alive():
-            self._refused[ManagerError.__name__] += 1
-            raise ManagerError(
+            raise self._refuse(
                 f"called from thread {threading.current_thread().name!r}, but this manager is "
                 f"driven by {bound.name!r}: call it from one thread (its scheduler's)"
             )
         self._thread_obj = threading.current_thread()
         self._thread = get_ident()
 
-    def _invalid_step(self, req: OffloadRequest, why: str) -> ManagerError:
+    def _refuse(self, message: str) -> ManagerError:
+        """Count a refused call; return its error, for the caller to raise."""
         self._refused[ManagerError.__name__] += 1
-        return ManagerError(f"request rid={req.rid!r} id=0x{id(req):x}: {why}")
+        return ManagerError(message)
+
+    def _invalid_step(self, req: OffloadRequest, why: str) -> ManagerError:
+        return self._refuse(f"request rid={req.rid!r} id=0x{id(req):x}: {why}")
 
     def _record_callback_error(self, exc: ReleaseCallbackError) -> None:
         self._metrics.release_callback_errors += 1
@@ -619,8 +573,7 @@ class OffloadManager:
 
     def _check_owned(self, req: object) -> None:
         if not isinstance(req, OffloadRequest) or req.manager is not self:
-            self._refused[ManagerError.__name__] += 1
-            raise ManagerError(f"{req!r} was not started by this manager")
+            raise self._refuse(f"{req!r} was not started by this manager")
 
     # ------------------------------------------------------------ metrics
 
@@ -631,9 +584,9 @@ class OffloadManager:
         return replace(
             m,
             lifecycles_by_state={
-                State.IDLE.name: by_state[State.IDLE.name],
-                State.OFFLOADING.name: by_state[State.OFFLOADING.name],
-                State.FINISHED.name: by_state[State.FINISHED.name],
+                **{
+                    s.name: by_state[s.name] for s in (State.IDLE, State.OFFLOADING, State.FINISHED)
+                },
                 State.RELEASED.name: self._released,
             },
             chunks_in_flight=m.chunks_submitted - m.chunks_acked,
