@@ -266,11 +266,23 @@ class Simulation:
         cfg.check()
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self._own_dir = cfg.store == "directory" and not cfg.store_dir
-        self.store_dir = make_store_dir(cfg.store_dir) if cfg.store == "directory" else ""
-        self.store = make_store(cfg, self.store_dir)
         #: Whether stored pages may vanish without a fault of kvlife's (a cache tier).
         self._may_lose = cfg.store == "mooncake"
+        self._own_dir = not self._may_lose and not cfg.store_dir
+        # The store tier: rank r's pages under the namespace sim/rank<r>.
+        namespace = f"sim/rank{cfg.rank}"
+        faults: dict[str, Any] = {"fail_rate": cfg.store_fail_rate, "seed": cfg.seed}
+        if self._may_lose:
+            from kvlife.store.mooncake import MooncakeStore
+
+            assert cfg.mooncake_master and cfg.mooncake_metadata  # SimConfig.check
+            self.store_dir = ""
+            self.store: QueuedStore = MooncakeStore(
+                cfg.mooncake_master, cfg.mooncake_metadata, namespace, **faults
+            )
+        else:
+            self.store_dir = make_store_dir(cfg.store_dir)
+            self.store = LocalDirectoryStore(self.store_dir, namespace, **faults)
         #: Keys stored before this run (a reused store directory): not this run's to verify.
         self.keys_before = set(self.store.keys())
         #: Keys this run added to the store, found by :meth:`run`.
@@ -375,11 +387,9 @@ class Simulation:
         self.report.lifecycles_started += 1
         life = self.report.lifecycles_started  # lives are numbered in start order
         self.unreleased.add(life)
-
-        def on_release(handle: Any, device_pages: Sequence[int]) -> None:
-            self._released(req, life, handle, device_pages)
-
-        req.handle = self.manager.start(req.rid, req.tokens, on_release)
+        req.handle = self.manager.start(
+            req.rid, req.tokens, lambda handle, pages: self._released(req, life, handle, pages)
+        )
         self._write_pages(req, len(req.tokens))  # prefill computed the prompt's KV
         return True
 
@@ -504,18 +514,6 @@ class Simulation:
                     rep.corrupted_pages += 1
                 else:
                     rep.pages_verified += 1
-
-
-def make_store(cfg: SimConfig, store_dir: str) -> QueuedStore:
-    """The store tier of ``cfg``: rank ``r``'s pages under the namespace ``sim/rank<r>``."""
-    namespace = f"sim/rank{cfg.rank}"
-    faults: dict[str, Any] = {"fail_rate": cfg.store_fail_rate, "seed": cfg.seed}
-    if cfg.store == "mooncake":
-        from kvlife.store.mooncake import MooncakeStore
-
-        assert cfg.mooncake_master and cfg.mooncake_metadata  # SimConfig.check
-        return MooncakeStore(cfg.mooncake_master, cfg.mooncake_metadata, namespace, **faults)
-    return LocalDirectoryStore(store_dir, namespace, **faults)
 
 
 def run_simulation(
