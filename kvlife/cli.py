@@ -11,13 +11,17 @@ the reason on one line of stderr and no traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 from kvlife.errors import ConfigError, KVLifeError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
+
+_Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 #: Format implied by an ``--out`` file's suffix when ``--format`` is not given.
@@ -32,7 +36,7 @@ _FORMAT_BY_SUFFIX = {
 }
 
 
-def _register_diagram(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _register_diagram(subparsers: _Subparsers) -> None:
     """``kvlife diagram``: draw the lifecycle, or print its transition table."""
     from kvlife.diagrams import DIAGRAMS, IMAGE_FORMATS
 
@@ -81,27 +85,16 @@ def _diagram(args: argparse.Namespace) -> int:
     return 0
 
 
-def _register_simulate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``kvlife simulate``: the main job (see :mod:`kvlife.sim`)."""
-    from kvlife.sim.command import register
-
-    register(subparsers)
-
-
-def _register_check(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``kvlife check``: every interleaving of a small configuration (see :mod:`kvlife.testing`)."""
-    from kvlife.testing.command import register
-
-    register(subparsers)
+def _register_from(module: str) -> Callable[[_Subparsers], None]:
+    """``module.register``, imported only when the parser is built."""
+    return lambda subparsers: importlib.import_module(module).register(subparsers)
 
 
 #: Every subcommand: (name, register function). Add one entry per new subcommand.
-COMMANDS: list[
-    tuple[str, Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]
-] = [
+COMMANDS: list[tuple[str, Callable[[_Subparsers], None]]] = [
     ("diagram", _register_diagram),
-    ("simulate", _register_simulate),
-    ("check", _register_check),
+    ("simulate", _register_from("kvlife.sim.command")),  # the main job (see kvlife.sim)
+    ("check", _register_from("kvlife.testing.command")),  # every interleaving (kvlife.testing)
 ]
 
 
