@@ -55,17 +55,12 @@ def _describe(ticket: Ticket | LoadTicket) -> str:
 class TorchAgreement:
     """Agreement over a ``torch.distributed`` group: one MIN all-reduce of 7 int64 per poll.
 
-    ``group``: any process group (default: the world). A group with a gloo
-    backend is used as it is; for any other (NCCL) a gloo group of the same
-    ranks is made next to it, as serving engines do. ``timeout``: seconds a
-    collective may wait for a peer before :class:`~kvlife.errors.GroupBroken`. ``host``:
-    the host page pool the manager allocates from; with it, :meth:`admit`
-    answers from an agreed budget (without it, ``admit`` always says yes and
-    the runtime must make host-pool exhaustion identical on every rank).
-
-    Every rank of the group constructs it at the same point (with ``host`` the
-    constructor runs one collective), and every rank polls the same number of
-    times.
+    ``group``: any process group (default: the world; one without gloo gets a
+    gloo group of the same ranks). ``timeout``: seconds a collective may wait for
+    a peer before :class:`~kvlife.errors.GroupBroken`. ``host``: the host page pool
+    the manager allocates from, for :meth:`admit`'s agreed budget (without it,
+    ``admit`` always says yes). Every rank constructs it at the same point (with
+    ``host`` the constructor runs one collective) and polls the same number of times.
     """
 
     def __init__(
@@ -125,8 +120,7 @@ class TorchAgreement:
         #: Seconds spent in the collective (sum).
         self.collective_s = 0.0
         if host is not None:
-            self._words[:] = [_NONE] * _WORDS
-            self._words[6] = host.num_free
+            self._words[:] = [_NONE] * (_WORDS - 1) + [host.num_free]
             self._all_reduce("construction")
             self._budget = int(self._words[6])
 
