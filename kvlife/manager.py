@@ -39,8 +39,6 @@ from kvlife.errors import (
 from kvlife.hashing import PageHasher, namespace_prior, sglang_page_hashes
 
 if TYPE_CHECKING:
-    import torch
-
     from kvlife.engine.base import CopyEngine
     from kvlife.pool import HostPagePool
     from kvlife.store.base import Store, StoreResult
@@ -479,18 +477,13 @@ class OffloadManager:
             self._record_callback_error(exc)
         except LifecycleError as exc:  # a duplicate ack from the engine: its pages are not ours
             self._refused[type(exc).__name__] += 1
-            return
-        except BaseException:
-            # The release callback raised KeyboardInterrupt or SystemExit: the ack
-            # is applied, so its pages are settled before the exception goes on.
+        finally:  # applied (even if the release callback raised KeyboardInterrupt): settle it
             if lc.inflight != inflight:
                 self._settle(req, ack)
-            raise
-        self._settle(req, ack)
 
     def _settle(self, req: OffloadRequest, ack: Ack) -> None:
         """An applied ack's pages: freed if the copy failed, else handed to the store."""
-        m = self._metrics
+        m, pages = self._metrics, ack.host_pages
         m.chunks_acked += 1
         latency = ack.completed_at - ack.submitted_at
         m.ack_latency_count += 1
@@ -498,15 +491,19 @@ class OffloadManager:
         m.ack_latency_max_s = max(m.ack_latency_max_s, latency)
         if not ack.ok:
             m.copy_failures += 1
-            self.host.free(ack.host_pages, owner=req)
+            self.host.free(pages, owner=req)
             return
-        m.pages_offloaded += len(ack.host_pages)  # on the host now, whatever the store does
-        try:
-            rows = self._host_rows(ack.host_pages)
-            self.store.put((req, ack.host_pages), ack.ticket.keys, rows)
+        m.pages_offloaded += len(pages)  # on the host now, whatever the store does
+        try:  # the host pages as one [n, page_numel] tensor: a view when consecutive
+            first = pages[0]
+            if len(pages) == 1 or all(p == first + i for i, p in enumerate(pages)):
+                rows = self.host.tensor[first : first + len(pages)]
+            else:
+                rows = self.host.tensor[list(pages)]
+            self.store.put((req, pages), ack.ticket.keys, rows)
         except BaseException as exc:  # refused or broken at once: never stored
             m.store_failures += 1
-            self.host.free(ack.host_pages, owner=req)
+            self.host.free(pages, owner=req)
             if not isinstance(exc, StoreError):
                 raise
             self._refused[type(exc).__name__] += 1
@@ -527,13 +524,6 @@ class OffloadManager:
                 self._metrics.pages_stored += len(result.keys)
             else:
                 self._metrics.store_failures += 1
-
-    def _host_rows(self, pages: Sequence[int]) -> torch.Tensor:
-        """The host pages as one [n, page_numel] tensor: a view when they are consecutive."""
-        first = pages[0]
-        if len(pages) == 1 or all(p == first + i for i, p in enumerate(pages)):
-            return self.host.tensor[first : first + len(pages)]
-        return self.host.tensor[list(pages)]
 
     def _on_release(self, lc: Lifecycle) -> None:
         req = lc.owner
