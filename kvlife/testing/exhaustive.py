@@ -1,10 +1,8 @@
 """Every interleaving of a small configuration, run on a real runtime and checked.
 
 A depth-first walk over a model of what may happen next (:func:`_moves`) runs each complete
-interleaving on a fresh adapter under the :class:`~kvlife.testing.Oracle`. A violation (or a
-completion of a chunk the runtime deferred) prunes every interleaving sharing its prefix;
-the report keeps the shortest trace of each broken rule. Guide: docs/testing-kit.md,
-"Every interleaving: kvlife check".
+interleaving on a fresh adapter under the :class:`~kvlife.testing.Oracle` (guide:
+docs/testing-kit.md, "Every interleaving: kvlife check").
 """
 
 from __future__ import annotations
@@ -16,6 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, partial
 from typing import Any
+
+import torch
 
 from kvlife._lifecycle import FinishReason
 from kvlife.errors import ConfigError
@@ -95,16 +95,16 @@ class CheckReport:
     """What one exhaustive check explored and found."""
 
     config: CheckConfig
-    #: Distinct interleavings run (complete ones, and violating prefixes, each once).
+    #: Runs: complete interleavings, and pruned prefixes, each once.
     interleavings: int = 0
-    #: Complete interleavings the configuration has (equal to ``interleavings`` when none fails).
+    #: Complete interleavings the configuration has (``interleavings`` if nothing pruned).
     total: int = 0
-    #: Interleavings (or prefixes) that broke a rule.
+    #: Runs that broke a rule.
     violating: int = 0
-    #: Interleavings (or prefixes) that completed a chunk the runtime had deferred (its host
-    #: pool was full); 0 with ``config.host_pages_needed`` host pages.
+    #: Runs that completed a chunk the runtime deferred (host pool full); see
+    #: ``config.host_pages_needed``.
     deferred: int = 0
-    #: The adapter's progress model the walk used.
+    #: The adapter's progress model.
     progress: Progress = "poll"
     #: The shortest trace of each broken rule, shortest first.
     violations: list[Violation] = field(default_factory=list)
@@ -191,12 +191,8 @@ def count_interleavings(cfg: CheckConfig, progress: Progress = "poll") -> int:
     return count(_initial(cfg))
 
 
-#: The rule :func:`_run` gives a completion of a chunk the runtime deferred.
+#: The rule :func:`_run` gives a completion of a chunk the runtime deferred (host pool full).
 _DEFERRED = "deferred"
-
-
-class _Deferred(Exception):
-    """The trace completes a chunk the runtime deferred (its host pool was full)."""
 
 
 def _run(
@@ -219,7 +215,7 @@ def _run(
                 oracle.check()  # registers the copies submitted so far
                 missing = event.chunk >= len(oracle.lives[event.life].copies)
                 if missing and (free is None or event.life in full):
-                    raise _Deferred(f"chunk {event.chunk} deferred")
+                    raise InvariantViolation(_DEFERRED, f"chunk {event.chunk} deferred")
             if isinstance(event, Step) and free is not None and free() == 0:
                 full.add(event.life)
             yield event
@@ -228,8 +224,6 @@ def _run(
 
     try:
         oracle.run(events())
-    except _Deferred as exc:
-        return index, _DEFERRED, str(exc)
     except Exception as exc:  # a broken rule, or the runtime raised (a double free, ...)
         rule = rule_of(exc)
         return index, rule, str(exc) if isinstance(exc, InvariantViolation) else f"{rule}: {exc}"
@@ -243,7 +237,7 @@ class _Explorer:
         self,
         cfg: CheckConfig,
         adapter_factory: Callable[[], RuntimeAdapter],
-        progress: Progress = "poll",
+        progress: Progress,
     ) -> None:
         self.cfg = cfg
         self.adapter_factory = adapter_factory
@@ -290,14 +284,6 @@ class _Explorer:
         old = self.shortest.get(violation.rule)
         if old is None or len(violation.trace) < len(old.trace):
             self.shortest[violation.rule] = violation
-
-    def merge(self, runs: int, violating: int, deferred: int, found: list[Violation]) -> None:
-        """Add one subtree's counts and violations (a worker's result)."""
-        self.interleavings += runs
-        self.violating += violating
-        self.deferred += deferred
-        for violation in found:
-            self.keep(violation)
 
 
 _NO_UNWIND = 1 << 30
@@ -354,8 +340,7 @@ def check_exhaustively(
     probe = factory()
     try:
         model = progress_of(probe)
-        if probe.page_size != cfg.page_size:
-            cfg = replace(cfg, page_size=probe.page_size)
+        cfg = replace(cfg, page_size=probe.page_size)
     finally:
         with contextlib.suppress(Exception):
             probe.close()
@@ -364,12 +349,17 @@ def check_exhaustively(
     t0 = time.perf_counter()
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
         _WORKER = explorer
-        try:
-            with multiprocessing.get_context("fork").Pool(jobs, _quiet_worker) as pool:
-                for found in pool.imap(_work, _frontier(cfg, jobs * 16, model)):
-                    explorer.merge(*found)
+        tasks = _frontier(cfg, jobs * 16, model)
+        try:  # one torch thread per worker: the workers are the parallelism
+            with multiprocessing.get_context("fork").Pool(jobs, torch.set_num_threads, (1,)) as p:
+                for runs, violating, deferred, found in p.imap(_work, tasks):
+                    explorer.interleavings += runs
+                    explorer.violating += violating
+                    explorer.deferred += deferred
+                    for violation in found:
+                        explorer.keep(violation)
                     if progress is not None:
-                        progress(found[0])
+                        progress(runs)
         finally:
             _WORKER = None
     else:
@@ -385,9 +375,3 @@ def check_exhaustively(
         violations=sorted(explorer.shortest.values(), key=lambda v: (len(v.trace), v.rule)),
         elapsed_s=time.perf_counter() - t0,
     )
-
-
-def _quiet_worker() -> None:
-    import torch
-
-    torch.set_num_threads(1)
