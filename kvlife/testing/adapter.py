@@ -44,7 +44,7 @@ class AdapterError(KVLifeError):
 
 @dataclass(frozen=True)
 class Release:
-    """One release the runtime performed: the request life, its device pages, copies in flight."""
+    """One release the runtime performed."""
 
     #: The handle :meth:`RuntimeAdapter.start` returned for the life.
     request: object
@@ -228,11 +228,9 @@ class ManagerAdapter:
         return self.host.num_free
 
     def _request(self, request: object) -> RuntimeRequest:
-        if not isinstance(request, RuntimeRequest) or self._requests.get(request.handle) is not (
-            request
-        ):
-            raise AdapterError(f"{request!r} was not started by this adapter")
-        return request
+        if isinstance(request, RuntimeRequest) and self._requests.get(request.handle) is request:
+            return request
+        raise AdapterError(f"{request!r} was not started by this adapter")
 
     def _copy(self, copy: object) -> ScriptedCopy:
         if not isinstance(copy, ScriptedCopy):
@@ -281,7 +279,7 @@ def page_bytes_of(key: str, nbytes: int) -> bytes:
 
 
 class DevicePages:
-    """The device-page accounting hook, for a runtime that frees its own pages (it has no
+    """The device-page accounting hook for a runtime that frees its own pages (it has no
     release callback): its device allocator (docs/testing-kit.md)."""
 
     def __init__(
@@ -294,25 +292,24 @@ class DevicePages:
         self._owner: dict[int, object] = {}
         self._in_flight = copies_in_flight
         self._poison = torch.full((layout.page_numel,), -1, dtype=layout.dtype)
-        #: Every free, in order, as a :class:`Release`.
+        #: Every free, in order.
         self.releases: list[Release] = []
 
     def alloc(self, n: int, owner: object) -> list[int]:
-        """``n`` pages for ``owner``; :class:`AdapterError` (nothing taken) if there are fewer."""
+        """``n`` pages for ``owner``, or :class:`AdapterError` (nothing taken)."""
         if n > len(self._free):
             raise AdapterError(f"no {n} free device pages for {owner!r}")
         pages = [self._free.pop() for _ in range(n)]
-        for page in pages:
-            self._owner[page] = owner
+        self._owner.update(dict.fromkeys(pages, owner))
         return pages
 
     def write(self, page: int, key: str) -> None:
-        """Write the bytes of the page whose key is ``key`` into device page ``page``."""
+        """Write the bytes of the page with ``key`` (:func:`page_bytes_of`) into ``page``."""
         data = bytearray(page_bytes_of(key, self.layout.page_nbytes))
         self.layout.write_page(page, torch.frombuffer(data, dtype=self.layout.dtype))
 
     def free(self, pages: Sequence[int], owner: object) -> None:
-        """Take ``owner``'s ``pages`` back (poisoned, reused first) and record its release."""
+        """Take back ``owner``'s ``pages`` and record one :class:`Release` of ``owner``."""
         for page in pages:
             if self._owner.get(page) is not owner:
                 raise AdapterError(f"device page {page} is not held by {owner!r}")
@@ -321,15 +318,14 @@ class DevicePages:
         self._reclaim(pages)
 
     def _reclaim(self, pages: Sequence[int]) -> None:
-        """Take ``pages`` back (poisoned, reused first) without recording a release."""
+        """Poison ``pages`` and put them back to be reused first (no release recorded)."""
         for page in reversed(pages):
             del self._owner[page]
             self.layout.write_page(page, self._poison)
             self._free.append(page)
 
     def reserve(self, n: int) -> list[int]:
-        """Take ``n`` pages out of the pool for good (a runtime's own staging buffer): never
-        handed to a life, not counted by :meth:`allocated`."""
+        """Take ``n`` pages for good (a staging buffer): no owner, not :meth:`allocated`."""
         if n > len(self._free):
             raise AdapterError(f"no {n} free device pages to reserve")
         return [self._free.pop() for _ in range(n)]
