@@ -68,19 +68,19 @@ class Complete:
 
 
 @dataclass(frozen=True)
-class Poll:
-    """One scheduler poll."""
-
+class _Bare:
     def __str__(self) -> str:
-        return "poll"
+        return type(self).__name__.lower()
 
 
 @dataclass(frozen=True)
-class Close:
-    """The end of a run: finish every running life, complete every copy, poll, close, check."""
+class Poll(_Bare):
+    """One scheduler poll."""
 
-    def __str__(self) -> str:
-        return "close"
+
+@dataclass(frozen=True)
+class Close(_Bare):
+    """The end of a run: finish every running life, complete every copy, poll, close, check."""
 
 
 #: One event of a run.
