@@ -18,11 +18,7 @@ from typing import cast
 from kvlife._lifecycle import FinishReason
 from kvlife.errors import ConfigError
 from kvlife.testing.adapter import RuntimeAdapter
-from kvlife.testing.exhaustive import (
-    CheckConfig,
-    CheckReport,
-    check_exhaustively,
-)
+from kvlife.testing.exhaustive import CheckConfig, CheckReport, check_exhaustively
 from kvlife.testing.options import KitOptions
 
 __all__ = ["load_factory", "register"]

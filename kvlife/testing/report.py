@@ -41,13 +41,8 @@ class KitFailure(InvariantViolation):
         self.seed = seed
         self.detail = message
         seeded = f", seed {seed}" if seed is not None else ""
-        text = (
-            f"{message}\nshortest failing run found ({len(self.trace)} events{seeded}):\n"
-            f"{format_trace(self.trace)}"
-        )
-        if how:
-            text += f"\n{how}"
-        super().__init__(rule, text)
+        head = f"{message}\nshortest failing run found ({len(self.trace)} events{seeded}):\n"
+        super().__init__(rule, head + format_trace(self.trace) + (f"\n{how}" if how else ""))
 
 
 def replay_trace(
