@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ class ScriptedCopy:
     host_pages: tuple[int, ...]
     #: Submission number in this engine: 0, 1, 2, ...
     number: int
-    submitted_at: float = field(default=0.0)
+    submitted_at: float = 0.0
 
     @property
     def lifecycle(self) -> Lifecycle:
@@ -72,17 +72,12 @@ class ScriptedEngine(PageCopyEngine):
         (nothing changes) if ``copy`` is not in flight."""
         if not any(c is copy for c in self._in_flight):
             raise EngineError(f"{copy!r} is not in flight in this engine")
-        error: BaseException | None = None
         load = type(copy.ticket) is LoadTicket
+        error = None if ok else CopyFault(f"scripted copy fault in {copy!r}")
         if ok:
             index = torch.tensor(copy.device_pages, dtype=torch.int64)
-            runs = host_runs(copy.host_pages)
-            if load:  # host -> device
-                self.layout.scatter_runs(index, self.host.tensor, runs)
-            else:
-                self.layout.gather_runs(index, self.host.tensor, runs)
-        else:
-            error = CopyFault(f"scripted copy fault in {copy!r}")
+            copy_runs = self.layout.scatter_runs if load else self.layout.gather_runs
+            copy_runs(index, self.host.tensor, host_runs(copy.host_pages))  # load: host -> device
         self._in_flight = [c for c in self._in_flight if c is not copy]
         self._unclaim(load, copy.device_pages, copy.host_pages)
         now = time.perf_counter()
