@@ -44,12 +44,8 @@ class KitOptions:
     @property
     def reasons(self) -> tuple[FinishReason, ...]:
         """The finish reasons the kit uses."""
-        out = [FinishReason.FINISHED]
-        if self.aborts:
-            out.append(FinishReason.ABORTED)
-        if self.retractions:
-            out.append(FinishReason.RETRACTED)
-        return tuple(out)
+        off = {FinishReason.ABORTED: not self.aborts, FinishReason.RETRACTED: not self.retractions}
+        return tuple(r for r in FinishReason if not off.get(r))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict, for JSON."""

@@ -7,7 +7,8 @@ common case. :func:`replay` runs an :func:`events` sequence: the stateless twin 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from itertools import chain
 
 from hypothesis import strategies as st
 
@@ -87,15 +88,8 @@ def replay(
     broken rule; the adapter is closed either way.
     """
     oracle = Oracle(adapter_factory())
-
-    def concrete() -> Iterator[KitEvent]:
-        for event in sequence:
-            resolved = _concrete(oracle, event, max_unreleased, max_tokens)
-            if resolved is not None:
-                yield resolved
-        yield Close()
-
-    oracle.run(concrete())
+    resolved = (_concrete(oracle, e, max_unreleased, max_tokens) for e in sequence)
+    oracle.run(chain(filter(None, resolved), [Close()]))  # each resolved just before it runs
     return oracle
 
 
