@@ -182,15 +182,9 @@ class TorchAgreement:
 
         words = self._words
         count, fp = self._count, self._fp
-        words[:] = [
-            done,
-            count,
-            -count,
-            fp,
-            -fp,
-            self._failed[0] if self._failed else _NONE,
-            self._host.num_free if self._host is not None else _NONE,
-        ]
+        first_failed = self._failed[0] if self._failed else _NONE
+        free_here = self._host.num_free if self._host is not None else _NONE
+        words[:] = [done, count, -count, fp, -fp, first_failed, free_here]  # docs/distributed.md
         self._all_reduce("poll")
         agreed_done, fewest, most, low, high, first_failure, free = words.tolist()
         if fewest != -most or low != -high:
