@@ -334,7 +334,8 @@ class OffloadManager:
             n_device = len(device_pages)
         except TypeError:
             raise self._invalid_step(req, "tokens and device_pages must be sequences") from None
-        self._check_thread()
+        if get_ident() != self._thread:  # inline: offload and poll run every step
+            self._check_thread()
         n = ready // self.stride * self.stride
         end = (start + n) // self.page_size
         if n_device < end:
@@ -415,7 +416,8 @@ class OffloadManager:
         reported, not raised; a store or pool error is) leaves the others for
         the next call, none lost.
         """
-        self._check_thread()
+        if get_ident() != self._thread:  # inline: offload and poll run every step
+            self._check_thread()
         acks = self.engine.poll()
         if self.agreement is not None:
             acks = self.agreement.agree(acks)
