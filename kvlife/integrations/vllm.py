@@ -681,7 +681,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def _collect(self, acks: Iterable[Ack]) -> None:
         """Ack each engine ack to its job's Lifecycle (never looked up by job id)."""
         for ack in acks:
-            job = self._by_life[ack.lifecycle]  # every ticket the engine holds is a job's
+            job = self._by_life.get(ack.lifecycle)
+            if job is None:  # every ticket the engine holds is a job's: never raise in vLLM
+                self._error_once("unknown_acks", repr(ack.ticket))
+                continue
             job.copy_done = ack.completed_at
             if ack.error is not None:  # made again directly; a failure only if that fails
                 self._error_once("copy_failures", repr(ack.error))

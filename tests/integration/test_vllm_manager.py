@@ -279,3 +279,32 @@ def test_the_worker_takes_keywords_newer_vllm_passes() -> None:
     assert all(torch.equal(v[5], s) for v, s in zip(views, stored, strict=True))
     assert worker.inflight == 0
     worker.shutdown()
+
+
+def test_an_ack_of_no_job_is_counted_and_logged_never_raised_into_vllm() -> None:
+    """An engine ack whose Lifecycle is no job's (it never should be) is counted and logged
+    once; the worker goes on and its next job still finishes."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from kvlife.engine.base import Ack
+    from kvlife.integrations.vllm import HostBlocksSpec, KVLifeWorker
+
+    views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(v, 16) for v in views],
+        group_data_refs=[[CanonicalKVCacheRef(i, 16) for i in range(2)]],
+    )
+    worker = KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
+    stranger = Lifecycle("not-a-job", page_size=1, hasher=lambda t, p, prior: ["ab"] * len(t))
+    worker._collect([Ack(stranger.submit([1]), (1,), (0,))])  # no engine makes this ack
+    worker._collect([Ack(stranger.submit([2]), (2,), (1,))])
+    assert worker.stats["unknown_acks"] == 2 and stranger.inflight == 2  # nothing moved
+    assert worker.submit_store(1, GPULoadStoreSpec([3], [1], [0]), HostBlocksSpec([0], [key(3)]))
+    worker.flush(timeout=10)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    worker.shutdown()
