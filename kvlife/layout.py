@@ -68,6 +68,13 @@ def _positive_ints(dtype: torch.dtype, **dims: int) -> None:
         raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
 
 
+def _per_layer(
+    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> list[torch.Tensor]:
+    """One zeroed buffer of ``shape`` per layer, one allocation each, as a runtime makes them."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
 class KVLayout:
     """A device KV pool cut into pages; copies whole pages to and from page-major rows.
 
@@ -398,11 +405,8 @@ class LayerFirstLayout(KVLayout):
             num_heads=num_heads, head_dim=head_dim,
         )  # fmt: skip
         shape = (num_pages * page_size, num_heads, head_dim)
-        k, v = (
-            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            for _ in "kv"
-        )
-        return cls(k, v, page_size)
+        k = _per_layer(num_layers, shape, dtype, device)
+        return cls(k, _per_layer(num_layers, shape, dtype, device), page_size)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """K and V buffers, layer by layer: ``(k0, v0, k1, v1, ...)``."""
@@ -483,9 +487,7 @@ class MLALayout(KVLayout):
             latent_dim=latent_dim,
         )  # fmt: skip
         shape = (num_pages * page_size, 1, latent_dim)
-        return cls(
-            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)], page_size
-        )
+        return cls(_per_layer(num_layers, shape, dtype, device), page_size)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The latent buffers, one per layer."""
