@@ -181,13 +181,16 @@ class CpuCopyEngine(PageCopyEngine):
         :class:`~kvlife.LoadTicket` host -> device. Refusals raise and change nothing.
         """
         load, dev, hst = self._checked(ticket, device_pages, host_pages)
-        injected = bool(self._fail_next)
-        fault = self._fail_next.popleft() if injected else None
-        if fault is None and (injected or (self.fail_rate and self._rng.random() < self.fail_rate)):
-            fault = CopyFault(
-                f"{'injected' if injected else 'random'} copy fault in "
-                f"{'load' if load else 'chunk'} {ticket.seq} of {ticket.lifecycle!r}"
-            )
+        fault: BaseException | None = None
+        origin = ""  # why a fault is made here: fail_next without an error of its own, or chance
+        if self._fail_next:
+            fault = self._fail_next.popleft()
+            origin = "injected"
+        elif self.fail_rate and self._rng.random() < self.fail_rate:
+            origin = "random"
+        if origin and fault is None:
+            what = "load" if load else "chunk"
+            fault = CopyFault(f"{origin} copy fault in {what} {ticket.seq} of {ticket.lifecycle!r}")
         delay = self.copy_delay
         if self.delay_jitter:
             delay += self._rng.uniform(0.0, self.delay_jitter)
