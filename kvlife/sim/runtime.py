@@ -268,11 +268,11 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         #: Whether stored pages may vanish without a fault of kvlife's (a cache tier).
         self._may_lose = cfg.store == "mooncake"
-        self._own_dir = not self._may_lose and not cfg.store_dir
+        self._own_dir = cfg.store == "directory" and not cfg.store_dir
         # The store tier: rank r's pages under the namespace sim/rank<r>.
         namespace = f"sim/rank{cfg.rank}"
         faults: dict[str, Any] = {"fail_rate": cfg.store_fail_rate, "seed": cfg.seed}
-        if self._may_lose:
+        if cfg.store == "mooncake":
             from kvlife.store.mooncake import MooncakeStore
 
             assert cfg.mooncake_master and cfg.mooncake_metadata  # SimConfig.check
