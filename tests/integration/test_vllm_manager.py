@@ -211,27 +211,36 @@ def test_the_prometheus_collector_reads_the_backend() -> None:
     assert seconds is not None and seconds >= 0.0
 
 
+def _worker(views: list[torch.Tensor]) -> Any:
+    """A KVLifeWorker over ``views`` (int8 ``[blocks, 16]``, one per layer) as vLLM's own
+    cache description, with a host pool of 4 pages of 32 bytes."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    from kvlife.integrations.vllm import KVLifeWorker
+
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(v, 16) for v in views],
+        group_data_refs=[[CanonicalKVCacheRef(i, 16) for i in range(len(views))]],
+    )
+    return KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
+
+
 def test_a_job_id_reused_while_in_flight_is_counted_and_both_jobs_finish() -> None:
     """Scenario: vLLM submits a job id that is still in flight (it never should).
 
     The worker counts and logs it, never raises into vLLM, and each job still
     ends in its own one result; the earlier job's release does not drop the later one.
     """
-    from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef,
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-        GPULoadStoreSpec,
-    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    from kvlife.integrations.vllm import HostBlocksSpec, KVLifeWorker
+    from kvlife.integrations.vllm import HostBlocksSpec
 
     views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
-    caches = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(v, 16) for v in views],
-        group_data_refs=[[CanonicalKVCacheRef(i, 16) for i in range(2)]],
-    )
-    worker = KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
+    worker = _worker(views)
     assert isinstance(worker.engine, CpuCopyEngine)
     gates = [worker.engine.hold_next(), worker.engine.hold_next()]  # both stay in flight
     for host_page, block in ((0, 1), (1, 2)):
@@ -253,21 +262,12 @@ def test_the_worker_takes_keywords_newer_vllm_passes() -> None:
     The worker accepts it (and any other new keyword) and the load still restores
     the stored bytes into the device block.
     """
-    from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef,
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-        GPULoadStoreSpec,
-    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    from kvlife.integrations.vllm import HostBlocksSpec, KVLifeWorker
+    from kvlife.integrations.vllm import HostBlocksSpec
 
     views = [torch.arange(8 * 16, dtype=torch.int8).reshape(8, 16) + i for i in range(2)]
-    caches = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(v, 16) for v in views],
-        group_data_refs=[[CanonicalKVCacheRef(i, 16) for i in range(2)]],
-    )
-    worker = KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
+    worker = _worker(views)
     stored = [v[3].clone() for v in views]
     host = HostBlocksSpec([0], [key(3)])
     assert worker.submit_store(1, GPULoadStoreSpec([3], [1], [0]), host, expedited=False)
@@ -284,22 +284,13 @@ def test_the_worker_takes_keywords_newer_vllm_passes() -> None:
 def test_an_ack_of_no_job_is_counted_and_logged_never_raised_into_vllm() -> None:
     """An engine ack whose Lifecycle is no job's (it never should be) is counted and logged
     once; the worker goes on and its next job still finishes."""
-    from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef,
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-        GPULoadStoreSpec,
-    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from kvlife.engine.base import Ack
-    from kvlife.integrations.vllm import HostBlocksSpec, KVLifeWorker
+    from kvlife.integrations.vllm import HostBlocksSpec
 
     views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
-    caches = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(v, 16) for v in views],
-        group_data_refs=[[CanonicalKVCacheRef(i, 16) for i in range(2)]],
-    )
-    worker = KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
+    worker = _worker(views)
     stranger = Lifecycle("not-a-job", page_size=1, hasher=lambda t, p, prior: ["ab"] * len(t))
     worker._collect([Ack(stranger.submit([1]), (1,), (0,))])  # no engine makes this ack
     worker._collect([Ack(stranger.submit([2]), (2,), (1,))])
