@@ -121,7 +121,6 @@ class LocalMooncake:
                 "--protocol=tcp",
             ],
         )
-        self._wait(self.pool_proc, "pool", timeout, [])
         deadline = time.monotonic() + timeout
         while not self._pool_mounted():  # the pool registers with the master shortly after
             if time.monotonic() > deadline or self.pool_proc.poll() is not None:
@@ -130,7 +129,7 @@ class LocalMooncake:
             time.sleep(0.05)
 
     def _pool_mounted(self) -> bool:
-        """Whether the metadata server lists a segment (the pool's) yet."""
+        """Whether the master's metrics show pool capacity (the pool's segment) yet."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
