@@ -138,21 +138,16 @@ PAGE_MAGIC = b"KVLP"
 #: Version of the page format; a page of another version is a miss.
 PAGE_VERSION = 1
 # magic, version, key length, payload length, XXH3-64 of the payload (little-endian, no
-# padding); the key's ASCII digits follow, then the payload. XXH3 rather than CRC32: zlib's
-# CRC32 ran at 3-6 GB/s here and was most of the Mooncake store's cost over the raw client;
-# XXH3-64 checks a 64 KiB page in about a microsecond.
+# padding); the key's ASCII digits follow, then the payload. Why XXH3 and not CRC32:
+# docs/store-tier.md, "Throughput".
 _HEADER = struct.Struct("<4sBBQQ")
 _checksum = xxhash.xxh3_64_intdigest
 _B = TypeVar("_B", bytes, memoryview)
 
 
 def frame_page(key: str, payload: bytes | memoryview) -> bytes:
-    """The header that precedes ``payload`` when it is stored under ``key``.
-
-    A stored page is ``frame_page(key, payload) + payload``: magic ``KVLP``,
-    version, key length, payload length and the payload's XXH3-64 checksum
-    (``xxhash.xxh3_64_intdigest``), then the key itself.
-    """
+    """The header that precedes ``payload`` when it is stored under ``key``: a stored page
+    is ``frame_page(key, payload) + payload`` (the fields: ``docs/store.md``)."""
     digits = key.encode("ascii")
     check = _checksum(payload)
     return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), check) + digits
@@ -176,12 +171,9 @@ def frame_into(out: memoryview, key: str, payload: bytes | memoryview) -> int:
 
 
 def unframe_page(key: str, stored: _B) -> _B | None:
-    """The payload of ``stored`` if it is a whole page of ``key``, else None.
-
-    Whole means: the magic and version match, the header names ``key``, the
-    bytes after the header are exactly the recorded length, and their checksum
-    matches. A memoryview is checked in place and its payload is a view of it.
-    """
+    """The payload of ``stored`` if it is a whole page of ``key`` (magic, version, key,
+    length and checksum match), else None. A memoryview is checked in place and its
+    payload is a view of it."""
     if len(stored) < _HEADER.size:
         return None
     magic, version, key_len, length, check = _HEADER.unpack_from(stored)
@@ -314,11 +306,8 @@ class QueuedStore(abc.ABC):
         self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
     ) -> Written:
         """Store every page (``pages[i]``: the raw bytes of ``keys[i]``) or none; raise
-        (after rolling back) on failure.
-
-        ``fault_at`` is the step at which to raise a StoreError whose message says
-        "injected", or None.
-        """
+        (after rolling back) on failure, and at step ``fault_at`` (if not None) raise a
+        StoreError whose message says "injected" (:func:`fault_steps`)."""
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
@@ -448,7 +437,6 @@ class QueuedStore(abc.ABC):
                 written = self._store_pages(job.keys, page_views(job.pages), job.fault_at)
             except BaseException as exc:  # reported on the result, never lost
                 error = exc
-            result = StoreResult(job.token, job.keys, error)
             with self._lock:
                 s = self._stats
                 if written is not None:
@@ -465,6 +453,6 @@ class QueuedStore(abc.ABC):
                         puts_failed=s.puts_failed + 1,
                         page_mismatches=s.page_mismatches + isinstance(error, PageMismatch),
                     )
-                self._done.append(result)
+                self._done.append(StoreResult(job.token, job.keys, error))
                 self._unfinished -= 1
                 self._done_cv.notify_all()
