@@ -1,17 +1,13 @@
 """LocalDirectoryStore: one file per page under a root directory, the embedded default.
 
-Theory of operation (the rules, tables and tests are in ``docs/store.md``): page
-``key`` of a namespace is the file ``<root>/<namespace>/@pages/<key[:2]>/<key>.page``
-holding the page as ``frame_page`` frames it. The writer thread writes each page of
-a put to a temporary file in the page's directory (``.<key>.<pid>.<random>.tmp``)
-and, once every page is complete, names each with ``os.link``, which refuses a
-name that exists: readers in any process only ever see complete files, and the
-first whole page of a key wins (same bytes: deduplicated; other bytes:
-``PageMismatch``; a page failing verification is moved aside and the link tried
-again). A failed put removes its temporary files and every page it linked. A
-writer killed mid-put leaves temporary files, which opening a store removes once
-their process is gone (``clean_temps``). With ``fsync=True`` each file is flushed
-to disk before it is linked, and the directories after.
+Theory of operation (the rules and tables are in ``docs/store.md``): page ``key``
+is the file ``<root>/<namespace>/@pages/<key[:2]>/<key>.page``, framed by
+``frame_page``. The writer writes each page of a put to a temporary file beside it
+(``.<key>.<pid>.<random>.tmp``) and, once all are complete, names each with
+``os.link``, which refuses a taken name: readers in any process see only complete
+files, and the first whole page of a key wins. A failed put removes its temporary
+files and every page it linked; temporary files of dead writers are removed when a
+store opens (``clean_temps``).
 """
 
 from __future__ import annotations
@@ -199,10 +195,9 @@ class LocalDirectoryStore(QueuedStore):
         created: list[Path] = []
         step = fault_steps(fault_at, n)
         try:
-            for i, key in enumerate(keys):
+            for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
                 step(i, f"before writing page {i}")
                 final = self.path(key)
-                page = pages[i]
                 if check_held(key, self._read(final, key), page):
                     continue
                 final.parent.mkdir(exist_ok=True)
