@@ -4,20 +4,14 @@ Install the extra: ``pip install 'kvlife[mooncake]'``. The guarantees, and how
 they differ from the directory store's, are in ``docs/store-tier.md``.
 
 Theory of operation: page ``k`` of namespace ``ns`` is the object
-``kvlife/<ns>/<k>``, framed by ``frame_page`` and verified on every read. This
-store's client contributes no memory, so pages live in the pool processes;
-transfers go through two buffers it registers (puts staged in one, reads landing
-in the other). Mooncake keeps the first value of a key and its ``get`` answers
-``b''`` for a miss and a failure alike, so reads use ``batch_get_into`` (-704,
-not found or evicted, is a miss; other codes raise), and a put first asks which
-keys exist and reads them: same bytes are deduplicated, other bytes fail it with
-``PageMismatch``, a page failing verification is removed (``force``, past the
-read lease) and written again. A failed put removes the pages it created. A code
-meaning the master or pool is unreachable raises ``StoreUnavailable`` and opens
-a breaker: for ``retry_after`` seconds puts fail at once without calling the
-cluster. ``keys()`` yields only the keys this store object put or found stored.
-This module sets ``MC_STORE_CLIENT_SETUP_RETRIES`` (unless set) so that a
-missing master fails the constructor in seconds, not Mooncake's 90.
+``kvlife/<ns>/<k>``, framed by ``frame_page`` and verified on every read; it lives
+in the pool processes, moved through two buffers this client registers (puts
+staged in one, reads landing in the other). Reads use ``batch_get_into``, since
+``get`` answers ``b''`` for a miss and a failure alike. Mooncake keeps a key's
+first value, so a put first reads the keys that exist (same bytes: deduplicated;
+other bytes: ``PageMismatch``; a page failing verification: removed and written
+again). A failed put removes the pages it created. ``StoreUnavailable`` opens a
+breaker: for ``retry_after`` seconds puts fail without calling the cluster.
 """
 
 from __future__ import annotations
@@ -84,6 +78,7 @@ ENV_LOCAL_HOSTNAME = "MOONCAKE_LOCAL_HOSTNAME"
 
 
 def _error(call: str, code: int, what: str, *, unavailable: bool = False) -> StoreError:
+    code = int(code)
     kind = StoreUnavailable if unavailable or code in UNAVAILABLE_CODES else StoreError
     name = _CODE_NAMES.get(code, code)
     return kind(f"mooncake {call} failed for {what}: {name} ({code})", code=code, call=call)
@@ -119,7 +114,7 @@ class _Buffer:
         code = self._client.register_buffer(ptr, size)
         if code != 0:  # the metadata server (the master's) cannot take the registration
             what = f"the {self._what} buffer ({size} bytes)"
-            raise _error("register_buffer", int(code), what, unavailable=True)
+            raise _error("register_buffer", code, what, unavailable=True)
         self.release()
         self.array, self.ptr = array, ptr
 
@@ -166,6 +161,7 @@ class MooncakeStore(QueuedStore):
                 f"{retry_after!r}, {max_batch_bytes!r}, {local_buffer_size!r}"
             )
         client_class = load_client_class()
+        # A missing master then fails the constructor in seconds, not Mooncake's 90.
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(setup_retries))
         hostname = local_hostname or os.environ.get("MC_TCP_BIND_ADDRESS") or "127.0.0.1"
         client = client_class()
@@ -299,14 +295,14 @@ class MooncakeStore(QueuedStore):
                 data = self._read_one(names[i], call)
                 use(i, None if data is None else memoryview(data))
             else:
-                raise _error(f"batch_get_into ({call})", int(code), names[i])
+                raise _error(f"batch_get_into ({call})", code, names[i])
 
     def _read_one(self, name: str, call: str) -> bytes | None:
         size = self._client.get_size(name)
         if size == OBJECT_NOT_FOUND:
             return None
         if size < 0:
-            raise _error(f"get_size ({call})", int(size), name)
+            raise _error(f"get_size ({call})", size, name)
         self._slot = max(self._slot, size)
         one = _Buffer(self._client, "large read")
         try:
@@ -315,7 +311,7 @@ class MooncakeStore(QueuedStore):
             if code == OBJECT_NOT_FOUND:
                 return None
             if code < 0:
-                raise _error(f"get_into ({call})", int(code), name)
+                raise _error(f"get_into ({call})", code, name)
             return one.array[:code].tobytes()
         finally:
             one.release()
@@ -351,7 +347,7 @@ class MooncakeStore(QueuedStore):
         found = self._client.batch_is_exist(names)
         for name, code in zip(names, found, strict=True):
             if code < 0:
-                raise _error("batch_is_exist", int(code), name)
+                raise _error("batch_is_exist", code, name)
         to_write = [i for i, code in enumerate(found) if code == 0]
         existing = [i for i, code in enumerate(found) if code == 1]
         if existing:
@@ -438,7 +434,7 @@ class MooncakeStore(QueuedStore):
                 elif code == NO_AVAILABLE_HANDLE and time.monotonic() < deadline:
                     retry.append(j)
                 else:
-                    raise _error("batch_put_from", int(code), name)
+                    raise _error("batch_put_from", code, name)
             if not retry:
                 return
             time.sleep(pause)
