@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from typing import Any
 
 from kvlife.sim.runtime import DTYPES, LAYOUTS, STORES, SimConfig, SimReport, run_simulation
@@ -51,7 +52,6 @@ def _rate(text: str) -> float:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``simulate`` to the ``kvlife`` command."""
-    d = SimConfig()
     p = subparsers.add_parser(
         "simulate",
         help="run a simulated decode runtime on the CPU and verify every stored page",
@@ -62,28 +62,27 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "violated invariant."
         ),
     )
-    p.add_argument("--requests", type=int, default=d.requests, help="requests to finish")
-    p.add_argument(
-        "--concurrency", type=int, default=d.concurrency, help="requests decoding at once"
-    )
-    p.add_argument("--rid-pool", type=int, default=d.rid_pool, help="distinct rids (small: reuse)")
-    p.add_argument("--prompt-pool", type=int, default=d.prompt_pool, help="distinct prompts")
-    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
+    # Before the flags: one named after a SimConfig field defaults to the field's default.
+    p.set_defaults(handler=_simulate, **asdict(SimConfig()))
+    p.add_argument("--requests", type=int, help="requests to finish")
+    p.add_argument("--concurrency", type=int, help="requests decoding at once")
+    p.add_argument("--rid-pool", type=int, help="distinct rids (small: reuse)")
+    p.add_argument("--prompt-pool", type=int, help="distinct prompts")
+    p.add_argument("--page-size", type=int, help="tokens per page")
     p.add_argument("--stride", type=int, help="offload stride in tokens (default: a page)")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--heads", type=int, default=d.heads, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--layout", choices=LAYOUTS, default=d.layout, help="device KV pool layout")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
-    p.add_argument("--host-pages", type=int, default=d.host_pages, help="host pool size in pages")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int, help="KV heads")
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--layout", choices=LAYOUTS, help="device KV pool layout")
+    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--host-pages", type=int, help="host pool size in pages")
+    p.add_argument("--seed", type=int)
     p.add_argument(
         "--store",
         choices=STORES,
-        default=d.store,
         help="the store tier: a directory, or a Mooncake cluster (--mooncake-master, ...)",
     )
-    p.add_argument("--store-dir", default=None, help="store directory (default: a temporary one)")
+    p.add_argument("--store-dir", help="store directory (default: a temporary one)")
     p.add_argument(
         "--mooncake-master",
         default=os.environ.get(ENV_MASTER),
@@ -96,13 +95,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="URL",
         help=f"the Mooncake metadata server, http://HOST:PORT/metadata (default: ${ENV_METADATA})",
     )
-    p.add_argument("--copy-delay", type=float, default=d.copy_delay, help="seconds, +- jitter")
-    p.add_argument("--copy-fail-rate", type=_rate, default=d.copy_fail_rate)
-    p.add_argument("--store-fail-rate", type=_rate, default=d.store_fail_rate)
-    p.add_argument("--abort-rate", type=_rate, default=d.abort_rate, help="per request")
-    p.add_argument("--retract-rate", type=_rate, default=d.retract_rate, help="per request")
-    p.add_argument("--prompt-len", type=_pair, default=d.prompt_len, metavar="LOW,HIGH")
-    p.add_argument("--output-len", type=_pair, default=d.output_len, metavar="LOW,HIGH")
+    p.add_argument("--copy-delay", type=float, help="seconds, +- jitter")
+    p.add_argument("--copy-fail-rate", type=_rate)
+    p.add_argument("--store-fail-rate", type=_rate)
+    p.add_argument("--abort-rate", type=_rate, help="per request")
+    p.add_argument("--retract-rate", type=_rate, help="per request")
+    p.add_argument("--prompt-len", type=_pair, metavar="LOW,HIGH")
+    p.add_argument("--output-len", type=_pair, metavar="LOW,HIGH")
     p.add_argument(
         "--world-size",
         type=_world_size,
@@ -118,17 +117,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--rank-copy-delays",
         type=_delays,
-        default=None,
         metavar="D0,D1,...",
         help="a copy delay per rank in seconds (e.g. one slow rank); default: --copy-delay",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    p.set_defaults(handler=_simulate)
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    fields = SimConfig.__dataclass_fields__
-    cfg = SimConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    cfg = SimConfig(**{name: getattr(args, name) for name in SimConfig.__dataclass_fields__})
     if args.world_size > 1 or args.rank_copy_delays is not None:  # N processes
         from kvlife.sim.distributed import run_distributed
 
