@@ -120,8 +120,8 @@ class SimConfig:
         Nothing is allocated, created or started: the memory ``processes`` runs
         need is computed, and refused if it exceeds this machine's.
         """
-        positive = ("concurrency", "rid_pool", "prompt_pool", "page_size", "layers", "heads")
-        for name in (*positive, "head_dim", "host_pages"):
+        positive = "concurrency rid_pool prompt_pool page_size layers heads head_dim host_pages"
+        for name in positive.split():
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.requests < 0 or self.rank < 0:
@@ -408,6 +408,7 @@ class Simulation:
 
     def _step(self) -> None:
         cfg = self.cfg
+        per_step = 1.0 / cfg.output_len[1]  # abort and retract rates are per request
         still: list[_Request] = []
         for req in self.active:
             req.tokens.append(next_token(req.prompt_id, len(req.tokens)))
@@ -422,7 +423,6 @@ class Simulation:
             except KVLifeError as exc:  # kvlife's manager never gets here on a sound runtime
                 self._violation(f"rid {req.rid}: offload refused: {exc}")
             roll = self.rng.random()
-            per_step = 1.0 / max(1, cfg.output_len[1])
             if len(req.tokens) >= req.target:
                 self._end(req, FinishReason.FINISHED)
             elif roll < cfg.abort_rate * per_step:
@@ -453,7 +453,7 @@ class Simulation:
         inflight = getattr(handle, "inflight", 0)
         if inflight:
             self._violation(f"rid {req.rid} life {life}: released with {inflight} in flight")
-        self.unreleased.discard(life)
+        self.unreleased.remove(life)
         self.report.lifecycles_released += 1
         for page in device_pages:
             self.layout.write_page(page, self.poison)  # a late reader sees poison
