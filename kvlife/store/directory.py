@@ -288,11 +288,10 @@ def _make_directories(directory: Path) -> None:
         for path in reversed(missing):
             try:
                 os.mkdir(path)
-            except FileExistsError:
+                created.append(path)
+            except FileExistsError:  # another process made it meanwhile: not ours to remove
                 if not path.is_dir():
                     raise
-                continue
-            created.append(path)
     except OSError as exc:
         for path in reversed(created):
             with contextlib.suppress(OSError):
