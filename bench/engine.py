@@ -98,7 +98,7 @@ def main() -> None:
         (ack,) = engine.drain()
         elapsed = time.perf_counter() - start
         assert ack.ok
-        ticket.lifecycle.ack(ticket)
+        ticket[0].ack(ticket)
         host.free(host_pages, ticket)
         return elapsed
 

@@ -38,7 +38,7 @@ def main() -> None:
     new_ticket = new.submit(tokens(100, 1))
     show("new", new)
     new_before = new.snapshot()
-    old_ticket.lifecycle.ack(old_ticket)  # the ack carries its Lifecycle: old is released
+    old_ticket[0].ack(old_ticket)  # a ticket carries its Lifecycle first: old is released
     show("old", old)
     show("new", new)
     if new.snapshot() != new_before:
@@ -50,7 +50,7 @@ def main() -> None:
     show("new", new)
     if new.snapshot() != new_before:
         raise SystemExit("a refused ack changed the new life")
-    new_ticket.lifecycle.ack(new_ticket)
+    new_ticket[0].ack(new_ticket)
     new.finish()  # nothing in flight: releases at once
 
     print("2. out-of-order acks: last_hash moves over the acked prefix only")
@@ -61,7 +61,7 @@ def main() -> None:
     show("after ack of chunk 1", life)  # last_hash still None: chunk 0 is in flight
     life.ack(first)
     show("after ack of chunk 0", life)  # now the tail of chunk 1
-    if life.last_hash != second.keys[-1]:
+    if life.last_hash != second[2][-1]:  # the chunk's keys
         raise SystemExit("last_hash should be the key of the last page of chunk 1")
 
     print("3. bad input is refused before anything changes")

@@ -89,8 +89,9 @@ while running:
             gate = engine.hold_next()  # keep req-1's last copy in flight for a while
         ticket = manager.offload(req.life, req.tokens, req.pages)  # the chunk due, if any
         if ticket is not None:
-            first = req.life.prefill_len // PAGE + ticket.first_page
-            for i, key in enumerate(ticket.keys):
+            _, _, keys, first_page = ticket  # a Ticket is (lifecycle, seq, keys, first_page)
+            first = req.life.prefill_len // PAGE + first_page
+            for i, key in enumerate(keys):
                 expected[key] = layout.read_page(req.pages[first + i]).clone()
         if done:
             manager.finish(req.life)  # release now, or at the last ack

@@ -177,8 +177,9 @@ class Scheduler:
     def remember(self, req: Req, ticket: Ticket) -> None:
         """Record the device bytes of a submitted chunk, to check the store at the end."""
         assert req.life is not None
-        first = req.life.prefill_len // PAGE + ticket.first_page
-        for i, key in enumerate(ticket.keys):
+        _, _, keys, first_page = ticket  # a Ticket is (lifecycle, seq, keys, first_page)
+        first = req.life.prefill_len // PAGE + first_page
+        for i, key in enumerate(keys):
             self.expected[key] = self.layout.read_page(req.pages[first + i]).clone()
 
 

@@ -21,7 +21,7 @@ Two rules govern this file:
    script) or what the runtime does with a released request. It imports no
    torch.
 
-Identity, not rid: an ack carries its :class:`Ticket`, and the ticket carries
+Identity, not rid: an ack carries its :data:`Ticket`, and the ticket carries
 the Lifecycle it belongs to. A Lifecycle compares and hashes by identity, so a
 new request that reuses a rid gets a new Lifecycle that no late ack of the old
 one can reach. Nothing here is looked up by rid; the rid is a label for logs.
@@ -254,22 +254,14 @@ _ON_FINISH = _flat(_rows_of(_NEXT, _FINISH))
 _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
 
 
-class Ticket(NamedTuple):
-    """One submitted chunk. The engine carries it to the ack; it names its own Lifecycle."""
-
-    #: The Lifecycle that submitted the chunk (never looked up by rid).
-    lifecycle: Lifecycle
-    #: Sequence number inside that Lifecycle: 0, 1, 2, ... in page order.
-    seq: int
-    #: Index of the chunk's first page among the pages this Lifecycle submitted.
-    first_page: int
-    #: Storage key of each page of the chunk, in page order.
-    keys: tuple[str, ...]
-
-    @property
-    def n_pages(self) -> int:
-        """Number of pages in the chunk."""
-        return len(self.keys)
+#: One submitted chunk, as a plain tuple ``(lifecycle, seq, keys, first_page)``; unpack it.
+#: ``lifecycle`` submitted the chunk (the ack reaches it, never a rid); ``seq`` is the
+#: chunk's number inside it (0, 1, 2, ... in page order); ``keys`` holds the storage key
+#: of each page, in page order; ``first_page`` is the index of the chunk's first page
+#: among the pages that Lifecycle submitted. The engine carries it to the ack. Not a
+#: NamedTuple: a plain tuple comes from CPython's free list, and a ticket is made on
+#: every submit (docs/benchmarks.md prices the difference).
+Ticket = tuple["Lifecycle", int, tuple[str, ...], int]
 
 
 def _check_tokens(
@@ -284,7 +276,9 @@ def _check_tokens(
 
 class LoadTicket(NamedTuple):
     """One load (host pages copied back into device pages); acked like a chunk, to its own
-    Lifecycle. Loads have their own sequence numbers and never move ``last_hash``."""
+    Lifecycle. Loads have their own sequence numbers and never move ``last_hash``. Its first
+    three fields line up with a chunk :data:`Ticket`'s; ``type(t) is LoadTicket`` tells the two
+    apart."""
 
     #: The Lifecycle that started the load.
     lifecycle: Lifecycle
@@ -299,7 +293,7 @@ class LoadTicket(NamedTuple):
         return len(self.keys)
 
 
-# Ticket(...) runs a generated Python __new__; the hot path builds the tuple directly.
+# LoadTicket(...) runs a generated Python __new__; load() builds the tuple directly.
 _new_ticket = tuple.__new__
 
 
@@ -459,7 +453,7 @@ class Lifecycle:
             self.tokens_submitted,
             self._last_hash,
             self._tail,
-            tuple(t.seq for t in self.chunks_in_flight()),
+            tuple(t[1] for t in self.chunks_in_flight()),
             self.next_seq,
             self._finish_reason,
             tuple(sorted(self._loads or ())),
@@ -500,7 +494,7 @@ class Lifecycle:
             )
         seq = self._next_seq
         first_page = self._pages_submitted
-        ticket = _new_ticket(Ticket, (self, seq, first_page, keys))
+        ticket = (self, seq, keys, first_page)
         self._chunks.append(ticket)
         self._next_seq = seq + 1
         self._pages_submitted = first_page + pages
@@ -530,7 +524,7 @@ class Lifecycle:
             raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
         # The acked prefix grows over this chunk and any acked early after it.
         del chunks[0]
-        last = ticket[3][-1]
+        last = ticket[2][-1]
         while chunks:
             head: Ticket | _Settled = chunks[0]
             if type(head) is not _Settled:
@@ -551,7 +545,7 @@ class Lifecycle:
             return self._ack_load(ticket)
         chunks = self._chunks
         try:
-            owner, seq, _, keys = ticket  # type: ignore[misc]  # a LoadTicket went above
+            owner, seq, keys, _ = ticket  # type: ignore[misc]  # a LoadTicket went above
             index = seq - self._next_seq + len(chunks)
             chunk = chunks[index] if 0 <= index < len(chunks) else None
             # Not the chunk in flight: None, an acked chunk's key, or a forgery.

@@ -46,10 +46,9 @@ def chunk_fingerprint(fp: int, n_pages: int, last_key: str) -> int:
 
 
 def _describe(ticket: Ticket | LoadTicket) -> str:
-    key = ticket.keys[-1] if ticket.keys else ""
-    return (
-        f"rid={ticket.lifecycle.rid!r} seq={ticket.seq} pages={ticket.n_pages} last key {key[:16]}"
-    )
+    lifecycle, seq, keys = ticket[:3]
+    key = keys[-1] if keys else ""
+    return f"rid={lifecycle.rid!r} seq={seq} pages={len(keys)} last key {key[:16]}"
 
 
 class TorchAgreement:
@@ -134,14 +133,15 @@ class TorchAgreement:
     def submitted(self, ticket: Ticket) -> None:
         """Record one submission: its index, and the running fingerprint."""
         self._check_usable()
-        if not isinstance(ticket, Ticket):
+        if type(ticket) is not tuple or len(ticket) != 4:
             raise AgreementError(f"expected a Ticket, got {type(ticket).__name__}")
-        key = (ticket.lifecycle, ticket.seq)
+        lifecycle, seq, keys, _ = ticket
+        key = (lifecycle, seq)
         if key in self._index:
             raise AgreementError(f"chunk {_describe(ticket)} was already submitted")
         self._index[key] = self._count
         self._count += 1
-        self._fp = chunk_fingerprint(self._fp, ticket.n_pages, ticket.keys[-1])
+        self._fp = chunk_fingerprint(self._fp, len(keys), keys[-1])
         self._history.append((self._fp, ticket))
 
     def admit(self, n_pages: int) -> bool:
@@ -166,7 +166,7 @@ class TorchAgreement:
                 raise AgreementError(f"expected an Ack, got {type(ack).__name__}")
         index, store = self._index, self._acks
         for ack in acks:
-            i = index.get((ack.ticket.lifecycle, ack.ticket.seq))
+            i = index.get(ack.ticket[:2])
             if i is None:
                 self._strays.append(ack)
             elif i in store:
@@ -207,7 +207,7 @@ class TorchAgreement:
                     ),
                 )
                 self.peer_failures += 1
-            del index[(ack.ticket.lifecycle, ack.ticket.seq)]
+            del index[ack.ticket[:2]]
             out.append(ack)
             extra = self._dups.pop(i, None)
             if extra:

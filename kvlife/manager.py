@@ -372,7 +372,7 @@ class OffloadManager:
         except BaseException as exc:
             # check() passed, so this is the engine failing, not a refusal: the
             # Lifecycle already holds the chunk, so settle it as a failed copy.
-            fault = CopyFault(f"the engine failed to take chunk {ticket.seq}: {exc!r}")
+            fault = CopyFault(f"the engine failed to take chunk {ticket[1]}: {exc!r}")
             self._apply_ack(Ack(ticket, tuple(chunk_pages), tuple(host_pages), fault))
             raise
         if agreement is not None:
@@ -464,7 +464,7 @@ class OffloadManager:
 
     def _apply_ack(self, ack: Ack) -> None:
         ticket = ack.ticket
-        lc = ticket.lifecycle
+        lc = ticket[0]
         req = getattr(lc, "owner", None)
         if not isinstance(req, OffloadRequest):  # forged: no manager's to touch
             self._refused[ManagerError.__name__] += 1
@@ -502,7 +502,7 @@ class OffloadManager:
                 rows = self.host.tensor[first : first + len(pages)]
             else:
                 rows = self.host.tensor[list(pages)]
-            self.store.put((req, pages), ack.ticket.keys, rows)
+            self.store.put((req, pages), ack.ticket[2], rows)
         except BaseException as exc:  # refused or broken at once: never stored
             m.store_failures += 1
             self.host.free(pages, owner=req)

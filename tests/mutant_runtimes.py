@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvlife import FinishReason, Lifecycle, State, Ticket
+from kvlife import FinishReason, Lifecycle, State
 from kvlife.engine.base import Ack
 from kvlife.engine.cpu import CpuCopyEngine
 from kvlife.hashing import page_hashes
@@ -123,9 +123,9 @@ class AckOrderChain(OffloadManager):
     ) -> Any:
         ticket = super().offload(lc, tokens, device_pages)
         if ticket is not None:
-            first = lc.prefill_len + ticket.first_page * self.page_size
-            end = first + self.page_size * ticket.n_pages
-            self.chunk_tokens[ticket.keys] = list(tokens[first:end])
+            first = lc.prefill_len + ticket[3] * self.page_size
+            end = first + self.page_size * len(ticket[2])
+            self.chunk_tokens[ticket[2]] = list(tokens[first:end])
         return ticket
 
 
@@ -142,8 +142,8 @@ class NewestByRid(OffloadManager):
         return lc
 
     def _apply_ack(self, ack: Ack) -> None:
-        newest = self._newest[ack.ticket.lifecycle.rid]._lifecycle
-        if newest is not ack.ticket.lifecycle and newest.chunks_in_flight():
+        newest = self._newest[ack.lifecycle.rid]._lifecycle
+        if newest is not ack.lifecycle and newest.chunks_in_flight():
             ack = replace(ack, ticket=newest.chunks_in_flight()[0])  # the bug
         super()._apply_ack(ack)
 
@@ -271,7 +271,7 @@ class DecodeOffloadManager:
     ) -> None:
         ack_id = self.next_ack
         self.next_ack += 1
-        ticket = Ticket(_CARRIER, ack_id, first, tuple(keys))
+        ticket = (_CARRIER, ack_id, tuple(keys), first)
         self.engine.submit(ticket, self.source_pages(life, first, n), host)
         self.ongoing[ack_id] = OngoingCopy(ack_id, life, host, keys, flush)
         life.inflight += 1
@@ -298,7 +298,7 @@ class DecodeOffloadManager:
             self.host.free(list(result.token), owner=self)
 
     def on_ack(self, ack: Any) -> None:
-        copy = self.ongoing.pop(ack.ticket.seq)
+        copy = self.ongoing.pop(ack.seq)
         life = self.life_of(copy)
         rows = self.host.tensor[list(copy.host)]
         self.store.put(tuple(copy.host), copy.keys, rows)  # no per-copy failure path
@@ -476,7 +476,7 @@ class LostFlushAck(DecodeOffloadManager):
 
     def check_offload_progress(self) -> None:
         for ack in self.engine.drain():
-            if self.ongoing[ack.ticket.seq].flush:
+            if self.ongoing[ack.seq].flush:
                 continue  # the bug: dropped, yet still counted as outstanding
             self.on_ack(ack)
         while any(c.flush for c in self.ongoing.values()):

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvlife import FinishReason, Lifecycle, Ticket
+from kvlife import FinishReason, Lifecycle
 from kvlife.hashing import PageHasher, sglang_page_hashes
 
 #: A submitted chunk as the book hands it to a copy: (rid, its page keys).
@@ -143,7 +143,7 @@ class RidKeyedManager:
         self.next_job += 1
         rid_keys = book.submit(rid, tokens[start : start + n])
         self.jobs[job] = (rid_keys, tuple(host_pages))
-        ticket = Ticket(_NO_LIFECYCLE, job, first, rid_keys[1])
+        ticket = (_NO_LIFECYCLE, job, rid_keys[1], first)
         self.engine.submit(ticket, device_pages[first:end], host_pages)
         return job
 
@@ -164,7 +164,7 @@ class RidKeyedManager:
             self.host.free(result.token, owner=self)
 
     def _apply(self, ack: Any) -> None:
-        rid_keys, host_pages = self.jobs.pop(ack.ticket.seq)
+        rid_keys, host_pages = self.jobs.pop(ack.seq)
         if ack.ok:
             first = host_pages[0]
             if len(host_pages) == 1 or all(p == first + i for i, p in enumerate(host_pages)):

@@ -103,7 +103,7 @@ class RecordingAgreement(TorchAgreement):
 
 def name(ticket: Ticket) -> str:
     """A chunk's name that every rank gives it alike: rid/seq."""
-    return f"{ticket.lifecycle.rid}/{ticket.seq}"
+    return f"{ticket[0].rid}/{ticket[1]}"
 
 
 @dataclass

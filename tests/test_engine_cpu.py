@@ -214,7 +214,7 @@ def test_injected_error_is_the_given_one(engines: Callable[..., CpuCopyEngine]) 
         t = chunk(lc, 1)
         pages = host.alloc(1, t)
         assert pages is not None
-        engine.submit(t, [t.seq], pages)
+        engine.submit(t, [t[1]], pages)
     errors = [a.error for a in engine.drain()]
     assert errors[0] is boom and errors[1] is boom and errors[2] is None
 
@@ -266,7 +266,7 @@ def test_acks_move_only_their_own_lifecycle_even_out_of_order(
     (ack,) = engine.drain()
     assert ack.ticket is t0 and ack.lifecycle is new
     new.ack(ack.ticket)
-    assert new.last_hash == t1.keys[-1] and new.state is State.IDLE
+    assert new.last_hash == t1[2][-1] and new.state is State.IDLE
 
 
 def test_poll_never_blocks_and_returns_each_ack_once(
@@ -302,7 +302,7 @@ def test_drain_timeout_keeps_everything_for_later(engines: Callable[..., CpuCopy
     for t in (t0, t1):
         pages = host.alloc(1, t)
         assert pages is not None
-        done = engine.submit(t, [t.seq], pages)
+        done = engine.submit(t, [t[1]], pages)
     done.synchronize()  # chunk 1 is complete, chunk 0 is held
     with pytest.raises(DrainTimeout):
         engine.drain(timeout=0.01)
@@ -321,6 +321,7 @@ def test_ack_is_frozen_and_says_what_it_is(engines: Callable[..., CpuCopyEngine]
     engine.submit(t, [4], pages)
     (ack,) = engine.drain()
     assert (ack.lifecycle, ack.seq, ack.ok, ack.device_pages) == (lc, 0, True, (4,))
+    assert ack.keys == t[2] and not ack.is_load
     with pytest.raises(dataclasses.FrozenInstanceError):
         ack.error = None  # type: ignore[misc]
 
@@ -370,6 +371,8 @@ def test_every_refusal_leaves_engine_and_pool_unchanged(
         (ticket, [2, 3], [2, 4], UNALLOCATED),
         (ticket, [2, 3], [1, 2], HOST_BUSY),
         ("not a ticket", [2, 3], mine, NOT_A_TICKET),
+        (ticket[:3], [2, 3], mine, NOT_A_TICKET),  # a Ticket is a 4-tuple
+        ((*ticket[:2], list(ticket[2]), ticket[3]), [2, 3], mine, NOT_A_TICKET),  # keys: a tuple
     ]
     for t, dev, hst, (error, why) in cases:
         before = engine_state(engine, host)

@@ -47,6 +47,13 @@ def page(n: int) -> list[int]:
     return [n, 0]
 
 
+def _copy(ticket: Ticket) -> Ticket:
+    """An equal ticket that is another object, as one that crossed a process comes back."""
+    copy = tuple(list(ticket))
+    assert copy == ticket and copy is not ticket
+    return copy  # type: ignore[return-value]
+
+
 def snap(
     state: State,
     *,
@@ -133,14 +140,14 @@ def test_a_prior_hash_seeds_both_last_hash_and_chain_tail() -> None:
 def test_submit_ack_finish_whole_state_after_every_step() -> None:
     lc, released = make()
     t0 = lc.submit(page(10))
-    assert t0 == Ticket(lc, 0, 0, ("k10",))
-    assert t0.n_pages == 1
+    assert t0 == (lc, 0, ("k10",), 0)
+    assert len(t0[2]) == 1
     assert lc.snapshot() == snap(
         State.OFFLOADING, inflight=1, tokens=2, tail="k10", seqs=(0,), next_seq=1
     )
     t1 = lc.submit(page(11) + page(12))
-    assert t1 == Ticket(lc, 1, 1, ("k11", "k12"))
-    assert t1.n_pages == 2
+    assert t1 == (lc, 1, ("k11", "k12"), 1)
+    assert len(t1[2]) == 2
     assert lc.snapshot() == snap(
         State.OFFLOADING, inflight=2, tokens=6, tail="k12", seqs=(0, 1), next_seq=2
     )
@@ -152,7 +159,7 @@ def test_submit_ack_finish_whole_state_after_every_step() -> None:
     lc.ack(t1)
     assert lc.snapshot() == snap(State.IDLE, tokens=6, last="k12", tail="k12", next_seq=2)
     t2 = lc.submit(page(13))
-    assert t2 == Ticket(lc, 2, 3, ("k13",))
+    assert t2 == (lc, 2, ("k13",), 3)
     assert lc.snapshot() == snap(
         State.OFFLOADING, inflight=1, tokens=8, last="k12", tail="k13", seqs=(2,), next_seq=3
     )
@@ -217,9 +224,9 @@ def test_the_default_hasher_is_the_sglang_chain() -> None:
     lc = Lifecycle("r", page_size=PAGE)
     t0 = lc.submit([1, 2, 3, 4])
     t1 = lc.submit([5, 6])
-    assert t0.keys == tuple(sglang_page_hashes([1, 2, 3, 4], PAGE, None))
-    assert t1.keys == tuple(sglang_page_hashes([5, 6], PAGE, t0.keys[-1]))
-    assert t1.keys == tuple(sglang_page_hashes([1, 2, 3, 4, 5, 6], PAGE, None)[2:])
+    assert t0[2] == tuple(sglang_page_hashes([1, 2, 3, 4], PAGE, None))
+    assert t1[2] == tuple(sglang_page_hashes([5, 6], PAGE, t0[2][-1]))
+    assert t1[2] == tuple(sglang_page_hashes([1, 2, 3, 4, 5, 6], PAGE, None)[2:])
 
 
 def test_the_hasher_is_given_the_chain_tail_as_prior() -> None:
@@ -238,7 +245,7 @@ def test_the_hasher_is_given_the_chain_tail_as_prior() -> None:
 def test_a_copy_of_a_ticket_acks_its_chunk_once() -> None:
     lc, _ = make()
     ticket = lc.submit(page(1))
-    lc.ack(Ticket(*ticket))
+    lc.ack(_copy(ticket))
     assert lc.snapshot() == snap(State.IDLE, tokens=2, last="k1", tail="k1", next_seq=1)
     assert_refused(lc, lambda: lc.ack(ticket), DuplicateAck, Event.ACK, "chunk 0")
 
@@ -344,14 +351,14 @@ def test_an_equal_copy_of_a_ticket_acks_its_chunk_in_and_out_of_order() -> None:
     """A ticket that crossed a process comes back as an equal copy, not the same object."""
     lc, _ = make()
     t0, t1, t2 = lc.submit(page(1)), lc.submit(page(2)), lc.submit(page(3))
-    lc.ack(Ticket(*t1))  # out of order
+    lc.ack(_copy(t1))  # out of order
     assert lc.chunks_in_flight() == (t0, t2) and lc.last_hash is None
-    lc.ack(Ticket(*t0))  # the oldest: the prefix grows over t0 and t1
+    lc.ack(_copy(t0))  # the oldest: the prefix grows over t0 and t1
     assert lc.snapshot() == snap(
         State.OFFLOADING, inflight=1, tokens=6, last="k2", tail="k3", seqs=(2,), next_seq=3
     )
-    assert_refused(lc, lambda: lc.ack(Ticket(*t0)), DuplicateAck, Event.ACK, "already acked")
-    lc.ack(Ticket(*t2))
+    assert_refused(lc, lambda: lc.ack(_copy(t0)), DuplicateAck, Event.ACK, "already acked")
+    lc.ack(_copy(t2))
     assert lc.snapshot() == snap(State.IDLE, tokens=6, last="k3", tail="k3", next_seq=3)
 
 
@@ -359,18 +366,18 @@ def test_an_equal_copy_of_a_ticket_acks_its_chunk_in_and_out_of_order() -> None:
 def test_an_ack_of_a_chunk_never_submitted_is_refused(state: State) -> None:
     lc, tickets = _in_state(state)
     for forged in (
-        Ticket(lc, lc.next_seq, 0, ("k1",)),
-        Ticket(lc, lc.next_seq + 5, 0, ("k1",)),
-        Ticket(lc, -1, 0, ("k1",)),
-        tickets[-1]._replace(keys=("forged",)),
+        (lc, lc.next_seq, ("k1",), 0),
+        (lc, lc.next_seq + 5, ("k1",), 0),
+        (lc, -1, ("k1",), 0),
+        (lc, tickets[-1][1], ("forged",), tickets[-1][3]),
     ):
-        if state in (State.IDLE, State.LOADING, State.RELEASED) and forged.seq == tickets[-1].seq:
+        if state in (State.IDLE, State.LOADING, State.RELEASED) and forged[1] == tickets[-1][1]:
             continue  # that seq was acked: a duplicate, tested above
         assert_refused(lc, lambda f=forged: lc.ack(f), UnknownChunk, Event.ACK, "never submitted")
 
 
 @pytest.mark.parametrize("state", list(State))
-@pytest.mark.parametrize("not_a_ticket", [None, (0, 0), "ticket", Ticket(None, "x", 0, ())])  # type: ignore[arg-type]
+@pytest.mark.parametrize("not_a_ticket", [None, (0, 0), "ticket", (None, "x", (), 0)])
 def test_an_ack_of_something_that_is_not_a_ticket_is_refused(
     state: State, not_a_ticket: Any
 ) -> None:
@@ -446,8 +453,8 @@ def test_every_ack_order_and_finish_point_keeps_page_order(order: tuple[int, ...
     for finish_at in range(N_CHUNKS + 1):
         lc, released = make()
         tickets = [lc.submit([t for p in pages for t in page(p)]) for pages in chunk_pages]
-        assert [t.keys for t in tickets] == keys
-        assert [t.first_page for t in tickets] == [0, 1, 3, 4]
+        assert [t[2] for t in tickets] == keys
+        assert [t[3] for t in tickets] == [0, 1, 3, 4]
         acked: set[int] = set()
         reason: FinishReason | None = None
         for step, seq in enumerate([*order, None]):
@@ -494,7 +501,7 @@ def test_out_of_order_acks_keep_page_order_whatever_the_key_type() -> None:
     with pytest.raises(DuplicateAck):
         lc.ack(t1)
     lc.ack(t0)
-    assert lc.last_hash == t1.keys[-1] and lc.snapshot().in_flight_seqs == ()
+    assert lc.last_hash == t1[2][-1] and lc.snapshot().in_flight_seqs == ()
 
 
 def test_rid_and_page_size_are_fixed_for_the_life() -> None:

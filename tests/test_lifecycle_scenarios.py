@@ -109,7 +109,7 @@ def test_duplicate_ack_changes_nothing() -> None:
     assert (before.state, before.inflight, before.last_hash) == (
         State.OFFLOADING,
         1,
-        t0.keys[-1],
+        t0[2][-1],
     )
     with pytest.raises(DuplicateAck, match="chunk 0 was already acked"):
         lc.ack(t0)
@@ -132,7 +132,7 @@ def test_ack_of_another_lifecycles_chunk_is_foreign() -> None:
     a = Lifecycle("x", page_size=PAGE)
     b = Lifecycle("x", page_size=PAGE)
     ta, tb = a.submit(tokens(0)), b.submit(tokens(0))
-    assert ta.keys == tb.keys  # same tokens, same keys: only identity tells them apart
+    assert ta[2] == tb[2]  # same tokens, same keys: only identity tells them apart
     a_before, b_before = a.snapshot(), b.snapshot()
     with pytest.raises(ForeignAck) as info:
         a.ack(tb)
@@ -189,8 +189,8 @@ def test_finish_while_idle_releases_at_once() -> None:
         State.RELEASED,
         0,
         3 * PAGE,
-        ticket.keys[-1],
-        ticket.keys[-1],
+        ticket[2][-1],
+        ticket[2][-1],
         (),
         1,
         FinishReason.RETRACTED,
@@ -211,7 +211,7 @@ def test_out_of_order_acks_keep_the_hash_chain_in_page_order() -> None:
     t = [lc.submit(tokens(10 * i)) for i in range(3)]
     all_tokens = [tok for i in range(3) for tok in tokens(10 * i)]
     chain = sglang_page_hashes(all_tokens, PAGE, None)
-    assert [ti.keys[-1] for ti in t] == chain
+    assert [ti[2][-1] for ti in t] == chain
     lc.ack(t[2])
     assert (lc.last_hash, lc.inflight, lc.snapshot().in_flight_seqs) == (None, 2, (0, 1))
     lc.ack(t[0])

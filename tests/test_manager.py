@@ -100,12 +100,12 @@ def test_stride_policy_offloads_whole_pages_after_prefill(rig: Rig) -> None:
     assert m.offload(lc, [*prompt, 1], pages) is None  # 6 tokens with KV after prefill: 2 < page
     toks = [*prompt, 1, 2, 3]  # 9 tokens, 8 with KV: page 1 (tokens 4..8) is due
     ticket = m.offload(lc, toks, pages)
-    assert ticket is not None and ticket.first_page == 0 and ticket.n_pages == 1
+    assert ticket is not None and ticket[3] == 0 and len(ticket[2]) == 1
     assert lc.state is State.OFFLOADING and lc.inflight == 1
     assert m.offload(lc, toks, pages) is None  # nothing new is due while it flies
     # The chain continues from the prefill side's keys for the prompt's whole page.
     expected = page_hashes(toks[:8], PAGE)
-    assert ticket.keys == (expected[1],)
+    assert ticket[2] == (expected[1],)
     rig.wait_acks(1)
     m.close()
     assert torch.equal(rig.stored(expected[1]), rig.layout.read_page(11))
@@ -119,10 +119,10 @@ def test_stride_larger_than_page_rounds_and_leaves_tail(rig: Rig) -> None:
     pages = list(range(8))
     toks = tokens_for(4 * PAGE + 1, 2)  # 16 tokens with KV: two strides
     ticket = m.offload(lc, toks, pages)
-    assert ticket is not None and ticket.n_pages == 4
+    assert ticket is not None and len(ticket[2]) == 4
     toks = toks + tokens_for(PAGE * 3, 3)  # 12 more with KV: one stride of 8, tail of 4 stays
     t2 = m.offload(lc, toks, pages)
-    assert t2 is not None and t2.n_pages == 2 and t2.first_page == 4
+    assert t2 is not None and len(t2[2]) == 2 and t2[3] == 4
     m.finish(lc)
     m.close()
     assert lc.snapshot().tokens_submitted == 6 * PAGE  # the short tail was never offloaded
@@ -158,7 +158,7 @@ def test_scenario_device_pages_not_released_while_copy_reads_them(
     rig.wait_acks(1)
     assert rig.released == [(lc, (5, 6))]
     m.close()
-    assert torch.equal(rig.stored(ticket.keys[0]), before)
+    assert torch.equal(rig.stored(ticket[2][0]), before)
     assert lc.state is State.RELEASED and lc.snapshot().finish_reason is reason
 
 
@@ -185,9 +185,9 @@ def test_scenario_reused_rid_late_ack_moves_only_its_own_request(rig: Rig) -> No
     assert b.snapshot().tokens_submitted == 2 * PAGE and b.snapshot().last_hash is None
     m.close()
     assert b.state is State.IDLE and [r[0] for r in rig.released] == [a]
-    assert b.snapshot().last_hash == tb.keys[-1] and a.snapshot().last_hash == ta.keys[-1]
-    assert torch.equal(rig.stored(ta.keys[0]), a_page)
-    for key, page in zip(tb.keys, b_pages, strict=True):
+    assert b.snapshot().last_hash == tb[2][-1] and a.snapshot().last_hash == ta[2][-1]
+    assert torch.equal(rig.stored(ta[2][0]), a_page)
+    for key, page in zip(tb[2], b_pages, strict=True):
         assert torch.equal(rig.stored(key), page)
 
 
@@ -209,7 +209,7 @@ def test_scenario_full_host_pool_leaves_no_state_behind(rig: Rig) -> None:
         one = m.offload(lc, tokens_for(PAGE + 1, 5), [1, 2])
         assert one is not None and small.num_used == 1
         m.close()
-        assert small.num_used == 0 and rig.store.contains(one.keys[0])
+        assert small.num_used == 0 and rig.store.contains(one[2][0])
     finally:
         engine.close()
 
@@ -260,7 +260,7 @@ def test_scenario_copy_failure_frees_host_pages_once_and_still_releases(rig: Rig
     engine.close()
     metrics = m.metrics()
     assert metrics.copy_failures == 1 and metrics.refused_events == {DuplicateAck.__name__: 1}
-    assert not rig.store.contains(ticket.keys[0])
+    assert not rig.store.contains(ticket[2][0])
     assert len(rig.released) == 1
 
 
@@ -274,7 +274,7 @@ def test_scenario_store_failure_frees_host_pages_and_stores_nothing(rig: Rig) ->
     m.finish(lc)
     m.close()
     assert rig.host.num_used == 0 and m.metrics().store_failures == 1
-    assert not any(rig.store.contains(k) for k in ticket.keys)
+    assert not any(rig.store.contains(k) for k in ticket[2])
     assert lc.state is State.RELEASED
 
 

@@ -259,13 +259,13 @@ def run_differential(ops: list[tuple[str, Any]], prior: str | None) -> None:
                 ref_seqs: list[int] = []
                 ref_err = _outcome(lambda: ref_seqs.append(ref.submit(arg)))  # noqa: B023
                 if got and ref_seqs:
-                    assert got[0].seq == ref_seqs[0]
-                    assert got[0].keys == ref.submitted[ref_seqs[0]]
+                    assert got[0][1] == ref_seqs[0]
+                    assert got[0][2] == ref.submitted[ref_seqs[0]]
                     tickets.append(got[0])
             elif kind == "ack" and tickets:
                 ticket = tickets[arg % len(tickets)]
                 fast_err = _outcome(lambda: fast.ack(ticket))  # noqa: B023
-                ref_err = _outcome(lambda: ref.ack(ref, ticket.seq))  # noqa: B023
+                ref_err = _outcome(lambda: ref.ack(ref, ticket[1]))  # noqa: B023
             elif kind == "foreign":
                 fast_err = _outcome(lambda: fast.ack(other_ticket))
                 ref_err = _outcome(lambda: ref.ack(other_ref, other_seq))
@@ -273,7 +273,7 @@ def run_differential(ops: list[tuple[str, Any]], prior: str | None) -> None:
                 seq = fast.next_seq + (arg if kind == "unknown" else 0)
                 if kind == "unknown" and arg < 0:
                     seq = arg
-                forged = Ticket(fast, seq, 0, ("forged",))
+                forged: Ticket = (fast, seq, ("forged",), 0)
                 fast_err = _outcome(lambda: fast.ack(forged))  # noqa: B023
                 ref_err = _outcome(lambda: ref.ack(ref, seq))  # noqa: B023
             elif kind == "load":

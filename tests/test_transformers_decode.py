@@ -232,8 +232,8 @@ class Harness(ex.Runtime):  # type: ignore[misc,name-defined]
         if ticket is None:
             return None
         p = self.page_size
-        first = req.record.prefill_len // p + ticket.first_page  # first_page counts after prefill
-        for j, key in enumerate(ticket.keys):
+        first = req.record.prefill_len // p + ticket[3]  # first_page counts after prefill
+        for j, key in enumerate(ticket[2]):
             page = first + j
             req.put_keys[key] = page
             self.put_prefixes.add(tuple(req.tokens[: (page + 1) * p]))

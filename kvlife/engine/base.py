@@ -1,7 +1,7 @@
 """What every copy engine shares: the ack, the engine protocol, and chunk validation.
 
 A copy engine copies a *chunk* (whole device pages of one Lifecycle) into host
-pages of a :class:`~kvlife.pool.HostPagePool` (a store, :class:`~kvlife.Ticket`)
+pages of a :class:`~kvlife.pool.HostPagePool` (a store, :data:`~kvlife.Ticket`)
 or back (a load, :class:`~kvlife.LoadTicket`), asynchronously, and later reports
 its :class:`Ack`. The ack carries the ticket, and the ticket its Lifecycle: a
 late ack can only reach the life that submitted it. One thread (the
@@ -36,7 +36,7 @@ __all__ = [
 class Ack:
     """One chunk's completion: its ticket (hence its Lifecycle), its pages, success or error."""
 
-    #: The chunk's ticket; ``ticket.lifecycle`` is the only Lifecycle this ack may move.
+    #: The chunk's ticket; its Lifecycle (``ticket[0]``) is the only one this ack may move.
     #: A :class:`~kvlife.LoadTicket` for a load (host -> device).
     ticket: Ticket | LoadTicket
     #: Device pages of the chunk in page order: read by a store, written by a load.
@@ -55,12 +55,17 @@ class Ack:
     @property
     def lifecycle(self) -> Lifecycle:
         """The Lifecycle that submitted the chunk."""
-        return self.ticket.lifecycle
+        return self.ticket[0]
 
     @property
     def seq(self) -> int:
         """The chunk's sequence number inside its Lifecycle."""
-        return self.ticket.seq
+        return self.ticket[1]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The storage key of each page of the chunk, in page order."""
+        return self.ticket[2]
 
     @property
     def ok(self) -> bool:
@@ -77,7 +82,7 @@ class Ack:
 class CopyEngine(Protocol):
     """Copies chunks between device and host pages and reports one :class:`Ack` per chunk.
 
-    A :class:`~kvlife.Ticket` copies device -> host (store), a
+    A :data:`~kvlife.Ticket` copies device -> host (store), a
     :class:`~kvlife.LoadTicket` host -> device (load).
     """
 
@@ -163,13 +168,16 @@ class PageCopyEngine:
             raise EngineClosed("the engine is closed; it takes no more chunks")
         if ticket is not None:
             kind = type(ticket)
-            if kind is not Ticket and kind is not LoadTicket:
-                raise EngineError(f"expected a Ticket or a LoadTicket, got {kind.__name__}")
             load = kind is LoadTicket
-            n = ticket.n_pages
+            if not load and (kind is not tuple or len(ticket) != 4 or type(ticket[2]) is not tuple):
+                raise EngineError(
+                    f"expected a Ticket or a LoadTicket, got {ticket!r:.80}; a Ticket is the "
+                    f"tuple (lifecycle, seq, keys, first_page)"
+                )
+            n = len(ticket[2])
             if len(device_pages) != n or len(host_pages) != n:
                 raise EngineError(
-                    f"{'load' if load else 'chunk'} {ticket.seq} has {n} pages but "
+                    f"{'load' if load else 'chunk'} {ticket[1]} has {n} pages but "
                     f"{len(device_pages)} device and {len(host_pages)} host pages"
                 )
         dev, hst = tuple(device_pages), tuple(host_pages)

@@ -177,7 +177,7 @@ class CpuCopyEngine(PageCopyEngine):
     ) -> CpuCopyEvent:
         """Validate the chunk, then queue its copy; returns the chunk's completion event.
 
-        A :class:`~kvlife.Ticket` copies device -> host, a
+        A :data:`~kvlife.Ticket` copies device -> host, a
         :class:`~kvlife.LoadTicket` host -> device. Refusals raise and change nothing.
         """
         load, dev, hst = self._checked(ticket, device_pages, host_pages)
@@ -190,7 +190,7 @@ class CpuCopyEngine(PageCopyEngine):
             origin = "random"
         if origin and fault is None:
             what = "load" if load else "chunk"
-            fault = CopyFault(f"{origin} copy fault in {what} {ticket.seq} of {ticket.lifecycle!r}")
+            fault = CopyFault(f"{origin} copy fault in {what} {ticket[1]} of {ticket[0]!r}")
         delay = self.copy_delay
         if self.delay_jitter:
             delay += self._rng.uniform(0.0, self.delay_jitter)

@@ -107,7 +107,7 @@ class CudaCopyEngine(PageCopyEngine):
     ) -> torch.cuda.Event:
         """Validate the chunk, enqueue its copy on the side stream, return its event.
 
-        A :class:`~kvlife.Ticket` copies device -> host, a
+        A :data:`~kvlife.Ticket` copies device -> host, a
         :class:`~kvlife.LoadTicket` host -> device; the runtime must not read a
         load's device pages before its ack.
         """

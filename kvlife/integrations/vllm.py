@@ -642,11 +642,11 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             # submitted this stale job; its result is ignored, nothing reads the pages.
             self.stats["stale_jobs_skipped"] += 1
             logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
-            ticket.lifecycle.ack(ticket)
+            ticket[0].ack(ticket)
         except EngineError as exc:
             self._error_once("copy_refused", repr(exc))
             self._copy_directly(job, isinstance(ticket, LoadTicket), device, host)
-            ticket.lifecycle.ack(ticket)
+            ticket[0].ack(ticket)
 
     def _copy_directly(
         self, job: _WorkerJob, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]
@@ -693,7 +693,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 try:  # a private copy: the host pages may be evicted before the write ends
                     pages = torch.tensor(ack.host_pages, dtype=torch.int64)
                     rows = self._pool.tensor.index_select(0, pages)
-                    keys = cast("tuple[bytes, ...]", ack.ticket.keys)
+                    keys = cast("tuple[bytes, ...]", ack.keys)
                     self._store.put(job.job_id, [key.hex() for key in keys], rows)
                 except StoreError as exc:
                     self._error_once("store_put_refused", repr(exc))

@@ -26,7 +26,7 @@ __all__ = ["ScriptedCopy", "ScriptedEngine"]
 class ScriptedCopy:
     """One submitted chunk waiting for the test to complete it; compared by identity."""
 
-    #: The chunk's ticket (``ticket.lifecycle`` is the life that submitted it); a
+    #: The chunk's ticket (``ticket[0]`` is the life that submitted it); a
     #: ``LoadTicket`` for a load.
     ticket: Ticket | LoadTicket
     #: Device pages the copy will read (a load: write) when completed, in page order.
@@ -40,11 +40,11 @@ class ScriptedCopy:
     @property
     def lifecycle(self) -> Lifecycle:
         """The Lifecycle that submitted the chunk."""
-        return self.ticket.lifecycle
+        return self.ticket[0]
 
     def __repr__(self) -> str:
         return (
-            f"<copy #{self.number} rid={self.ticket.lifecycle.rid!r} seq={self.ticket.seq} "
+            f"<copy #{self.number} rid={self.ticket[0].rid!r} seq={self.ticket[1]} "
             f"device={list(self.device_pages)} host={list(self.host_pages)}>"
         )
 
