@@ -111,9 +111,9 @@ class UncheckedPerRequest:
 
     The same work as :class:`kvlife.Lifecycle` on the happy path (hash the chunk,
     keep it in seq order until its ack, move ``last_hash``, release once when a
-    finished request drains), but no argument checks, no table, and a plain
-    tuple for a ticket. It prices the per-request object against the rid-keyed
-    dicts, and so shows what kvlife's checks and its ``Ticket`` cost on top.
+    finished request drains), but no argument checks and no table; its ticket is
+    a plain tuple, like kvlife's. It prices the per-request object against the
+    rid-keyed dicts, and so shows what kvlife's checks cost on top.
     """
 
     __slots__ = ("chain_tail", "chunks", "finished", "hasher", "inflight", "last_hash",

@@ -8,8 +8,8 @@ same page hasher called with the same arguments per chunk:
 * ``dict``     -- :class:`RidKeyedBook` (``tests/rid_keyed_manager.py``), rid-keyed dicts;
 * ``machine``  -- :class:`MachinePerRequest`, one ``transitions.Machine`` built per request;
 * ``unchecked`` -- :class:`UncheckedPerRequest`, one object per request doing kvlife's
-  bookkeeping with no checks and a plain-tuple ticket: what the checks and the
-  ``Ticket`` cost on top of the per-request object.
+  bookkeeping with no checks: what the checks cost on top of the per-request
+  object.
 
 Two hashers: ``sglang`` (the real SHA-256 page chain) and ``trivial`` (returns a
 constant key per page), so the second pair of figures is the bookkeeping alone.
