@@ -133,7 +133,7 @@ def test_acks_in_order_and_poll_returns_each_once() -> None:
     assert engine.poll() == [] and engine.inflight == 0
     for a in acks:
         a.lifecycle.ack(a.ticket)
-    assert lc.last_hash == tickets[-1].keys[-1]
+    assert lc.last_hash == tickets[-1][2][-1]
 
 
 def test_refusals_change_nothing() -> None:
