@@ -443,8 +443,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._ack("complete_store", lifecycle, ticket)
 
     def on_schedule_end(self, context: Any) -> None:
-        if context.preempted_req_ids:
-            self.counts.preemptions += len(context.preempted_req_ids)
+        self.counts.preemptions += len(context.preempted_req_ids)
 
     def _abandon_jobs(self) -> None:
         """Ack every job vLLM will never complete (reset or shutdown); pins and pending go."""
@@ -516,17 +515,10 @@ class BlockViewsLayout(KVLayout):
     per-layer ``(num_blocks, page_bytes)`` int8 views (strided, each row contiguous)."""
 
     def __init__(self, views: Sequence[torch.Tensor], tokens_per_block: int = 1) -> None:
-        if not views:
-            raise ConfigError("kvlife: vLLM gave no KV cache views")
-        first = views[0]
+        # KVLayout checks the rest: at least one, 2-D, contiguous rows, one block count.
         for view in views:
-            if view.dtype != torch.int8 or view.dim() != 2 or view.stride(1) != 1:
-                raise ConfigError(
-                    f"kvlife: expected 2-D int8 block views with contiguous rows, got "
-                    f"{view.dtype} {tuple(view.shape)} stride {view.stride()}"
-                )
-            if view.shape[0] != first.shape[0] or view.device != first.device:
-                raise ConfigError("kvlife: every block view must have one block count and device")
+            if view.dtype != torch.int8:
+                raise ConfigError(f"kvlife: expected int8 block views, got {view.dtype}")
         super().__init__(views, page_size=tokens_per_block)
         #: vLLM's block views, one per layer (or per tensor layers share): the page rows.
         self.views = self.buffers()
@@ -893,7 +885,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             raise ConfigError(f"kvlife: one KV cache group is supported, got {len(config.groups)}")
         if self.blocks_per_chunk != 1:
             raise ConfigError(f"kvlife: blocks_per_chunk must be 1, got {self.blocks_per_chunk}")
-        self.page_bytes = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
+        self.page_bytes = int(config.worker_kv_bytes_per_block)
         self.capacity = self.host_bytes // self.page_bytes
         if self.capacity < 1:
             raise ConfigError(
