@@ -66,7 +66,7 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 from kvlife.errors import (
     ConfigError,
@@ -95,6 +95,7 @@ __all__ = [
     "Ticket",
     "Transition",
     "compile_table",
+    "is_ticket",
 ]
 
 
@@ -262,6 +263,21 @@ _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
 #: NamedTuple: a plain tuple comes from CPython's free list, and a ticket is made on
 #: every submit (docs/benchmarks.md prices the difference).
 Ticket = tuple["Lifecycle", int, tuple[str, ...], int]
+
+
+def is_ticket(obj: object) -> TypeGuard[Ticket]:
+    """Whether ``obj`` has a chunk :data:`Ticket`'s shape: a plain tuple of a Lifecycle, an
+    int seq, a non-empty tuple of keys and an int first page. Engines and the agreement
+    refuse anything else before they change anything."""
+    return (
+        type(obj) is tuple
+        and len(obj) == 4
+        and isinstance(obj[0], Lifecycle)
+        and type(obj[1]) is int
+        and type(obj[2]) is tuple
+        and len(obj[2]) > 0
+        and type(obj[3]) is int
+    )
 
 
 def _check_tokens(
@@ -543,9 +559,12 @@ class Lifecycle:
         an equal copy of a ticket (one that crossed a process), or a refusal."""
         if type(ticket) is LoadTicket:
             return self._ack_load(ticket)
+        if type(ticket) is not tuple:  # a subclass could answer the equality test below
+            what = type(ticket).__name__
+            raise self._refuse(UnknownChunk, _ACK, f"an object of type {what} is not a Ticket")
         chunks = self._chunks
         try:
-            owner, seq, keys, _ = ticket  # type: ignore[misc]  # a LoadTicket went above
+            owner, seq, _, _ = ticket  # type: ignore[misc]  # a LoadTicket went above
             index = seq - self._next_seq + len(chunks)
             chunk = chunks[index] if 0 <= index < len(chunks) else None
             # Not the chunk in flight: None, an acked chunk's key, or a forgery.
@@ -563,9 +582,10 @@ class Lifecycle:
             return self.ack(chunk)  # type: ignore[arg-type]
         inflight = self._inflight
         dest = self._ack_next_state(inflight)
-        # An earlier chunk is still in flight: remember this one's last key. That earlier
-        # chunk keeps the Lifecycle from draining, so nothing is released here.
-        chunks[index] = _Settled(keys[-1])
+        # An earlier chunk is still in flight: remember this one's last key (from the
+        # ticket it issued, not the copy). That earlier chunk keeps the Lifecycle from
+        # draining, so nothing is released here.
+        chunks[index] = _Settled(chunk[2][-1])  # type: ignore[index]
         self._inflight = inflight - 1
         self._state = dest
         return None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
+from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket, is_ticket
 from kvlife.engine.base import Ack
 from kvlife.errors import AgreementError, ConfigError, GroupBroken
 
@@ -133,16 +133,20 @@ class TorchAgreement:
     def submitted(self, ticket: Ticket) -> None:
         """Record one submission: its index, and the running fingerprint."""
         self._check_usable()
-        if type(ticket) is not tuple or len(ticket) != 4:
-            raise AgreementError(f"expected a Ticket, got {type(ticket).__name__}")
+        if not is_ticket(ticket):
+            raise AgreementError(f"expected a Ticket, got {ticket!r:.80}")
         lifecycle, seq, keys, _ = ticket
         key = (lifecycle, seq)
         if key in self._index:
             raise AgreementError(f"chunk {_describe(ticket)} was already submitted")
+        try:  # before anything changes
+            fp = chunk_fingerprint(self._fp, len(keys), keys[-1])
+        except (AttributeError, TypeError):
+            raise AgreementError(f"chunk {_describe(ticket)} has a key that is not a str") from None
         self._index[key] = self._count
         self._count += 1
-        self._fp = chunk_fingerprint(self._fp, len(keys), keys[-1])
-        self._history.append((self._fp, ticket))
+        self._fp = fp
+        self._history.append((fp, ticket))
 
     def admit(self, n_pages: int) -> bool:
         """Whether to take ``n_pages`` host pages now: the same answer on every rank."""

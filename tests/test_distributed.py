@@ -472,8 +472,16 @@ def test_single_rank_applies_in_submission_order_and_refuses_bad_input(world1: N
     with pytest.raises(AgreementError, match="already submitted") as err:
         ag.submitted(t1)
     refusals.append(err.value)
-    with pytest.raises(AgreementError, match="expected a Ticket") as err:
-        ag.submitted(("not", "a", "ticket"))  # type: ignore[arg-type]
+    for junk in (
+        ("not", "a", "ticket"),
+        ("not", "a", ("ticket",), 0),  # a 4-tuple is not a ticket by its length alone
+        (lc, 3, 0, ("k",)),  # the field order before keys moved third
+    ):
+        with pytest.raises(AgreementError, match="expected a Ticket") as err:
+            ag.submitted(junk)  # type: ignore[arg-type]
+        refusals.append(err.value)
+    with pytest.raises(AgreementError, match="not a str") as err:
+        ag.submitted((lc, 3, (b"bytes key",), 4))
     refusals.append(err.value)
     with pytest.raises(AgreementError, match="expected an Ack") as err:
         ag.agree([Ack(t2, (0,), (0,)), "junk"])  # type: ignore[list-item]

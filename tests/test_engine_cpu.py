@@ -372,6 +372,8 @@ def test_every_refusal_leaves_engine_and_pool_unchanged(
         (ticket, [2, 3], [1, 2], HOST_BUSY),
         ("not a ticket", [2, 3], mine, NOT_A_TICKET),
         (ticket[:3], [2, 3], mine, NOT_A_TICKET),  # a Ticket is a 4-tuple
+        (("x", 1, ticket[2], 0), [2, 3], mine, NOT_A_TICKET),  # of a Lifecycle, ...
+        ((lc, "1", ticket[2], 0), [2, 3], mine, NOT_A_TICKET),  # ... an int seq, ...
         ((*ticket[:2], list(ticket[2]), ticket[3]), [2, 3], mine, NOT_A_TICKET),  # keys: a tuple
     ]
     for t, dev, hst, (error, why) in cases:

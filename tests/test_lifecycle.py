@@ -362,6 +362,31 @@ def test_an_equal_copy_of_a_ticket_acks_its_chunk_in_and_out_of_order() -> None:
     assert lc.snapshot() == snap(State.IDLE, tokens=6, last="k3", tail="k3", next_seq=3)
 
 
+class _Agreeable(tuple):  # type: ignore[type-arg]
+    """A forged ticket that says it equals whatever it is compared with."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = tuple.__hash__
+
+
+@pytest.mark.parametrize("kind", [_Agreeable, list])
+def test_a_look_alike_of_a_ticket_is_refused_and_cannot_plant_keys(kind: type) -> None:
+    """Only a plain tuple is a ticket: a tuple subclass would answer the equal-copy test
+    itself and, acked out of order, plant its own key as last_hash."""
+    lc, _ = make()
+    t0, t1 = lc.submit(page(1)), lc.submit(page(2))
+    forged = kind((lc, t1[1], ("forged",), t1[3]))
+    assert_refused(lc, lambda: lc.ack(forged), UnknownChunk, Event.ACK, "not a Ticket")
+    lc.ack(t1)
+    lc.ack(t0)
+    assert lc.last_hash == "k2"
+
+
 @pytest.mark.parametrize("state", list(State))
 def test_an_ack_of_a_chunk_never_submitted_is_refused(state: State) -> None:
     lc, tickets = _in_state(state)

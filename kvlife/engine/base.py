@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
+from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket, is_ticket
 from kvlife.errors import ConfigError, EngineClosed, EngineError, PageBusy, UnallocatedHostPage
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class PageCopyEngine:
         if ticket is not None:
             kind = type(ticket)
             load = kind is LoadTicket
-            if not load and (kind is not tuple or len(ticket) != 4 or type(ticket[2]) is not tuple):
+            if not load and not is_ticket(ticket):
                 raise EngineError(
                     f"expected a Ticket or a LoadTicket, got {ticket!r:.80}; a Ticket is the "
                     f"tuple (lifecycle, seq, keys, first_page)"
