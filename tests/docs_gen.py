@@ -134,7 +134,7 @@ def race_steps() -> list[Step]:
     msg("S", "E", f"copy tB, key {_short(ticket_b[2][0])}")
     note("B", _life(life_b))
     ticket_a[0].ack(ticket_a)
-    msg("E", "A", "late ack of tA, applied to tA.lifecycle, which is A", "-->>")
+    msg("E", "A", "late ack of tA, applied to tA's Lifecycle, which is A", "-->>")
     note("A", f"{_life(life_a)}<br/>release callback ran for {', '.join(released)}")
     note("B", f"untouched: {_life(life_b)}")
     before_b = life_b.snapshot()
