@@ -637,18 +637,18 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             ticket[0].ack(ticket)
         except EngineError as exc:
             self._error_once("copy_refused", repr(exc))
-            self._copy_directly(job, isinstance(ticket, LoadTicket), device, host)
+            self._copy_directly(job, device, host)
             ticket[0].ack(ticket)
 
     def _copy_directly(
-        self, job: _WorkerJob, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]
+        self, job: _WorkerJob, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> None:
         """The copy the engine failed or refused, made here, at once; if this fails too,
         the job's result is a failure (vLLM 0.32 then stops rather than use the blocks)."""
         pages = torch.tensor(list(device_pages), dtype=torch.int64, device=self.layout.device)
         runs = host_runs(host_pages)
         try:
-            if load:
+            if job.load:
                 self.layout.scatter_runs(pages, self._pool.tensor, runs)
             else:
                 self.layout.gather_runs(pages, self._pool.tensor, runs)
@@ -680,7 +680,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             job.copy_done = ack.completed_at
             if ack.error is not None:  # made again directly; a failure only if that fails
                 self._error_once("copy_failures", repr(ack.error))
-                self._copy_directly(job, ack.is_load, ack.device_pages, ack.host_pages)
+                self._copy_directly(job, ack.device_pages, ack.host_pages)
             if not ack.is_load and self._store is not None and not job.failed:
                 try:  # a private copy: the host pages may be evicted before the write ends
                     pages = torch.tensor(ack.host_pages, dtype=torch.int64)
