@@ -559,17 +559,16 @@ class Lifecycle:
         an equal copy of a ticket (one that crossed a process), or a refusal."""
         if type(ticket) is LoadTicket:
             return self._ack_load(ticket)
-        if type(ticket) is not tuple:  # a subclass could answer the equality test below
-            what = type(ticket).__name__
-            raise self._refuse(UnknownChunk, _ACK, f"an object of type {what} is not a Ticket")
         chunks = self._chunks
         try:
+            if type(ticket) is not tuple:  # a subclass could answer the equality test below
+                raise TypeError
             owner, seq, _, _ = ticket  # type: ignore[misc]  # a LoadTicket went above
             index = seq - self._next_seq + len(chunks)
             chunk = chunks[index] if 0 <= index < len(chunks) else None
             # Not the chunk in flight: None, an acked chunk's key, or a forgery.
             other = chunk is not ticket and chunk != ticket
-        except Exception:  # not unpackable, not comparable: whatever it is, not a Ticket
+        except Exception:  # not a plain tuple, not unpackable, not comparable: not a Ticket
             what = type(ticket).__name__
             raise self._refuse(
                 UnknownChunk, _ACK, f"an object of type {what} is not a Ticket"
