@@ -1,4 +1,4 @@
-"""Seeded buggy runtimes: each one bug class of DESIGN.md, behind the kit's adapter protocol.
+"""Seeded buggy runtimes: each one bug class of docs/design.md, behind the kit's adapter protocol.
 
 Not part of kvlife's API. Each mutant is kvlife's OffloadManager with one small
 patch that puts back a bug the real runtimes had; ``MUTANTS`` maps a name to an
