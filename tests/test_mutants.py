@@ -16,6 +16,7 @@ from hypothesis.errors import HypothesisException
 from mutant_runtimes import MUTANTS, SHAPED, reported
 
 from kvlife.cli import main
+from kvlife.errors import KVLifeError
 from kvlife.testing import (
     CheckConfig,
     KitFailure,
@@ -172,7 +173,7 @@ def test_checker_finds_each_seeded_bug_with_its_shortest_trace(name: str) -> Non
     assert found.trace == shortest, f"{name}: kvlife check printed\n{found}"
     assert format_trace(shortest) in str(found)
     # The trace is a reproduction: replayed on a fresh runtime it breaks the same rule.
-    with pytest.raises(Exception) as err:
+    with pytest.raises(KVLifeError) as err:  # the rule it breaks, or the refusal it raises
         replay_trace(SHAPED[name][1], found.events, cfg.options)
     assert rule_of(err.value) == found.rule
     assert same_refusal(rules, found.message, err.value)
@@ -206,7 +207,7 @@ def test_kit_catches_each_seeded_bug_with_one_replayable_trace(name: str) -> Non
     assert format_trace(failure.trace) in message and "shortest failing run" in message
     assert len(failure.trace) <= len(shortest) + 8, message  # shrunk to a short story
     options = PORT if name.startswith("sglang") else MANAGER
-    with pytest.raises(Exception) as err:
+    with pytest.raises(KVLifeError) as err:  # the rule it breaks, or the refusal it raises
         replay_trace(SHAPED[name][1], failure.events, options)
     assert rule_of(err.value) == failure.rule
     assert same_refusal(rules, failure.detail, err.value)
