@@ -189,8 +189,9 @@ class ConfigError(KVLifeError, ValueError):
     """An argument that does not fit what it configures, refused before anything was
     built or copied: a constructor argument no run can use (a page size of ``True``, a NaN
     stride, a store namespace that could escape the store's root or makes page paths too
-    long for the file system, an engine already driven by another manager, a device layout
-    and host pool that disagree on dtype or page width, KV buffers of two shapes), a layout
+    long for the file system, a device layout and host pool that disagree on dtype or page
+    width, KV buffers of two shapes, a device this machine cannot allocate on, pinned host
+    pages without CUDA, a fault injection count or delay out of bounds), a layout
     call with pages, rows or a dtype the layout does not hold, or a diagram in a format it
     does not come in. A bug in how the runtime wires kvlife: fix the call, do not retry it."""
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvlife._checks import buffer_spec, device_of, positive_int
 from kvlife.errors import ConfigError
 
 __all__ = [
@@ -54,25 +55,13 @@ def staging_windows(
         yield lo, hi, pieces
 
 
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _positive_ints(dtype: torch.dtype, **dims: int) -> None:
-    """Refuse ``dims`` that are not positive ints or a ``dtype`` that is not a torch.dtype."""
-    for name, value in dims.items():
-        _positive_int(name, value)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
-
-
 def _per_layer(
-    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: object
 ) -> list[torch.Tensor]:
-    """One zeroed buffer of ``shape`` per layer, one allocation each, as a runtime makes them."""
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    """One zeroed buffer of ``shape`` per layer, one allocation each, as a runtime makes them;
+    a ``device`` this machine cannot allocate on is refused first (ConfigError)."""
+    on = device_of(device)
+    return [torch.zeros(shape, dtype=dtype, device=on) for _ in range(num_layers)]
 
 
 class KVLayout:
@@ -101,8 +90,8 @@ class KVLayout:
                     "page rows must be 2-D [num_pages, row] with contiguous rows, one page "
                     f"count, dtype and device; got {row.dtype} {tuple(row.shape)} on {row.device}"
                 )
-        self.num_pages = _positive_int("num_pages", int(first.shape[0]))
-        self.page_size = _positive_int("page_size", page_size)
+        self.num_pages = positive_int("num_pages", int(first.shape[0]))
+        self.page_size = positive_int("page_size", page_size)
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
         # Each buffer's row and its column block of a page: the one walk of every copy.
@@ -343,7 +332,7 @@ def _slot_rows(
     page size; slots past the last whole page (a runtime's padding slots) are in no page."""
     if not buffers:
         raise ConfigError(f"need {what}, at least one layer")
-    page_size = _positive_int("page_size", page_size)
+    page_size = positive_int("page_size", page_size)
     first = buffers[0]
     num_pages = first.shape[0] // page_size
     slots = num_pages * page_size
@@ -400,7 +389,7 @@ class LayerFirstLayout(KVLayout):
         device: torch.device | str = "cpu",
     ) -> LayerFirstLayout:
         """A layout over fresh zeroed K and V buffers, one allocation per buffer."""
-        _positive_ints(
+        buffer_spec(
             dtype, num_layers=num_layers, num_pages=num_pages, page_size=page_size,
             num_heads=num_heads, head_dim=head_dim,
         )  # fmt: skip
@@ -442,12 +431,12 @@ class PageFirstLayout(KVLayout):
         device: torch.device | str = "cpu",
     ) -> PageFirstLayout:
         """A layout over a fresh zeroed tensor."""
-        _positive_ints(
+        buffer_spec(
             dtype, num_layers=num_layers, num_pages=num_pages, page_size=page_size,
             num_heads=num_heads, head_dim=head_dim,
         )  # fmt: skip
         shape = (num_pages, num_layers, 2, page_size, num_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device))
+        return cls(_per_layer(1, shape, dtype, device)[0])
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The single page-first tensor."""
@@ -482,7 +471,7 @@ class MLALayout(KVLayout):
         device: torch.device | str = "cpu",
     ) -> MLALayout:
         """A layout over fresh zeroed latent buffers, one allocation per layer."""
-        _positive_ints(
+        buffer_spec(
             dtype, num_layers=num_layers, num_pages=num_pages, page_size=page_size,
             latent_dim=latent_dim,
         )  # fmt: skip

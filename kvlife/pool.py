@@ -1,12 +1,14 @@
 """The host page pool: a torch tensor of host pages and an allocator that knows every owner.
 
 One host page is one row of :attr:`HostPagePool.tensor`, pinned when CUDA is
-available. An allocation is all ``n`` pages or nothing (``None``: retry later);
-a page is freed only by its owner (compared by identity) and only once, every
-page checked before any is freed; each refusal is a
-:class:`~kvlife.errors.PoolError` and changes nothing. Free pages are a stack, so
-a freed chunk's run comes back whole to the next chunk of its size. One thread
-(the scheduler's) uses the allocator. Details: ``docs/engines.md``.
+available (``pin_memory`` says so outright; ``True`` without CUDA is a
+:class:`~kvlife.errors.ConfigError`, as are sizes and a dtype it cannot use). An
+allocation is all ``n`` pages or nothing (``None``: retry later); a page is freed
+only by its owner (compared by identity) and only once, every page checked before
+any is freed; each refusal is a :class:`~kvlife.errors.PoolError` and changes
+nothing. Free pages are a stack, so a freed chunk's run comes back whole to the
+next chunk of its size. One thread (the scheduler's) uses the allocator. Details:
+``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlife._checks import buffer_spec, pin_memory_of
 from kvlife.errors import PoolError
-from kvlife.layout import _positive_ints
 
 __all__ = ["HostPagePool"]
 
@@ -34,8 +36,8 @@ class HostPagePool:
         *,
         pin_memory: bool | None = None,
     ) -> None:
-        _positive_ints(dtype, num_pages=num_pages, page_numel=page_numel)
-        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        buffer_spec(dtype, num_pages=num_pages, page_numel=page_numel)
+        pin = pin_memory_of(pin_memory)
         #: The host pages, one per row.
         self.tensor = torch.zeros((num_pages, page_numel), dtype=dtype, pin_memory=pin)
         # Free pages as a stack: pop() hands out 0, 1, 2, ... on a fresh pool.

@@ -11,6 +11,7 @@ import torch
 
 from kvlife import Lifecycle, LoadTicket, State, Ticket
 from kvlife.engine import Ack, CopyEngine, CpuCopyEngine, host_runs
+from kvlife.engine.cpu import MAX_PENDING_FAULTS
 from kvlife.errors import (
     ConfigError,
     CopyFault,
@@ -432,6 +433,10 @@ def test_layout_and_pool_must_agree() -> None:
         {"delay_jitter": float("nan")},
         {"fail_rate": 1.5},
         {"workers": 0},
+        {"workers": True},
+        {"copy_delay": True},
+        {"copy_delay": "0.1"},
+        {"delay_jitter": 10**400},
     ],
 )
 def test_bad_engine_settings_are_refused(kwargs: dict[str, float]) -> None:
@@ -466,6 +471,48 @@ def test_bad_fault_injection_is_refused(engines: Callable[..., CpuCopyEngine]) -
         engine.fail_next(0)
     with pytest.raises(ConfigError):
         engine.slow_next(-1.0)
+
+
+def test_issue23_fault_injection_is_refused_typed_and_queues_nothing(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """fail_next(10**12) was a MemoryError and fail_next(True) one fault; each bad count,
+    error or delay is a ConfigError naming it, and the next chunk copies as if none came."""
+    layout, host, engine = setup(engines)
+    bad_calls: list[tuple[Callable[[], None], str]] = [
+        (lambda: engine.fail_next(10**12), "at most"),
+        (lambda: engine.fail_next(MAX_PENDING_FAULTS + 1), "at most"),
+        (lambda: engine.fail_next(True), "positive int"),
+        (lambda: engine.fail_next(2.0), "positive int"),  # type: ignore[arg-type]
+        (lambda: engine.fail_next(1, "boom"), "exception"),  # type: ignore[arg-type]
+        (lambda: engine.slow_next(float("inf")), "seconds"),
+        (lambda: engine.slow_next(float("nan")), "seconds"),
+        (lambda: engine.slow_next(10**400), "seconds"),
+        (lambda: engine.slow_next(True), "seconds"),
+    ]
+    for call, says in bad_calls:
+        with pytest.raises(ConfigError, match=says):
+            call()
+    lc = Lifecycle("r", page_size=PAGE)
+    t = chunk(lc, 1)
+    pages = host.alloc(1, t)
+    assert pages is not None
+    engine.submit(t, [0], pages)
+    (ack,) = engine.drain(timeout=5.0)
+    assert ack.ok, ack.error  # no refused call left a fault or a delay behind
+    assert torch.equal(host.page(pages[0]), layout.read_page(0))
+
+
+def test_issue23_the_bound_is_on_faults_pending_in_all(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    _, _, engine = setup(engines)
+    engine.fail_next(MAX_PENDING_FAULTS - 1)
+    with pytest.raises(ConfigError, match="at most"):
+        engine.fail_next(2)
+    engine.fail_next(1)  # exactly the bound pending
+    with pytest.raises(ConfigError, match="at most"):
+        engine.fail_next(1)
 
 
 def test_slow_and_jittered_copies_still_copy_right(

@@ -227,6 +227,29 @@ def test_bad_layout_arguments_are_refused(args: tuple[Any, ...]) -> None:
         LayerFirstLayout.zeros(3, 6, 4, 2, 8, dtype="float32")  # type: ignore[arg-type]
 
 
+def _unusable_devices() -> list[object]:
+    """Devices this machine cannot allocate on: a name torch does not know, a bool, None,
+    and CUDA where there is none (else a CUDA ordinal past the last GPU)."""
+    devices: list[object] = ["nope", True, None, 1.5]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{torch.cuda.device_count()}", torch.cuda.device_count()]
+    else:
+        devices += ["cuda", "cuda:0", torch.device("cuda"), 0]
+    return devices
+
+
+@pytest.mark.parametrize("device", _unusable_devices(), ids=repr)
+def test_issue23_a_device_that_cannot_be_used_is_a_config_error_naming_it(device: object) -> None:
+    """It was torch's RuntimeError (an unknown name) or AssertionError (no CUDA)."""
+    for zeros in (
+        lambda: LayerFirstLayout.zeros(1, 2, 2, 1, 2, device=device),  # type: ignore[arg-type]
+        lambda: PageFirstLayout.zeros(1, 2, 2, 1, 2, device=device),  # type: ignore[arg-type]
+        lambda: MLALayout.zeros(1, 2, 2, 4, device=device),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ConfigError, match="device"):
+            zeros()
+
+
 # ---------------------------------------------------------------- restore (host -> device)
 
 # The CPU restore takes one of three paths; each test runs through all of them:

@@ -168,6 +168,20 @@ def test_pinned_by_default_only_with_cuda() -> None:
     assert pool.pinned == torch.cuda.is_available()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA does")
+def test_issue23_pinning_without_cuda_is_a_config_error_naming_pin_memory() -> None:
+    """It was torch's RuntimeError ("no pinned memory allocator"), from inside torch.zeros."""
+    with pytest.raises(ConfigError, match="pin_memory=True needs CUDA"):
+        HostPagePool(2, 2, torch.float32, pin_memory=True)
+
+
+@pytest.mark.parametrize("pin", ["no", 1, 0.0])
+def test_issue23_pin_memory_is_a_bool_or_none(pin: object) -> None:
+    """``bool("no")`` is True: anything but a bool or None is refused, not truth-tested."""
+    with pytest.raises(ConfigError, match="pin_memory"):
+        HostPagePool(2, 2, torch.float32, pin_memory=pin)  # type: ignore[arg-type]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(

@@ -11,7 +11,6 @@ injection make interleavings reproducible: ``docs/engines.md``.
 
 from __future__ import annotations
 
-import math
 import queue
 import random
 import threading
@@ -22,13 +21,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlife._checks import finite_seconds, positive_int
 from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import Ack, PageCopyEngine, host_runs
 from kvlife.errors import ConfigError, CopyFault, DrainTimeout
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 
-__all__ = ["CpuCopyEngine", "CpuCopyEvent", "Gate"]
+__all__ = ["MAX_PENDING_FAULTS", "CpuCopyEngine", "CpuCopyEvent", "Gate"]
+
+#: Injected faults (``fail_next``) and delays (``slow_next``) that may wait for chunks at
+#: once: far more than any test submits, few enough that the queue is never a memory risk.
+MAX_PENDING_FAULTS = 1 << 20
 
 
 class CpuCopyEvent:
@@ -111,14 +115,11 @@ class CpuCopyEngine(PageCopyEngine):
         super().__init__(layout, host)
         if layout.device.type != "cpu":
             raise ConfigError(f"CpuCopyEngine copies from a CPU layout, not {layout.device}")
-        if not (0 <= copy_delay < math.inf and 0 <= delay_jitter < math.inf):
-            raise ConfigError("copy_delay and delay_jitter must be finite, >= 0 seconds")
+        self.copy_delay = finite_seconds("copy_delay", copy_delay)
+        self.delay_jitter = finite_seconds("delay_jitter", delay_jitter)
         if not 0.0 <= fail_rate <= 1.0:
             raise ConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise ConfigError(f"workers must be a positive int, got {workers!r}")
-        self.copy_delay = float(copy_delay)
-        self.delay_jitter = float(delay_jitter)
+        positive_int("workers", workers)
         self.fail_rate = float(fail_rate)
         self._rng = random.Random(seed)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -145,16 +146,28 @@ class CpuCopyEngine(PageCopyEngine):
     # ---------------------------------------------------------------- fault injection
 
     def fail_next(self, n: int = 1, error: BaseException | None = None) -> None:
-        """Make the next ``n`` submitted chunks fail with ``error`` (default :class:`CopyFault`)."""
-        if not isinstance(n, int) or n < 1:
-            raise ConfigError(f"n must be a positive int, got {n!r}")
+        """Make the next ``n`` submitted chunks fail with ``error`` (default :class:`CopyFault`).
+
+        ``n`` is a positive int (not a bool), and at most :data:`MAX_PENDING_FAULTS` faults
+        wait at once; ``error`` is an exception instance. Refused with ConfigError, nothing
+        queued.
+        """
+        positive_int("n", n)
+        if n > MAX_PENDING_FAULTS - len(self._fail_next):
+            raise ConfigError(
+                f"fail_next({n}): at most {MAX_PENDING_FAULTS} injected faults may wait at "
+                f"once, {len(self._fail_next)} already do"
+            )
+        if error is not None and not isinstance(error, BaseException):
+            raise ConfigError(f"error must be an exception instance or None, got {error!r}")
         self._fail_next.extend([error] * n)
 
     def slow_next(self, seconds: float) -> None:
-        """Delay the next submitted chunk's copy by ``seconds`` more."""
-        if not seconds >= 0:
-            raise ConfigError(f"seconds must be >= 0, got {seconds!r}")
-        self._slow_next.append(float(seconds))
+        """Delay the next submitted chunk's copy by ``seconds`` more (finite, >= 0)."""
+        more = finite_seconds("seconds", seconds)
+        if len(self._slow_next) >= MAX_PENDING_FAULTS:
+            raise ConfigError(f"at most {MAX_PENDING_FAULTS} delays may wait at once")
+        self._slow_next.append(more)
 
     def hold_next(self) -> Gate:
         """Hold the next submitted chunk's copy until the returned gate is opened."""
