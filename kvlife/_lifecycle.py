@@ -26,12 +26,14 @@ the Lifecycle it belongs to. A Lifecycle compares and hashes by identity, so a
 new request that reuses a rid gets a new Lifecycle that no late ack of the old
 one can reach. Nothing here is looked up by rid; the rid is a label for logs.
 
-Guards are predicates of the number of chunks in flight, seen through three
-classes: 0, 1 and "2 or more". The table is compiled once, at import, into a
-dict keyed by ``(state, event, class)``; compilation refuses a table in which
-two rows match the same key. The hot path reads that dict split by event
-(state -> one destination per class): one dict lookup per event, keyed by a
-state hashed by identity, no per-request machine.
+Guards are predicates of what is in flight: the stores (chunks) and the loads,
+each seen through three classes: 0, 1 and "2 or more" (nine pairs). The table
+is compiled once, at import, into a dict keyed by ``(state, event, (stores,
+loads))``; compilation refuses a table in which two rows match the same key.
+The hot path reads that dict split by event (state -> one destination per
+pair, indexed ``stores + 3 * loads``): one dict lookup per event, keyed by a
+state hashed by identity, no per-request machine. So the state says what is in
+flight: ``OFFLOADING`` while a store is, ``LOADING`` while only loads are.
 
 Chunks from the oldest one in flight onwards are kept in a list in seq order.
 An ack of the oldest chunk pops it, and any acked early right after it, and
@@ -125,8 +127,10 @@ class Event(Enum):
     SUBMIT = "submit"
     #: Start one load: whole pages copied from the host back into device pages.
     LOAD = "load"
-    #: One chunk's copy completed (successfully or not).
+    #: One chunk's copy (a store) completed, successfully or not.
     ACK = "ack"
+    #: One load's copy completed, successfully or not.
+    LOAD_ACK = "load_ack"
     #: Decoding ended, with a :class:`FinishReason`.
     FINISH = "finish"
     #: Hand the device pages back; automatic once a finished Lifecycle drained.
@@ -146,15 +150,24 @@ class FinishReason(Enum):
     RETRACTED = "retracted"
 
 
-#: Guards, by name: predicates of the in-flight class (0, 1, or 2 meaning "2 or more").
-GUARDS: dict[str, Callable[[int], bool]] = {
-    "last_in_flight": lambda inflight: inflight == 1,
-    "more_in_flight": lambda inflight: inflight >= 2,
-    "drained": lambda inflight: inflight == 0,
+#: Guards, by name: predicates of what is in flight before the event, as classes of
+#: (stores, loads), each 0, 1 or 2 meaning "2 or more".
+GUARDS: dict[str, Callable[[int, int], bool]] = {
+    "more_stores": lambda stores, loads: stores >= 2,
+    "last_store": lambda stores, loads: stores == 1 and loads == 0,
+    "last_store_loads_left": lambda stores, loads: stores == 1 and loads >= 1,
+    "stores_in_flight": lambda stores, loads: stores >= 1,
+    "more_loads": lambda stores, loads: loads >= 2,
+    "last_load": lambda stores, loads: loads == 1 and stores == 0,
+    "loads_in_flight": lambda stores, loads: loads >= 1,
+    "drained": lambda stores, loads: stores == 0 and loads == 0,
 }
 
-#: The in-flight classes guards are evaluated on.
-INFLIGHT_CLASSES = (0, 1, 2)
+#: The in-flight classes guards are evaluated on: (stores, loads) pairs, in the order the
+#: hot path indexes them (``stores + 3 * loads``).
+INFLIGHT_CLASSES: tuple[tuple[int, int], ...] = tuple(
+    (stores, loads) for loads in (0, 1, 2) for stores in (0, 1, 2)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,44 +186,55 @@ _S, _E = State, Event
 
 #: The lifecycle, written once. Every (state, event) pair not here is refused.
 TABLE: tuple[Transition, ...] = (
-    Transition(_S.IDLE, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, inflight += 1"),
-    Transition(_S.OFFLOADING, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, inflight += 1"),
+    Transition(_S.IDLE, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, stores += 1"),
+    Transition(_S.OFFLOADING, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, stores += 1"),
+    Transition(_S.LOADING, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, stores += 1"),
+    Transition(_S.OFFLOADING, _E.ACK, _S.OFFLOADING, "more_stores", "settle chunk, stores -= 1"),
     Transition(
-        _S.OFFLOADING, _E.ACK, _S.OFFLOADING, "more_in_flight", "settle chunk, inflight -= 1"
+        _S.OFFLOADING, _E.ACK, _S.LOADING, "last_store_loads_left", "settle chunk, stores -= 1"
     ),
-    Transition(_S.OFFLOADING, _E.ACK, _S.IDLE, "last_in_flight", "settle chunk, inflight -= 1"),
+    Transition(_S.OFFLOADING, _E.ACK, _S.IDLE, "last_store", "settle chunk, stores -= 1"),
+    Transition(_S.IDLE, _E.LOAD, _S.LOADING, None, "record load, loads += 1"),
+    Transition(_S.LOADING, _E.LOAD, _S.LOADING, None, "record load, loads += 1"),
+    Transition(_S.OFFLOADING, _E.LOAD, _S.OFFLOADING, None, "record load, loads += 1"),
+    Transition(
+        _S.OFFLOADING, _E.LOAD_ACK, _S.OFFLOADING, "loads_in_flight", "settle load, loads -= 1"
+    ),
+    Transition(_S.LOADING, _E.LOAD_ACK, _S.LOADING, "more_loads", "settle load, loads -= 1"),
+    Transition(_S.LOADING, _E.LOAD_ACK, _S.IDLE, "last_load", "settle load, loads -= 1"),
     Transition(_S.IDLE, _E.FINISH, _S.FINISHED, None, "record reason"),
     Transition(_S.OFFLOADING, _E.FINISH, _S.FINISHED, None, "record reason"),
-    Transition(_S.FINISHED, _E.ACK, _S.FINISHED, "more_in_flight", "settle chunk, inflight -= 1"),
-    Transition(_S.FINISHED, _E.ACK, _S.FINISHED, "last_in_flight", "settle chunk, inflight -= 1"),
-    Transition(_S.FINISHED, _E.RELEASE, _S.RELEASED, "drained", "call the release callback once"),
-    Transition(_S.IDLE, _E.LOAD, _S.LOADING, None, "record load, inflight += 1"),
-    Transition(_S.LOADING, _E.LOAD, _S.LOADING, None, "record load, inflight += 1"),
-    Transition(_S.OFFLOADING, _E.LOAD, _S.OFFLOADING, None, "record load, inflight += 1"),
-    Transition(_S.LOADING, _E.SUBMIT, _S.OFFLOADING, None, "record chunk, inflight += 1"),
-    Transition(_S.LOADING, _E.ACK, _S.LOADING, "more_in_flight", "settle load, inflight -= 1"),
-    Transition(_S.LOADING, _E.ACK, _S.IDLE, "last_in_flight", "settle load, inflight -= 1"),
     Transition(_S.LOADING, _E.FINISH, _S.FINISHED, None, "record reason"),
+    Transition(
+        _S.FINISHED, _E.ACK, _S.FINISHED, "stores_in_flight", "settle chunk, stores -= 1"
+    ),
+    Transition(
+        _S.FINISHED, _E.LOAD_ACK, _S.FINISHED, "loads_in_flight", "settle load, loads -= 1"
+    ),
+    Transition(_S.FINISHED, _E.RELEASE, _S.RELEASED, "drained", "call the release callback once"),
 )
 
 #: Events that fire themselves as soon as their guard holds.
 AUTOMATIC: frozenset[Event] = frozenset({Event.RELEASE})
 
 
-def compile_table(table: Sequence[Transition]) -> dict[tuple[State, Event, int], State]:
-    """``(state, event, inflight class) -> next state``; refuses a non-deterministic table."""
-    compiled: dict[tuple[State, Event, int], State] = {}
+def compile_table(
+    table: Sequence[Transition],
+) -> dict[tuple[State, Event, tuple[int, int]], State]:
+    """``(state, event, (stores, loads) class) -> next state``; refuses a non-deterministic
+    table."""
+    compiled: dict[tuple[State, Event, tuple[int, int]], State] = {}
     for row in table:
         if row.guard is not None and row.guard not in GUARDS:
             raise ValueError(f"row {row} names unknown guard {row.guard!r}")
         for inflight in INFLIGHT_CLASSES:
-            if row.guard is not None and not GUARDS[row.guard](inflight):
+            if row.guard is not None and not GUARDS[row.guard](*inflight):
                 continue
             key = (row.source, row.event, inflight)
             if key in compiled:
                 raise ValueError(
                     f"table is not deterministic: two rows for {row.event.value} in "
-                    f"{row.source.name} with inflight class {inflight}"
+                    f"{row.source.name} with (stores, loads) in flight {inflight}"
                 )
             compiled[key] = row.dest
     return compiled
@@ -218,30 +242,34 @@ def compile_table(table: Sequence[Transition]) -> dict[tuple[State, Event, int],
 
 _NEXT = compile_table(TABLE)
 _IDLE, _OFFLOADING, _LOADING, _FINISHED, _RELEASED = State
-_SUBMIT, _LOAD, _ACK, _FINISH, _RELEASE = Event
+_SUBMIT, _LOAD, _ACK, _LOAD_ACK, _FINISH, _RELEASE = Event
 
-#: A destination per in-flight class (index 0, 1, 2); ``None`` where the table refuses.
-_Row = tuple["State | None", "State | None", "State | None"]
-_REFUSED: _Row = (None, None, None)
+#: A destination per in-flight class, indexed ``stores + 3 * loads``; ``None`` where the
+#: table refuses.
+_Row = tuple["State | None", ...]
+_REFUSED: _Row = (None,) * len(INFLIGHT_CLASSES)
 
 
-def _rows_of(compiled: dict[tuple[State, Event, int], State], event: Event) -> dict[State, _Row]:
+def _rows_of(
+    compiled: dict[tuple[State, Event, tuple[int, int]], State], event: Event
+) -> dict[State, _Row]:
     """The compiled table's entries for one event: state -> destination per in-flight class."""
     rows: dict[State, _Row] = {}
     for state in State:
         dests = tuple(compiled.get((state, event, c)) for c in INFLIGHT_CLASSES)
         if dests != _REFUSED:
-            rows[state] = (dests[0], dests[1], dests[2])
+            rows[state] = dests
     return rows
 
 
 def _flat(rows: dict[State, _Row]) -> dict[State, State]:
     """``state -> destination`` of an event whose rows have no guard (one per state)."""
     flat: dict[State, State] = {}
-    for state, (d0, d1, d2) in rows.items():
-        if d0 is None or not (d0 is d1 is d2):
+    for state, dests in rows.items():
+        first = dests[0]
+        if first is None or any(d is not first for d in dests):
             raise ValueError(f"{state.name}: the event's destination depends on a guard")
-        flat[state] = d0
+        flat[state] = first
     return flat
 
 
@@ -251,6 +279,7 @@ def _flat(rows: dict[State, _Row]) -> dict[State, State]:
 _ON_SUBMIT = _flat(_rows_of(_NEXT, _SUBMIT))
 _ON_LOAD = _flat(_rows_of(_NEXT, _LOAD))
 _ON_ACK = _rows_of(_NEXT, _ACK)
+_ON_LOAD_ACK = _rows_of(_NEXT, _LOAD_ACK)
 _ON_FINISH = _flat(_rows_of(_NEXT, _FINISH))
 _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
 
@@ -358,7 +387,7 @@ class Lifecycle:
         "_chunks",
         "_finish_reason",
         "_hasher",
-        "_inflight",
+        "_nloads",
         "_last_hash",
         "_loads",
         "_loads_started",
@@ -368,6 +397,7 @@ class Lifecycle:
         "_pages_submitted",
         "_rid",
         "_state",
+        "_stores",
         "_tail",
         "owner",
     )
@@ -390,7 +420,8 @@ class Lifecycle:
         self._on_release = on_release
         self._hasher = hasher
         self._state = _IDLE
-        self._inflight = 0
+        self._stores = 0  # chunks in flight
+        self._nloads = 0  # loads in flight
         self._pages_submitted = 0
         self._last_hash = prior_hash
         self._tail = prior_hash
@@ -425,7 +456,17 @@ class Lifecycle:
     @property
     def inflight(self) -> int:
         """Chunks and loads started and not yet acked."""
-        return self._inflight
+        return self._stores + self._nloads
+
+    @property
+    def stores_in_flight(self) -> int:
+        """Chunks (stores) submitted and not yet acked."""
+        return self._stores
+
+    @property
+    def loads_in_flight_count(self) -> int:
+        """Loads started and not yet acked."""
+        return self._nloads
 
     @property
     def tokens_submitted(self) -> int:
@@ -465,7 +506,7 @@ class Lifecycle:
         """Every observable field, for comparing whole states."""
         return LifecycleSnapshot(
             self._state,
-            self._inflight,
+            self._stores + self._nloads,
             self.tokens_submitted,
             self._last_hash,
             self._tail,
@@ -477,7 +518,7 @@ class Lifecycle:
 
     def __repr__(self) -> str:
         return (
-            f"<Lifecycle rid={self._rid!r} {self._state.name} inflight={self._inflight} "
+            f"<Lifecycle rid={self._rid!r} {self._state.name} inflight={self.inflight} "
             f"id=0x{id(self):x}>"
         )
 
@@ -508,6 +549,11 @@ class Lifecycle:
             raise self._refuse(
                 InvalidChunk, _SUBMIT, f"the hasher gave {len(keys)} keys for {pages} pages"
             )
+        for key in keys:  # a plain loop: no generator frame per chunk
+            if type(key) is not str or not key:
+                raise self._refuse(
+                    InvalidChunk, _SUBMIT, f"the hasher gave key {key!r}, not a non-empty str"
+                )
         seq = self._next_seq
         first_page = self._pages_submitted
         ticket = (self, seq, keys, first_page)
@@ -515,7 +561,7 @@ class Lifecycle:
         self._next_seq = seq + 1
         self._pages_submitted = first_page + pages
         self._tail = keys[-1]
-        self._inflight += 1
+        self._stores += 1
         self._state = dest
         return ticket
 
@@ -531,9 +577,12 @@ class Lifecycle:
             return self._ack_other(ticket)
         # The oldest chunk in flight, the common case: it is this Lifecycle's (only its
         # own tickets are in _chunks) and in flight, so it needs no further check.
-        inflight = self._inflight  # _ack_next_state, inlined: this is the hot path
+        stores = self._stores  # _ack_next_state, inlined: this is the hot path
+        loads = self._nloads
         try:
-            dest = _ON_ACK[self._state][inflight if inflight < 2 else 2]
+            dest = _ON_ACK[self._state][
+                (stores if stores < 2 else 2) + (0 if not loads else 3 if loads == 1 else 6)
+            ]
         except KeyError:  # unreachable while the table and the checks agree
             dest = None
         if dest is None:
@@ -548,9 +597,9 @@ class Lifecycle:
             del chunks[0]
             last = head.last_key
         self._last_hash = last
-        self._inflight = inflight - 1
+        self._stores = stores - 1
         self._state = dest
-        if dest is _FINISHED and inflight == 1:
+        if dest is _FINISHED and stores == 1 and not loads:
             self._release()
         return None
 
@@ -579,13 +628,12 @@ class Lifecycle:
             raise self._ack_refusal(seq, chunk)
         if not index:  # an equal copy of the oldest chunk's ticket: settle the original
             return self.ack(chunk)  # type: ignore[arg-type]
-        inflight = self._inflight
-        dest = self._ack_next_state(inflight)
+        dest = self._ack_next_state(_ON_ACK, _ACK)
         # An earlier chunk is still in flight: remember this one's last key (from the
         # ticket it issued, not the copy). That earlier chunk keeps the Lifecycle from
         # draining, so nothing is released here.
         chunks[index] = _Settled(chunk[2][-1])  # type: ignore[index]
-        self._inflight = inflight - 1
+        self._stores -= 1
         self._state = dest
         return None
 
@@ -596,13 +644,17 @@ class Lifecycle:
         release while it is, so the device pages it writes stay the request's.
         """
         if type(keys) is not list and type(keys) is not tuple:
+            if isinstance(keys, (str, bytes, bytearray, memoryview)):  # not one key per item
+                raise self._refuse(
+                    InvalidChunk, _LOAD, f"expected a sequence of keys, got {type(keys).__name__}"
+                )
             _check_tokens(keys, self._refuse, _LOAD)
         loaded = tuple(keys)
         if not loaded:
             raise self._refuse(InvalidChunk, _LOAD, "a load needs one or more str keys")
         for key in loaded:  # a plain loop: no generator frame per load
-            if type(key) is not str:
-                raise self._refuse(InvalidChunk, _LOAD, f"key {key!r} is not a str")
+            if type(key) is not str or not key:
+                raise self._refuse(InvalidChunk, _LOAD, f"key {key!r} is not a non-empty str")
         dest = self._next_state(_ON_LOAD, _LOAD)
         seq = self._loads_started
         ticket = _new_ticket(LoadTicket, (self, seq, loaded))
@@ -610,25 +662,25 @@ class Lifecycle:
             self._loads = {}
         self._loads[seq] = ticket
         self._loads_started = seq + 1
-        self._inflight += 1
+        self._nloads += 1
         self._state = dest
         return ticket
 
     def _ack_load(self, ticket: LoadTicket) -> None:
         owner, seq = ticket.lifecycle, ticket.seq
         if owner is not self:
-            raise self._refuse(ForeignAck, _ACK, f"load {seq} belongs to {owner!r}")
+            raise self._refuse(ForeignAck, _LOAD_ACK, f"load {seq!r} belongs to {owner!r}")
         loads = self._loads or {}
-        if loads.get(seq) != ticket:
+        known = loads.get(seq) if type(seq) is int else None  # a forged seq may not hash
+        if known is None or known[2] != ticket[2]:
             if type(seq) is int and 0 <= seq < self._loads_started and seq not in loads:
-                raise self._refuse(DuplicateAck, _ACK, f"load {seq} was already acked")
-            raise self._refuse(UnknownChunk, _ACK, f"load {seq!r} was never started")
-        inflight = self._inflight
-        dest = self._ack_next_state(inflight)
+                raise self._refuse(DuplicateAck, _LOAD_ACK, f"load {seq} was already acked")
+            raise self._refuse(UnknownChunk, _LOAD_ACK, f"load {seq!r} was never started")
+        dest = self._ack_next_state(_ON_LOAD_ACK, _LOAD_ACK)
         del loads[seq]
-        self._inflight = inflight - 1
+        self._nloads -= 1
         self._state = dest
-        if dest is _FINISHED and inflight == 1:
+        if dest is _FINISHED and not self._stores and not self._nloads:
             self._release()
 
     def finish(self, reason: FinishReason = FinishReason.FINISHED) -> None:
@@ -638,7 +690,7 @@ class Lifecycle:
         dest = self._next_state(_ON_FINISH, _FINISH)
         self._finish_reason = reason
         self._state = dest
-        if not self._inflight:
+        if not self._stores and not self._nloads:
             self._release()
 
     def _release(self) -> None:
@@ -655,11 +707,14 @@ class Lifecycle:
                     ident=id(self),
                 ) from exc
 
-    def _ack_next_state(self, inflight: int) -> State:
-        """The table's destination of an ack with ``inflight`` in flight (before it)."""
-        dest = _ON_ACK.get(self._state, _REFUSED)[inflight if inflight < 2 else 2]
+    def _ack_next_state(self, rows: dict[State, _Row], event: Event) -> State:
+        """The table's destination of an ack (``rows``: a store's or a load's) with what is
+        in flight now, before it."""
+        stores, loads = self._stores, self._nloads
+        index = min(stores, 2) + 3 * min(loads, 2)
+        dest = rows.get(self._state, _REFUSED)[index]
         if dest is None:  # unreachable while the table and the ack checks agree
-            raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
+            raise self._refuse(InvalidTransition, event, "the table has no such transition")
         return dest
 
     def _next_state(self, rows: dict[State, State], event: Event) -> State:

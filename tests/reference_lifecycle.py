@@ -23,7 +23,6 @@ from transitions import Machine, MachineError
 from kvlife._lifecycle import (
     AUTOMATIC,
     GUARDS,
-    INFLIGHT_CLASSES,
     TABLE,
     Event,
     FinishReason,
@@ -107,20 +106,17 @@ class _MachineModel:
     def __init__(self, owner: ReferenceLifecycle) -> None:
         self.owner = owner
 
-    def _inflight_class(self) -> int:
-        return min(self.owner.inflight, INFLIGHT_CLASSES[-1])
+    def _inflight_class(self) -> tuple[int, int]:
+        """(stores, loads) in flight, each capped at 2, as the guards read them."""
+        stores = self.owner.acked.count(False)
+        loads = self.owner.loads_acked.count(False)
+        return min(stores, 2), min(loads, 2)
 
-    @property
-    def more_in_flight(self) -> bool:
-        return GUARDS["more_in_flight"](self._inflight_class())
-
-    @property
-    def last_in_flight(self) -> bool:
-        return GUARDS["last_in_flight"](self._inflight_class())
-
-    @property
-    def drained(self) -> bool:
-        return GUARDS["drained"](self._inflight_class())
+    def __getattr__(self, name: str) -> bool:
+        """A guard of the table, by name (``transitions`` reads conditions as attributes)."""
+        if name not in GUARDS:
+            raise AttributeError(name)
+        return GUARDS[name](*self._inflight_class())
 
 
 class ReferenceLifecycle:
@@ -221,7 +217,7 @@ class ReferenceLifecycle:
 
     def load(self, keys: Sequence[str]) -> int:
         """Record a load of ``keys``; return its load seq."""
-        if not keys or not all(isinstance(key, str) for key in keys):
+        if isinstance(keys, str) or not keys or not all(isinstance(k, str) and k for k in keys):
             raise self._error(InvalidChunk, Event.LOAD, "bad keys")
         self._fire(Event.LOAD)
         self.loads.append(tuple(keys))
@@ -233,13 +229,14 @@ class ReferenceLifecycle:
         self._settle(owner, seq, self.loads_acked)
 
     def _settle(self, owner: ReferenceLifecycle, seq: int, acked: list[bool]) -> None:
+        event = Event.ACK if acked is self.acked else Event.LOAD_ACK
         if owner is not self:
-            raise self._error(ForeignAck, Event.ACK, "foreign")
+            raise self._error(ForeignAck, event, "foreign")
         if not 0 <= seq < len(acked):
-            raise self._error(UnknownChunk, Event.ACK, "unknown")
+            raise self._error(UnknownChunk, event, "unknown")
         if acked[seq]:
-            raise self._error(DuplicateAck, Event.ACK, "duplicate")
-        self._fire(Event.ACK)  # guards see the count before this ack
+            raise self._error(DuplicateAck, event, "duplicate")
+        self._fire(event)  # guards see the counts before this ack
         acked[seq] = True
         self._fire_automatic()  # release sees the count after it
 

@@ -513,20 +513,21 @@ def test_every_ack_order_and_finish_point_keeps_page_order(order: tuple[int, ...
             assert released.calls == ([lc] if state is State.RELEASED else [])
 
 
-def test_out_of_order_acks_keep_page_order_whatever_the_key_type() -> None:
-    """A pluggable scheme may return keys of any type; the acked prefix still moves in order."""
+@pytest.mark.parametrize("bad", [b"\x02\x00", 7, "", None])
+def test_a_hasher_key_that_is_not_a_non_empty_str_is_refused(bad: object) -> None:
+    """One key type per ticket: a pluggable scheme's keys are hex-digest ``str``s, so
+    ``last_hash`` and the store's names are too; bytes, ints and "" are refused before
+    anything changes (issue 23, item 10: an int-key hasher was accepted)."""
 
-    def byte_keys(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
-        return [bytes([len(tokens), i]) for i in range(len(tokens) // page_size)]  # type: ignore[misc]
+    def odd_keys(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+        return ["k" * (i + 1) for i in range(len(tokens) // page_size - 1)] + [bad]  # type: ignore[list-item]
 
-    lc = Lifecycle("r", page_size=2, hasher=byte_keys)
-    t0, t1 = lc.submit([1, 2]), lc.submit([3, 4, 5, 6])
-    lc.ack(t1)
-    assert lc.last_hash is None and lc.chunks_in_flight() == (t0,)
-    with pytest.raises(DuplicateAck):
-        lc.ack(t1)
-    lc.ack(t0)
-    assert lc.last_hash == t1[2][-1] and lc.snapshot().in_flight_seqs == ()
+    lc = Lifecycle("r", page_size=2, hasher=odd_keys)
+    before = lc.snapshot()
+    for tokens in ([1, 2], [1, 2, 3, 4]):
+        with pytest.raises(InvalidChunk, match="not a non-empty str"):
+            lc.submit(tokens)
+        assert lc.snapshot() == before
 
 
 def test_rid_and_page_size_are_fixed_for_the_life() -> None:

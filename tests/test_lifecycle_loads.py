@@ -45,8 +45,8 @@ class _LoadNotCounted(Lifecycle):
 
     def load(self, keys: Any) -> LoadTicket:
         ticket = super().load(keys)
-        self._inflight -= 1
-        if self._inflight == 0 and self._state is State.LOADING:
+        self._nloads -= 1
+        if self.inflight == 0 and self._state is State.LOADING:
             self._state = State.IDLE
         return ticket
 
@@ -145,7 +145,11 @@ def refused(lc: Lifecycle, call: Any, kind: type[Exception], event: Event) -> No
     assert (lc.snapshot(), lc.loads_in_flight()) == before
 
 
-@pytest.mark.parametrize("keys", [[], [5], None, (k for k in ["a"]), {"a"}, {"a": 1}])
+@pytest.mark.parametrize(
+    "keys",
+    # "abcd" would be four one-letter keys, b"ab" two ints; "" is no key (issue 23, item 9).
+    [[], [5], None, (k for k in ["a"]), {"a"}, {"a": 1}, "abcd", b"ab", [""], ["a", ""]],
+)
 def test_a_malformed_load_is_refused(keys: Any) -> None:
     lc = Lifecycle("r", page_size=PAGE)
     refused(lc, lambda: lc.load(keys), InvalidChunk, Event.LOAD)
@@ -167,14 +171,18 @@ def test_load_acks_duplicate_foreign_and_unknown_are_refused() -> None:
     first, second = lc.load(["k1"]), lc.load(["k2"])
     lc.ack(first)
     assert lc.state is State.LOADING and lc.loads_in_flight() == (second,)
-    refused(lc, lambda: lc.ack(first), DuplicateAck, Event.ACK)
-    refused(lc, lambda: lc.ack(other.load(["k3"])), ForeignAck, Event.ACK)
+    refused(lc, lambda: lc.ack(first), DuplicateAck, Event.LOAD_ACK)
+    refused(lc, lambda: lc.ack(other.load(["k3"])), ForeignAck, Event.LOAD_ACK)
     for forged in (
         LoadTicket(lc, 7, ("k1",)),
         LoadTicket(lc, -1, ("k1",)),
         second._replace(keys=("x",)),
+        # Forged fields that do not hash or compare: a typed refusal, not a TypeError.
+        LoadTicket(lc, [1], ("k1",)),  # type: ignore[arg-type]
+        LoadTicket(lc, 1.0, ("k1",)),  # type: ignore[arg-type]
+        LoadTicket(lc, None, None),  # type: ignore[arg-type]
     ):
-        refused(lc, lambda f=forged: lc.ack(f), UnknownChunk, Event.ACK)
+        refused(lc, lambda f=forged: lc.ack(f), UnknownChunk, Event.LOAD_ACK)
     lc.ack(second)
     assert lc.state is State.IDLE and lc.inflight == 0
 
@@ -186,7 +194,9 @@ def test_loads_and_stores_ack_in_any_order_and_release_once() -> None:
     load = lc.load(["k1"])
     assert lc.state is State.OFFLOADING and lc.inflight == 2
     lc.ack(store)
-    assert lc.state is State.OFFLOADING and lc.inflight == 1
+    # Only the load is in flight now: the state says so (it stayed OFFLOADING before).
+    assert lc.state is State.LOADING and lc.inflight == 1
+    assert (lc.stores_in_flight, lc.loads_in_flight_count) == (0, 1)
     lc.ack(load)
     assert lc.state is State.IDLE
     lc.finish()
