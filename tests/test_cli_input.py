@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kvlife(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def kvlife(
+    *args: str, timeout: float = 60, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "kvlife", *args],
@@ -25,6 +29,7 @@ def kvlife(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         check=False,
         env=env,
+        cwd=cwd,
     )
 
 
@@ -115,3 +120,84 @@ def test_defect14_a_used_store_dir_gives_no_false_failure(tmp_path: Path) -> Non
     assert first["ok"] and second["ok"]
     assert second["misfiled_pages"] == second["corrupted_pages"] == 0
     assert second["pages_verified"] == second["pages_stored"] > 0
+
+
+#: Broken ``--runtime`` modules: (module source, factory name, what the refusal names).
+BROKEN_RUNTIMES = {
+    "factory-raises": (
+        "def factory():\n    raise RuntimeError('no GPU here')\n",
+        "factory",
+        "factory() raised RuntimeError: no GPU here",
+    ),
+    "factory-returns-none": ("def factory():\n    return None\n", "factory", "returned None"),
+    "factory-returns-an-int": ("def factory():\n    return 7\n", "factory", "returned 7"),
+    "factory-needs-an-argument": (
+        "def factory(page_size):\n    return None\n",
+        "factory",
+        "missing 1 required positional argument",
+    ),
+    "import-raises": ("raise ValueError('bad config')\n", "factory", "ValueError: bad config"),
+    "import-exits": ("import sys\nsys.exit(3)\n", "factory", "SystemExit: 3"),
+    "syntax-error": ("def factory(:\n", "factory", "SyntaxError"),
+    "half-an-adapter": (
+        textwrap.dedent(
+            """
+            class Half:
+                page_size = 2
+                namespace = None
+                def start(self, rid, prompt):
+                    return rid
+                step = 3  # not a method
+            def factory():
+                return Half()
+            """
+        ),
+        "factory",
+        "not a RuntimeAdapter: missing close, complete,",
+    ),
+    "not-callable": ("factory = 3\n", "factory", "is not callable"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_RUNTIMES))
+def test_issue23_a_broken_runtime_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+    """It was a traceback (exit 1), or a FAILED verdict naming AttributeError."""
+    source, factory, says = BROKEN_RUNTIMES[case]
+    (tmp_path / "broken_runtime.py").write_text(source)
+    done = kvlife("check", "--runtime", f"broken_runtime:{factory}", cwd=tmp_path, timeout=60)
+    assert_refused(done, "check", says)
+    assert "broken_runtime" in done.stderr  # the refusal names the runtime
+
+
+def test_issue23_a_relative_runtime_name_is_refused(tmp_path: Path) -> None:
+    done = kvlife("check", "--runtime", ".broken_runtime:factory", cwd=tmp_path, timeout=60)
+    assert_refused(done, "check", "relative")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import threading\nthreading.Event().wait()\n",  # the import never returns
+        "import time\ndef factory():\n    time.sleep(3600)\n",  # the factory never returns
+    ],
+    ids=["import-blocks", "factory-blocks"],
+)
+def test_issue23_a_runtime_that_blocks_is_refused_at_the_deadline(
+    tmp_path: Path, source: str
+) -> None:
+    """It hung for ever; now the import and the first factory call have --runtime-timeout."""
+    (tmp_path / "blocking_runtime.py").write_text(source)
+    t0 = time.monotonic()
+    done = kvlife(
+        "check", "--runtime", "blocking_runtime:factory", "--runtime-timeout", "1",
+        cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert_refused(done, "check", "did not return within 1.0 s")
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf"])
+def test_issue23_the_runtime_deadline_is_a_positive_finite_time(timeout: str) -> None:
+    done = kvlife("check", "--runtime", "x:y", "--runtime-timeout", timeout, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "runtime-timeout" in done.stderr

@@ -8,6 +8,7 @@ neither skip nor repeat an interleaving unnoticed.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mutant_runtimes import MUTANTS, reported
@@ -16,6 +17,7 @@ from kvlife import FinishReason
 from kvlife.cli import main
 from kvlife.errors import ConfigError
 from kvlife.testing import KitOptions, ManagerAdapter
+from kvlife.testing.command import adapter_problem, load_runtime
 from kvlife.testing.exhaustive import (
     CheckConfig,
     check_exhaustively,
@@ -189,7 +191,7 @@ def test_cli_json_and_exit_status(
     assert main(["check", "--requests", "1", "--chunks", "1", *runtime, "--json"]) == 2
     capsys.readouterr()  # a dotted name with a dash is not an attribute: refused, exit 2
     monkeypatch.setattr(
-        "kvlife.testing.command.load_factory", lambda spec: MUTANTS["release-in-flight"]
+        "kvlife.testing.command.load_factory", lambda spec, **_: MUTANTS["release-in-flight"]
     )
     assert main(["check", "--requests", "1", "--chunks", "1", "--runtime", "x:y", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
@@ -208,3 +210,38 @@ def test_bad_bounds_are_refused() -> None:
     assert main(["check", "--reasons", "aborted"]) == 2
     assert main(["check", "--runtime", "no_such_module_here:factory"]) == 2
     assert main(["check", "--runtime", "nocolon"]) == 2
+
+
+def test_issue23_the_checked_adapter_is_the_first_one_the_check_drives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_runtime calls the factory once to check what it returns, and the check starts
+    with that adapter: nothing is built twice, and a later call is the factory's own."""
+    (tmp_path / "counted_runtime.py").write_text(
+        "from kvlife.testing import ManagerAdapter\n"
+        "MADE = []\n"
+        "def factory():\n"
+        "    MADE.append(ManagerAdapter(page_size=2))\n"
+        "    return MADE[-1]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    factory = load_runtime("counted_runtime:factory", timeout=30)
+    import counted_runtime  # type: ignore[import-not-found]
+
+    assert len(counted_runtime.MADE) == 1
+    assert factory() is counted_runtime.MADE[0]
+    assert factory() is counted_runtime.MADE[1] and len(counted_runtime.MADE) == 2
+    report = check_exhaustively(CheckConfig(requests=1, chunks=1), factory)
+    assert report.ok and report.interleavings == report.total
+
+
+def test_issue23_adapter_problem_names_every_missing_member() -> None:
+    assert adapter_problem(ManagerAdapter()) is None
+    assert adapter_problem(MUTANTS["release-in-flight"]()) is None
+    problem = adapter_problem(None)
+    assert problem is not None and "page_size" in problem and "start" in problem
+
+    class NotAMethod(ManagerAdapter):
+        poll = 3  # type: ignore[assignment]
+
+    assert adapter_problem(NotAMethod()) == "not a RuntimeAdapter: missing poll"

@@ -3,6 +3,18 @@
 By default the runtime is kvlife's own manager; ``--runtime module:factory`` names a
 zero-argument callable that returns a :class:`~kvlife.testing.RuntimeAdapter` (yours),
 imported from the current directory or the installed packages.
+
+A runtime that cannot be loaded is refused before any interleaving runs, with one
+:class:`~kvlife.errors.ConfigError` naming the problem (``kvlife check`` prints it on
+one line and exits 2): a module that cannot be imported or raises while it is (a
+syntax error, a relative name, ``sys.exit``), a factory that is missing, not callable,
+raises, or returns something without the adapter's members, and an import or a first
+factory call still running after ``--runtime-timeout`` seconds. Both run on a daemon
+thread joined with that timeout: the module is imported once, in this process, and the
+adapter that first call returns is the one the check starts with, so nothing is built
+twice; a call that never returns is left behind on its daemon thread, which does not
+keep the process alive (a subprocess probe would import the runtime twice and still
+leave the second import without a deadline).
 """
 
 from __future__ import annotations
@@ -10,8 +22,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
+import reprlib
 import sys
+import threading
 from collections.abc import Callable
 from typing import cast
 
@@ -21,7 +36,14 @@ from kvlife.testing.adapter import RuntimeAdapter
 from kvlife.testing.exhaustive import CheckConfig, CheckReport, check_exhaustively
 from kvlife.testing.options import KitOptions
 
-__all__ = ["load_factory", "register"]
+__all__ = ["RUNTIME_TIMEOUT_S", "adapter_problem", "load_factory", "load_runtime", "register"]
+
+#: Seconds the ``--runtime`` import, and then the factory's first call, may each take.
+RUNTIME_TIMEOUT_S = 60.0
+
+#: What an object needs to be driven as a RuntimeAdapter: its methods, then its data.
+_METHODS = tuple(sorted(n for n, v in vars(RuntimeAdapter).items() if callable(v) and n[0] != "_"))
+_DATA = tuple(sorted(n for n in RuntimeAdapter.__annotations__ if n[0] != "_"))
 
 
 def _reasons(text: str) -> tuple[FinishReason, ...]:
@@ -33,29 +55,130 @@ def _reasons(text: str) -> tuple[FinishReason, ...]:
         raise argparse.ArgumentTypeError(f"reasons are a comma list of {known}") from None
 
 
-def load_factory(spec: str) -> Callable[[], RuntimeAdapter]:
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, finite, got {text!r}")
+    return value
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line (a refusal is one line of stderr), cut at ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _describe(exc: BaseException) -> str:
+    return _one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+def _within(seconds: float, call: Callable[[], object], what: str) -> object:
+    """``call()`` on a daemon thread joined for ``seconds``: its result, or ConfigError
+    saying ``what`` raised (the exception is the ``__cause__``) or did not return."""
+    outcome: list[tuple[bool, object]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # SystemExit too: the runtime's, reported, never ours
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="kvlife-check-runtime", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise ConfigError(
+            f"{what} did not return within {seconds} s (--runtime-timeout): does it wait "
+            "for a device, a server or a lock?"
+        )
+    ok, value = outcome[0]
+    if not ok:
+        assert isinstance(value, BaseException)
+        raise ConfigError(f"{what} raised {_describe(value)}") from value
+    return value
+
+
+def load_factory(spec: str, *, timeout: float = RUNTIME_TIMEOUT_S) -> Callable[[], object]:
     """``"module:factory"`` (``factory`` may be dotted: ``module:Class.method``) -> callable.
 
-    The current directory is searched first, as ``python -m`` does. Refused with
-    :class:`~kvlife.testing.exhaustive.ConfigError` if it cannot be imported or called.
+    The current directory is searched first, as ``python -m`` does; the import runs under
+    ``timeout`` seconds. Refused with :class:`~kvlife.errors.ConfigError` if it cannot
+    be imported (it raised, or took too long), or names nothing callable.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"--runtime wants module:factory, got {spec!r}")
+    if module_name.startswith("."):
+        raise ConfigError(
+            f"--runtime {spec}: {module_name!r} is a relative name; give the module's "
+            "absolute name (run from the directory that holds it)"
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        target: object = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"--runtime {spec}: cannot import {module_name!r}: {exc}") from None
+        what = f"--runtime {spec}: importing {module_name!r}"
+        target = _within(timeout, lambda: importlib.import_module(module_name), what)
+    except ConfigError as exc:
+        if not isinstance(exc.__cause__, ImportError):
+            raise
+        why = _describe(exc.__cause__)
+        raise ConfigError(f"--runtime {spec}: cannot import {module_name!r}: {why}") from None
     for part in attr.split("."):
         try:
             target = getattr(target, part)
-        except AttributeError:
+        except Exception:  # AttributeError, or whatever a module __getattr__ raises
             raise ConfigError(f"--runtime {spec}: {module_name} has no {attr!r}") from None
     if not callable(target):
         raise ConfigError(f"--runtime {spec}: {attr!r} is not callable")
-    return cast(Callable[[], RuntimeAdapter], target)
+    return cast(Callable[[], object], target)
+
+
+def adapter_problem(obj: object) -> str | None:
+    """Why ``obj`` cannot be driven as a :class:`RuntimeAdapter` (the members it lacks, or
+    has as something that is not a method), or ``None`` if it can."""
+    missing = []
+    for name in (*_METHODS, *_DATA):
+        try:
+            member = getattr(obj, name)
+        except Exception:  # AttributeError, or a property that raises
+            missing.append(name)
+            continue
+        if name in _METHODS and not callable(member):
+            missing.append(name)
+    if not missing:
+        return None
+    return f"not a RuntimeAdapter: missing {', '.join(sorted(missing))}"
+
+
+def _safe_repr(obj: object) -> str:
+    try:
+        return _one_line(reprlib.repr(obj), 80)
+    except Exception:  # a __repr__ that raises
+        return f"a {type(obj).__name__}"
+
+
+def load_runtime(spec: str, *, timeout: float = RUNTIME_TIMEOUT_S) -> Callable[[], RuntimeAdapter]:
+    """The factory ``spec`` names, checked: imported (:func:`load_factory`), called once
+    under ``timeout`` seconds, its result checked to be a :class:`RuntimeAdapter`.
+
+    The returned factory hands out that first adapter, then calls the factory. Each
+    problem is one :class:`~kvlife.errors.ConfigError` naming it; nothing has run yet.
+    """
+    factory = load_factory(spec, timeout=timeout)
+    what = f"--runtime {spec}: {spec.partition(':')[2]}()"
+    first = _within(timeout, factory, what)
+    problem = adapter_problem(first)
+    if problem is not None:
+        raise ConfigError(f"{what} returned {_safe_repr(first)}, {problem}")
+    made = [cast(RuntimeAdapter, first)]
+
+    def first_then_factory() -> RuntimeAdapter:
+        return made.pop() if made else cast(RuntimeAdapter, factory())
+
+    return first_then_factory
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -81,6 +204,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--runtime",
         metavar="MODULE:FACTORY",
         help="a zero-argument callable returning your RuntimeAdapter (default: kvlife's manager)",
+    )
+    p.add_argument(
+        "--runtime-timeout",
+        type=_timeout,
+        default=RUNTIME_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds the --runtime import, then its factory's first call, may each take "
+        f"(default: {RUNTIME_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--reasons",
@@ -133,7 +264,7 @@ def _config(args: argparse.Namespace) -> CheckConfig:
 
 def _check(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    factory = load_factory(args.runtime) if args.runtime else None
+    factory = load_runtime(args.runtime, timeout=args.runtime_timeout) if args.runtime else None
     report = check_exhaustively(cfg, factory, jobs=max(1, args.jobs))
     if args.json:
         print(json.dumps(report.as_dict()))
