@@ -48,14 +48,17 @@ from kvlife.errors import (
     StoreClosed,
     StoreError,
     StoreUnavailable,
+    TierError,
     UnallocatedHostPage,
     UnknownChunk,
 )
+from kvlife.refusals import Refusals
 
 if TYPE_CHECKING:
     from kvlife.engine.base import Ack
     from kvlife.engine.cpu import CpuCopyEngine
     from kvlife.engine.cuda import CudaCopyEngine
+    from kvlife.host_tier import HostTier, Lookup
     from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
     from kvlife.manager import ManagerMetrics, OffloadManager, OffloadRequest
     from kvlife.pool import HostPagePool
@@ -69,6 +72,8 @@ _LAZY = {
     "Ack": "kvlife.engine.base",
     "CpuCopyEngine": "kvlife.engine.cpu",
     "CudaCopyEngine": "kvlife.engine.cuda",
+    "HostTier": "kvlife.host_tier",
+    "Lookup": "kvlife.host_tier",
     "KVLayout": "kvlife.layout",
     "LayerFirstLayout": "kvlife.layout",
     "MLALayout": "kvlife.layout",
@@ -108,6 +113,7 @@ __all__ = [
     "GroupBroken",
     "HashingError",
     "HostPagePool",
+    "HostTier",
     "InvalidChunk",
     "InvalidEvent",
     "InvalidPut",
@@ -120,6 +126,7 @@ __all__ = [
     "LifecycleSnapshot",
     "LoadTicket",
     "LocalDirectoryStore",
+    "Lookup",
     "MLALayout",
     "ManagerError",
     "ManagerMetrics",
@@ -131,11 +138,13 @@ __all__ = [
     "PageFirstLayout",
     "PageMismatch",
     "PoolError",
+    "Refusals",
     "ReleaseCallbackError",
     "State",
     "StoreClosed",
     "StoreError",
     "StoreUnavailable",
+    "TierError",
     "Ticket",
     "Transition",
     "UnallocatedHostPage",

@@ -138,6 +138,17 @@ class GroupBroken(AgreementError, RuntimeError):
     Nothing from the failing poll was applied."""
 
 
+class TierError(KVLifeError, ValueError):
+    """The host tier refused an event: a completion of a key with nothing in flight, a
+    load of a key that is not ready, a key of the wrong type. Nothing changed; inside a
+    host runtime it is counted (:class:`~kvlife.refusals.Refusals`), raised only when
+    strict. ``key`` names the key refused (``None`` for a refusal of the whole call)."""
+
+    def __init__(self, message: str, *, key: object = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class StoreError(KVLifeError):
     """Base of every error the storage tier raises or reports. Raised as is, or reported
     as a put's ``StoreResult.error``, for a put or read that failed: a fault the store's
@@ -236,6 +247,7 @@ __all__ = [
     "StoreClosed",
     "StoreError",
     "StoreUnavailable",
+    "TierError",
     "UnallocatedHostPage",
     "UnknownChunk",
 ]

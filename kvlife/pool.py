@@ -140,6 +140,20 @@ class HostPagePool:
         if not held:
             del self._owned[id(owner)]
 
+    def transfer(self, pages: Sequence[int], owner: object, new_owner: object) -> None:
+        """Hand ``pages`` (all owned by ``owner``) to ``new_owner`` without freeing them (a
+        chunk's staged pages kept by the host tier); every page is checked first."""
+        if new_owner is None:
+            raise PoolError("new_owner must not be None (None marks a free page)")
+        self.free(pages, owner)  # every check (duplicates refused); then they are free...
+        if not pages:
+            return
+        del self._free[-len(pages) :]  # ...and taken straight back: free() pushed them last
+        owners = self._owner
+        for p in pages:
+            owners[p] = new_owner
+        self._owned.setdefault(id(new_owner), set()).update(pages)
+
     def _check(self, page: object) -> int:
         if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < len(self._owner):
             raise PoolError(f"host page {page!r} out of range [0, {len(self._owner)})")

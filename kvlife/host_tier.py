@@ -1,0 +1,591 @@
+"""The host tier: host pages held under their keys, for stores in flight, loads and reuse.
+
+Theory of operation
+===================
+
+A host tier maps a page's key (its hash-chain key) to a host page of a
+:class:`~kvlife.pool.HostPagePool`. Each :class:`HostEntry` is either
+*pending* (a store copy is writing its page: never a hit) or *ready*; a ready
+entry has a pin *count*, one per reader in flight (a load copying the page to a
+device, a store write reading it). An entry is evictable only when it is ready,
+unpinned and not one of the keys the same store offers; evictable entries sit in
+one ordered dict, least recently used first, so "is anything evictable" is a
+length and the victim is the first item (no scan of the index).
+
+Completions are per key, as vLLM's contract is: ``complete_store(keys)`` settles
+each named key's pending store, ``complete_load(keys)`` drops one pin per named
+key. A key with nothing in flight is a refusal (:class:`~kvlife.errors.TierError`
+through :class:`~kvlife.refusals.Refusals`) that changes nothing, so no
+combination of completions leaves a key pending or pinned with nothing in flight,
+and none drives a pin count below zero. In strict mode every key is checked
+before any is settled.
+
+Recency keeps what a lookup can reach: a lookup stops at the first miss, so the
+tier should lose a request's prefix from its tail, not its head. Stores enter at
+the recent end as they complete; :meth:`HostTier.finished` and :meth:`touch`
+take a request's keys in prefix order and make the head the most recent, so the
+tail goes first (vLLM's CPU manager orders the same way).
+
+A pending store may carry a deadline (``pending_timeout``): :meth:`expire` fails
+a store not completed in time. Its key stops being a hit at once, but its page
+is still being written (or may be), so the entry moves to *orphans*: not in the
+index, its page held, and its key not stored again, until the late completion
+(or :meth:`abandon`, when the runtime knows no copy runs any more) frees it.
+:meth:`reset` does the same to every entry a copy still touches and drops the rest.
+
+Events (:class:`TierEvent`: keys stored, keys removed) are queued in the order
+they happen, a removal before the store that reuses its page, and drained with
+:meth:`take_events`. The counts (:class:`TierCounts`) are plain ints kept as the
+events happen, so reading them is O(1) and never iterates a dict another thread
+mutates. One thread (the scheduler's) drives a tier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, NamedTuple, TypeVar
+
+from kvlife.errors import ConfigError, TierError
+from kvlife.pool import HostPagePool
+from kvlife.refusals import Refusals
+
+__all__ = ["HostEntry", "HostTier", "Lookup", "StorePlan", "TierCounts", "TierEvent"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+class Lookup(Enum):
+    """What the host tier holds under a key."""
+
+    #: Nothing (or an expired store's orphan): recompute, or read another tier.
+    MISS = "miss"
+    #: Ready: a load may copy it now.
+    HIT = "hit"
+    #: A store copy is still writing it: not loadable yet.
+    PENDING = "pending"
+
+
+class HostEntry:
+    """One key's host page: pending while a store writes it, then ready; ``pins`` readers."""
+
+    __slots__ = ("deadline", "keep", "page", "pending", "pins")
+
+    def __init__(self, page: int, deadline: float, keep: bool) -> None:
+        #: The host page (a row of the pool's tensor).
+        self.page = page
+        #: A store copy is writing the page: not a hit, never evicted.
+        self.pending = True
+        #: Readers in flight (loads, store writes); never evicted while > 0.
+        self.pins = 0
+        #: When the pending store is failed (``inf``: no deadline).
+        self.deadline = deadline
+        #: Stays on the host once idle (a cache entry); else freed when it goes idle.
+        self.keep = keep
+
+    def __repr__(self) -> str:
+        what = "pending" if self.pending else f"ready pins={self.pins}"
+        return f"HostEntry(page={self.page}, {what})"
+
+
+class StorePlan(NamedTuple, Generic[K]):
+    """What :meth:`HostTier.prepare_store` decided: the new keys to copy, their pages, and
+    the keys evicted to make room (announced as removed before these are stored)."""
+
+    keys: list[K]
+    pages: list[int]
+    evicted: list[K]
+
+
+class TierEvent(NamedTuple, Generic[K]):
+    """Keys that became ready on the host tier (``removed`` False) or left it (True)."""
+
+    keys: tuple[K, ...]
+    removed: bool
+
+
+@dataclass(slots=True)
+class TierCounts:
+    """The host tier's counters (events so far) and gauges (now), kept in O(1)."""
+
+    stored: int = 0  #: keys whose store completed: ready now
+    store_failures: int = 0  #: keys whose store completed unsuccessfully
+    expired: int = 0  #: pending stores failed by their deadline
+    late_completions: int = 0  #: completions of expired or reset stores (their pages freed)
+    loads: int = 0  #: pins taken by loads
+    evicted: int = 0  #: ready keys evicted to make room
+    no_room: int = 0  #: stores refused: every page pending or pinned
+    dropped: int = 0  #: ready keys dropped without eviction (reset, not kept)
+    entries: int = 0  #: keys held (pending or ready)
+    pending: int = 0  #: keys a store is writing
+    pinned: int = 0  #: pins held (loads and store writes in flight)
+    evictable: int = 0  #: ready, unpinned keys
+    orphans: int = 0  #: pages of expired or reset stores still being written
+
+
+class HostTier(Generic[K]):
+    """Keys to host pages: pending/ready entries, pin counts, per-key completion,
+    prefix-aware LRU, a deadline on pending stores, and stored/removed events.
+
+    ``pool`` holds the pages (the tier owns every page it allocates). ``keep``: whether an
+    entry stays on the host once idle (a cache); without it an entry is freed as soon as
+    its store completed and no pin is left (a staging buffer). ``pending_timeout``:
+    seconds a store may stay pending before :meth:`expire` fails it (None: never).
+    """
+
+    def __init__(
+        self,
+        pool: HostPagePool,
+        *,
+        keep: bool = True,
+        pending_timeout: float | None = None,
+        refusals: Refusals | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if pending_timeout is not None and (
+            isinstance(pending_timeout, bool)
+            or not isinstance(pending_timeout, (int, float))
+            or not 0 < pending_timeout < float("inf")
+        ):
+            raise ConfigError(
+                f"pending_timeout must be a positive number of seconds, got {pending_timeout!r}"
+            )
+        self.pool = pool
+        self.keep = bool(keep)
+        self.pending_timeout = pending_timeout
+        self.refusals = refusals if refusals is not None else Refusals()
+        self._clock = clock
+        self._index: dict[K, HostEntry] = {}
+        self._evictable: OrderedDict[K, None] = OrderedDict()  # least recent first
+        self._orphans: dict[K, HostEntry] = {}
+        self._deadlines: deque[tuple[float, K, HostEntry]] = deque()  # in deadline order
+        self._events: list[TierEvent[K]] = []
+        #: The counters; read them from any thread.
+        self.counts = TierCounts()
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def capacity(self) -> int:
+        """Host pages of the pool."""
+        return self.pool.capacity
+
+    def lookup(self, key: K) -> Lookup:
+        """HIT if ready, PENDING while a store writes it, else MISS. O(1), changes nothing."""
+        entry = self._index.get(key)
+        if entry is None:
+            return Lookup.MISS
+        return Lookup.PENDING if entry.pending else Lookup.HIT
+
+    def entry(self, key: K) -> HostEntry | None:
+        """The entry held under ``key`` (not an orphan), for the runtime's page index."""
+        return self._index.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[K]:
+        """Keys held, pending and ready (a copy)."""
+        return list(self._index)
+
+    # ---------------------------------------------------------------- stores
+
+    def prepare_store(
+        self, keys: Iterable[K], *, protected: Iterable[K] = ()
+    ) -> StorePlan[K] | None:
+        """Pages for the keys of ``keys`` the tier does not hold, evicting idle entries if
+        needed (never a key of ``keys`` or ``protected``); the new entries are pending.
+
+        Keys already held are made recent, not stored again; an orphan's key is skipped
+        until its late copy ends. ``None`` when the room cannot be made (every other page
+        pending or pinned): nothing changed, counted as ``no_room``.
+        """
+        index, orphans = self._index, self._orphans
+        offered = list(keys)
+        new: list[K] = []
+        seen: set[K] = set()
+        for key in offered:
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in index:
+                if key in self._evictable:
+                    self._evictable.move_to_end(key)
+            elif key not in orphans:
+                new.append(key)
+        if not new:
+            return StorePlan([], [], [])
+        need = len(new) - self.pool.num_free
+        evicted: list[K] = []
+        if need > 0:
+            guard = seen.union(protected)
+            # O(1) when nothing is evictable; else the first idle, unprotected entries.
+            if need > len(self._evictable) - sum(1 for k in guard if k in self._evictable):
+                self.counts.no_room += 1
+                return None
+            for key in self._evictable:
+                if key not in guard:
+                    evicted.append(key)
+                    if len(evicted) == need:
+                        break
+        self._evict(evicted)
+        pages = self.pool.alloc(len(new), self)
+        assert pages is not None  # the room was made above
+        deadline = self._deadline()
+        for key, page in zip(new, pages, strict=True):
+            entry = index[key] = HostEntry(page, deadline, self.keep)
+            if self.pending_timeout is not None:
+                self._deadlines.append((deadline, key, entry))
+        c = self.counts
+        c.entries += len(new)
+        c.pending += len(new)
+        return StorePlan(new, pages, evicted)
+
+    def complete_store(self, keys: Iterable[K], *, success: bool = True) -> list[K]:
+        """Settle each named key's pending store: ready (success) or gone, its page freed.
+
+        A late completion of an orphan frees its page. A key with nothing pending is
+        refused (counted; raised when strict, before any key is settled). Returns the keys
+        that became ready.
+        """
+        named = list(keys)
+        index, orphans = self._index, self._orphans
+        named_once: set[K] = set()
+
+        def pending_once(key: K) -> bool:  # a key named twice has nothing left the second time
+            first = key not in named_once
+            named_once.add(key)
+            held = index.get(key) or orphans.get(key)
+            return first and held is not None and held.pending
+
+        self._check_each(named, pending_once, "complete_store")
+        ready: list[K] = []
+        freed: list[int] = []
+        c = self.counts
+        for key in named:
+            entry = index.get(key)
+            if entry is not None and entry.pending:
+                entry.pending = False
+                c.pending -= 1
+                if success:
+                    ready.append(key)
+                else:
+                    del index[key]
+                    c.entries -= 1
+                    c.store_failures += 1
+                    freed.append(entry.page)
+            elif key in orphans and orphans[key].pending:
+                orphans[key].pending = False
+                c.late_completions += 1
+                self._release_orphan(key, freed)
+            else:
+                self._refuse_key(key, "complete_store")
+        c.stored += len(ready)
+        if ready:  # announced before any removal an idle, not-kept entry makes below
+            self._events.append(TierEvent(tuple(ready), False))
+        for key in ready:
+            self._settled(key, index[key], freed)
+        if freed:
+            self.pool.free(freed, self)
+        return ready
+
+    def adopt(self, keys: Sequence[K], pages: Sequence[int], owner: object) -> list[K]:
+        """Keep pages that already hold these keys' bytes (a chunk's staged copy the store
+        has written): ownership passes from ``owner`` to the tier and each key is ready at
+        once; a key already held (or an orphan's) gives its page back to the pool instead.
+        Returns the keys adopted."""
+        index, orphans = self._index, self._orphans
+        taken: list[K] = []
+        kept: list[int] = []
+        spare: list[int] = []
+        seen: set[K] = set()
+        for key, page in zip(keys, pages, strict=True):
+            if key in index or key in orphans or key in seen:
+                spare.append(page)
+            else:
+                seen.add(key)
+                taken.append(key)
+                kept.append(page)
+        if spare:
+            self.pool.free(spare, owner)
+        if not taken:
+            return []
+        self.pool.transfer(kept, owner, self)
+        c = self.counts
+        for key, page in zip(taken, kept, strict=True):
+            entry = index[key] = HostEntry(page, float("inf"), self.keep)
+            entry.pending = False
+        c.entries += len(taken)
+        c.stored += len(taken)
+        self._events.append(TierEvent(tuple(taken), False))
+        freed: list[int] = []
+        for key in taken:
+            self._settled(key, index[key], freed)
+        if freed:
+            self.pool.free(freed, self)
+        return taken
+
+    def make_room(self, n: int, *, protected: Iterable[K] = ()) -> bool:
+        """Evict idle entries (least recent first, never a ``protected`` key) until ``n``
+        pages of the pool are free. ``False``, with nothing evicted, when that cannot be done;
+        O(1) when nothing is evictable."""
+        need = n - self.pool.num_free
+        if need <= 0:
+            return True
+        guard = set(protected)
+        evictable = self._evictable
+        if need > len(evictable) - sum(1 for k in guard if k in evictable):
+            return False
+        victims: list[K] = []
+        for key in evictable:
+            if key not in guard:
+                victims.append(key)
+                if len(victims) == need:
+                    break
+        self._evict(victims)
+        return True
+
+    def insert_ready(self, key: K, fill: Callable[[int], bool]) -> bool:
+        """Promote ``key`` from another tier: take a page (evicting if needed), let ``fill``
+        write and verify its bytes; on ``True`` the key is ready, else the page goes back.
+        ``False`` when the key is held already, there is no room, or ``fill`` failed."""
+        if key in self._index or key in self._orphans or not self.make_room(1):
+            return False
+        pages = self.pool.alloc(1, self)
+        assert pages is not None  # room made just above
+        try:
+            filled = fill(pages[0])
+        except BaseException:
+            self.pool.free(pages, self)
+            raise
+        if not filled:
+            self.pool.free(pages, self)
+            return False
+        entry = self._index[key] = HostEntry(pages[0], float("inf"), self.keep)
+        entry.pending = False
+        c = self.counts
+        c.entries += 1
+        c.stored += 1
+        self._events.append(TierEvent((key,), False))
+        freed: list[int] = []
+        self._settled(key, entry, freed)
+        if freed:
+            self.pool.free(freed, self)
+        return True
+
+    def expire(self, now: float | None = None) -> list[K]:
+        """Fail every pending store past its deadline: no longer a hit, its page kept (as an
+        orphan) until its copy is known over. Returns the keys expired."""
+        if self.pending_timeout is None:
+            return []
+        now = self._clock() if now is None else now
+        queue, index = self._deadlines, self._index
+        expired: list[K] = []
+        while queue and queue[0][0] <= now:
+            _, key, entry = queue.popleft()
+            if index.get(key) is entry and entry.pending:
+                del index[key]
+                self._orphans[key] = entry
+                expired.append(key)
+        c = self.counts
+        c.expired += len(expired)
+        c.entries -= len(expired)
+        c.pending -= len(expired)
+        c.orphans += len(expired)
+        return expired
+
+    # ---------------------------------------------------------------- loads and readers
+
+    def prepare_load(self, keys: Sequence[K]) -> list[int] | None:
+        """Pin each key (one pin per occurrence) and return its pages, in order; every key
+        must be ready. Refused as a whole (nothing pinned) otherwise: ``None``."""
+        index = self._index
+        for key in keys:
+            entry = index.get(key)
+            if entry is None or entry.pending:
+                what = "pending" if entry is not None else "not held"
+                self.refusals.refuse(
+                    "prepare_load",
+                    TierError(f"cannot load key {_short(key)}: {what}", key=key),
+                )
+                return None
+        pages = [self._pin(key) for key in keys]
+        self.counts.loads += len(keys)
+        return pages
+
+    def pin(self, keys: Iterable[K]) -> None:
+        """Hold ready keys for a reader other than a load (a store write reading the page)."""
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is not None and not entry.pending:
+                self._pin(key)
+
+    def complete_load(self, keys: Iterable[K]) -> None:
+        """Drop one pin per named key (a load, or another reader, is over). A key with no
+        pin left to drop is refused (counted; raised when strict, before any is dropped)."""
+        self.unpin(keys, "complete_load")
+
+    def unpin(self, keys: Iterable[K], what: str = "unpin") -> None:
+        """Drop one pin per named key; an idle entry that is not kept is freed."""
+        named = list(keys)
+        left: dict[K, int] = {}
+
+        def has_pin(key: K) -> bool:
+            entry = self._index.get(key) or self._orphans.get(key)
+            held = 0 if entry is None else entry.pins
+            left[key] = left.get(key, held) - 1
+            return left[key] >= 0
+
+        self._check_each(named, has_pin, what)
+        freed: list[int] = []
+        c = self.counts
+        for key in named:
+            entry = self._index.get(key)
+            orphan = entry is None
+            if orphan:
+                entry = self._orphans.get(key)
+            if entry is None or entry.pins <= 0:
+                self._refuse_key(key, what)
+                continue
+            entry.pins -= 1
+            c.pinned -= 1
+            if entry.pins:
+                continue
+            if orphan:
+                self._release_orphan(key, freed)
+            else:
+                self._settled(key, entry, freed)
+        if freed:
+            self.pool.free(freed, self)
+
+    # ---------------------------------------------------------------- recency
+
+    def touch(self, keys: Sequence[K]) -> None:
+        """A request used ``keys`` (in prefix order): the head becomes the most recent."""
+        evictable = self._evictable
+        for key in reversed(keys):
+            if key in evictable:
+                evictable.move_to_end(key)
+
+    def finished(self, keys: Sequence[K]) -> None:
+        """A request whose prefix is ``keys`` (in order) finished: its tail goes first."""
+        self.touch(keys)
+
+    # ---------------------------------------------------------------- events, reset
+
+    def take_events(self) -> list[TierEvent[K]]:
+        """The stored/removed events since the last call, in the order they happened."""
+        events, self._events = self._events, []
+        return events
+
+    def reset(self) -> None:
+        """Drop every entry: idle ones now (announced removed), the ones a copy still touches
+        become orphans (freed by their completions or :meth:`abandon`)."""
+        index, self._index = self._index, {}
+        self._evictable.clear()
+        self._deadlines.clear()
+        freed: list[int] = []
+        removed: list[K] = []
+        c = self.counts
+        for key, entry in index.items():
+            if not entry.pending:
+                removed.append(key)
+            if entry.pending or entry.pins:
+                self._orphans[key] = entry
+                c.orphans += 1
+            else:
+                freed.append(entry.page)
+        c.dropped += len(removed)
+        c.entries = c.pending = c.evictable = 0
+        if removed:
+            self._events.append(TierEvent(tuple(removed), True))
+        if freed:
+            self.pool.free(freed, self)
+
+    def abandon(self) -> int:
+        """Free every orphan's page: the runtime knows no copy writes or reads them any
+        more (it stopped, or it said no completion will come). Returns the pages freed."""
+        orphans, self._orphans = self._orphans, {}
+        c = self.counts
+        c.pinned -= sum(entry.pins for entry in orphans.values())
+        c.orphans = 0
+        pages = [entry.page for entry in orphans.values()]
+        if pages:
+            self.pool.free(pages, self)
+        return len(pages)
+
+    # ---------------------------------------------------------------- internals
+
+    def _deadline(self) -> float:
+        timeout = self.pending_timeout
+        return float("inf") if timeout is None else self._clock() + timeout
+
+    def _pin(self, key: K) -> int:
+        entry = self._index[key]
+        if not entry.pins and key in self._evictable:
+            del self._evictable[key]
+            self.counts.evictable -= 1
+        entry.pins += 1
+        self.counts.pinned += 1
+        return entry.page
+
+    def _settled(self, key: K, entry: HostEntry, freed: list[int]) -> None:
+        """A ready entry went idle (its store or last reader ended): cached or freed."""
+        if entry.pins:
+            return
+        if entry.keep:
+            self._evictable[key] = None
+            self.counts.evictable += 1
+        else:
+            freed.append(self._drop(key))
+            self.counts.dropped += 1
+            self._events.append(TierEvent((key,), True))
+
+    def _evict(self, keys: list[K]) -> None:
+        """Evict idle entries: announced removed, their pages freed."""
+        if not keys:
+            return
+        freed = [self._drop(key) for key in keys]
+        self.counts.evicted += len(keys)
+        self._events.append(TierEvent(tuple(keys), True))
+        self.pool.free(freed, self)
+
+    def _drop(self, key: K) -> int:
+        """Take an idle entry out of the index; its page, for the caller to free."""
+        entry = self._index.pop(key)
+        if self._evictable.pop(key, 0) is None:
+            self.counts.evictable -= 1
+        self.counts.entries -= 1
+        return entry.page
+
+    def _release_orphan(self, key: K, freed: list[int]) -> None:
+        entry = self._orphans[key]
+        if entry.pending or entry.pins:
+            return
+        del self._orphans[key]
+        self.counts.orphans -= 1
+        freed.append(entry.page)
+
+    def _check_each(self, keys: list[K], allowed: Callable[[K], bool], what: str) -> None:
+        """Strict: refuse the whole call before anything changes if any key is not allowed."""
+        if not self.refusals.strict:
+            return
+        for key in keys:
+            if not allowed(key):
+                self._refuse_key(key, what)
+
+    def _refuse_key(self, key: K, what: str) -> None:
+        self.refusals.refuse(
+            what, TierError(f"{what}: key {_short(key)} has nothing in flight", key=key)
+        )
+
+
+def _short(key: object) -> str:
+    text = key.hex() if isinstance(key, bytes) else str(key)
+    return text[:16]

@@ -1,0 +1,57 @@
+"""One refusal policy for the core and every integration: count, log once per kind, or raise.
+
+A refusal is an event kvlife will not apply (a completion of a key with nothing
+in flight, a call for a request it never saw, a bad argument from a host
+runtime). It has changed nothing when it reaches :meth:`Refusals.refuse`. Inside
+a host runtime kvlife never crashes the host by default: the refusal is counted
+under its kind and logged the first time that kind occurs. ``strict`` (for
+tests, and for callers whose contract is a typed error, such as
+:class:`~kvlife.OffloadManager`) raises the refusal's typed error instead.
+
+The counts are plain ints and a dict that only the owning thread writes; a
+scrape from another thread reads :meth:`Refusals.snapshot`, a copy made in one C
+call (never iterating a dict that is being mutated).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from kvlife.errors import KVLifeError
+
+__all__ = ["Refusals"]
+
+_log = logging.getLogger("kvlife")
+
+
+class Refusals:
+    """Counted, logged-once-per-kind refusals; ``strict`` raises them instead."""
+
+    __slots__ = ("_by_kind", "logger", "strict", "total")
+
+    def __init__(self, *, strict: bool = False, logger: logging.Logger | None = None) -> None:
+        self.strict = bool(strict)
+        self.logger = logger or _log
+        self._by_kind: Counter[str] = Counter()
+        #: Every refusal counted so far (strict ones included).
+        self.total = 0
+
+    def refuse(self, kind: str, error: KVLifeError) -> None:
+        """Count ``error`` under ``kind``; raise it when strict, else log the kind's first."""
+        self._by_kind[kind] += 1
+        self.total += 1
+        if self.strict:
+            raise error
+        if self._by_kind[kind] == 1:
+            self.logger.warning(
+                "kvlife: %s refused (%s); counted, logged once per kind", kind, error
+            )
+
+    def count(self, kind: str) -> int:
+        """How many refusals of ``kind`` were counted."""
+        return self._by_kind[kind]
+
+    def snapshot(self) -> dict[str, int]:
+        """Kind -> count, copied (safe to call from a scraping thread)."""
+        return dict(self._by_kind)

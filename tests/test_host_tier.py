@@ -1,0 +1,287 @@
+"""The host tier (kvlife/host_tier.py): pending/ready entries, pin counts, per-key completion,
+prefix-aware eviction, the pending deadline and the events, each refusal changing nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvlife.errors import ConfigError, TierError
+from kvlife.host_tier import HostTier, Lookup, TierEvent
+from kvlife.pool import HostPagePool
+from kvlife.refusals import Refusals
+
+
+def tier(pages: int = 4, *, strict: bool = False, **kwargs: object) -> HostTier[str]:
+    pool = HostPagePool(pages, 2, torch.int8, pin_memory=False)
+    return HostTier(pool, refusals=Refusals(strict=strict), **kwargs)  # type: ignore[arg-type]
+
+
+def state(t: HostTier[str]) -> tuple[object, ...]:
+    """Everything observable: per key (lookup, page, pins), the counts, the pool."""
+    held = tuple(
+        (k, t.lookup(k), e.page, e.pins) for k in t.keys() if (e := t.entry(k)) is not None
+    )
+    return held, t.counts, t.pool.num_used, t.pool.owned_by(t)
+
+
+def store(t: HostTier[str], *keys: str) -> None:
+    plan = t.prepare_store(keys)
+    assert plan is not None
+    t.complete_store(plan.keys)
+
+
+def reachable(t: HostTier[str], prefix: list[str]) -> int:
+    """Blocks a lookup that stops at the first miss would load."""
+    n = 0
+    while n < len(prefix) and t.lookup(prefix[n]) is Lookup.HIT:
+        n += 1
+    return n
+
+
+def test_scenario_eviction_keeps_the_head_a_lookup_can_reach() -> None:
+    """Scenario: request A stores its 4-page prefix and finishes; request B needs 2 pages.
+    Plain LRU evicts A's head (a0, a1) and keeps a tail no lookup reaches (0 blocks for a
+    returning A). The tier evicts A's tail: a returning A loads its first 2 pages."""
+    t = tier(4)
+    prefix = ["a0", "a1", "a2", "a3"]
+    store(t, *prefix)
+    t.finished(prefix)
+    plan = t.prepare_store(["b0", "b1"])
+    assert plan is not None and plan.evicted == ["a3", "a2"]
+    assert reachable(t, prefix) == 2
+
+
+def test_recency_is_per_request_a_finished_request_keeps_its_head_last() -> None:
+    t = tier(4)
+    store(t, "a0", "a1")
+    store(t, "c0", "c1")
+    t.finished(["a0", "a1"])  # A finished after C stored: A is the more recent request
+    plan = t.prepare_store(["b0"])
+    assert plan is not None and plan.evicted == ["c0"]  # C's head is older than all of A
+
+
+@pytest.mark.parametrize(
+    "completions",
+    [
+        [["k1"], ["k2"], ["k3"]],  # subsets, one key at a time
+        [["k1", "k2", "k3"]],  # the union of two jobs
+        [["k3"], ["k2", "k1"]],  # out of order, across jobs
+    ],
+)
+def test_completion_is_per_key_whatever_the_grouping(completions: list[list[str]]) -> None:
+    t = tier(4)
+    assert t.prepare_store(["k1", "k2"]) is not None and t.prepare_store(["k3"]) is not None
+    for keys in completions:
+        t.complete_store(keys)
+    assert [t.lookup(k) for k in ("k1", "k2", "k3")] == [Lookup.HIT] * 3
+    assert (t.counts.pending, t.counts.evictable, t.refusals.total) == (0, 3, 0)
+
+
+def test_a_completion_naming_a_key_with_nothing_in_flight_is_refused_and_changes_nothing() -> None:
+    t = tier(4)
+    t.prepare_store(["k1"])
+    before = state(t)
+    t.complete_store(["k9"])  # a superset's extra key: never stored
+    t.complete_load(["k1"])  # pending, not pinned
+    assert state(t) == before and t.refusals.total == 2
+    strict = tier(4, strict=True)
+    strict.prepare_store(["k1"])
+    before = state(strict)
+    with pytest.raises(TierError, match="nothing in flight"):
+        strict.complete_store(["k1", "k9"])  # strict: checked before k1 is settled
+    with pytest.raises(TierError):
+        strict.complete_store(["k1", "k1"])  # the second k1 has nothing left
+    assert state(strict) == before
+
+
+def test_two_identical_loads_are_two_pins_and_need_two_completions() -> None:
+    t = tier(2)
+    store(t, "k")
+    assert t.prepare_load(["k"]) == t.prepare_load(["k"]) == [t.entry("k").page]  # type: ignore[union-attr]
+    assert t.entry("k").pins == 2 and t.counts.evictable == 0  # type: ignore[union-attr]
+    assert t.prepare_store(["x", "y"]) is None  # k is pinned: no room, nothing changed
+    t.complete_load(["k"])
+    assert t.entry("k").pins == 1 and t.counts.evictable == 0  # type: ignore[union-attr]
+    t.complete_load(["k"])
+    assert t.entry("k").pins == 0 and t.counts.evictable == 1  # type: ignore[union-attr]
+    before = state(t)
+    t.complete_load(["k"])  # a third: refused, pins never negative
+    assert state(t) == before and t.refusals.count("complete_load") == 1
+
+
+def test_a_pending_key_is_never_a_hit_nor_loaded_nor_evicted() -> None:
+    t = tier(1)
+    t.prepare_store(["k"])
+    assert t.lookup("k") is Lookup.PENDING
+    before = state(t)
+    assert t.prepare_load(["k"]) is None
+    assert t.prepare_store(["x"]) is None  # the only page is pending
+    assert state(t) == before
+
+
+def test_scenario_a_store_past_its_deadline_stops_being_a_hit_but_its_page_waits() -> None:
+    """Scenario: a store's completion never comes (vLLM #49829). Past the deadline its key
+    is a miss; its page is still being written, so it is freed only by the late completion."""
+    now = [0.0]
+    t = tier(2, pending_timeout=5.0, clock=lambda: now[0])
+    plan = t.prepare_store(["k"])
+    assert plan is not None
+    now[0] = 4.9
+    assert t.expire() == [] and t.lookup("k") is Lookup.PENDING
+    now[0] = 5.0
+    assert t.expire() == ["k"] and t.lookup("k") is Lookup.MISS
+    assert t.pool.owner_of(plan.pages[0]) is t  # never freed under the copy
+    assert t.counts.expired == t.counts.orphans == 1
+    assert t.prepare_store(["k"]) == ([], [], [])  # not stored again while the copy may run
+    t.complete_store(["k"])  # the late completion
+    assert t.pool.owner_of(plan.pages[0]) is None and t.counts.orphans == 0
+    assert t.lookup("k") is Lookup.MISS and t.counts.late_completions == 1
+
+
+def test_events_come_in_order_a_removal_before_the_store_reusing_its_page() -> None:
+    t = tier(1)
+    store(t, "a")
+    plan = t.prepare_store(["b"])
+    assert plan is not None and plan.evicted == ["a"]
+    t.complete_store(["b"])
+    assert t.take_events() == [
+        TierEvent(("a",), False),
+        TierEvent(("a",), True),
+        TierEvent(("b",), False),
+    ]
+    assert t.take_events() == []
+
+
+def test_a_staging_tier_frees_an_entry_once_idle_and_says_so() -> None:
+    t = tier(2, keep=False)
+    store(t, "a")
+    assert t.lookup("a") is Lookup.MISS and t.pool.num_used == 0
+    assert t.take_events() == [TierEvent(("a",), False), TierEvent(("a",), True)]
+
+
+def test_reset_keeps_pages_under_copies_until_their_completion() -> None:
+    t = tier(3)
+    store(t, "r")
+    t.prepare_load(["r"])
+    t.prepare_store(["p"])
+    store(t, "i")
+    t.reset()
+    assert len(t) == 0 and t.pool.num_used == 2  # r (pinned) and p (pending) wait
+    t.complete_load(["r"])
+    t.complete_store(["p"])
+    assert t.pool.num_used == 0 and t.counts.orphans == 0 and t.counts.pinned == 0
+
+
+def test_adopt_keeps_staged_pages_and_gives_back_duplicates() -> None:
+    t = tier(3)
+    store(t, "a")
+    owner = object()
+    pages = t.pool.alloc(2, owner)
+    assert pages is not None
+    assert t.adopt(["a", "b"], pages, owner) == ["b"]
+    assert t.pool.owner_of(pages[0]) is None and t.pool.owner_of(pages[1]) is t
+    assert t.lookup("b") is Lookup.HIT
+
+
+def test_a_bad_pending_timeout_is_a_config_error() -> None:
+    for bad in (0, -1, float("inf"), True, "5"):
+        with pytest.raises(ConfigError, match="pending_timeout"):
+            tier(2, pending_timeout=bad)
+
+
+KEYS = st.sampled_from([f"k{i}" for i in range(6)])
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Random prepare/complete/load/evict/deadline sequences against a plain model: no key
+    both pending and evicted, pins never negative, capacity never exceeded, nothing stuck
+    after every copy completed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.t: HostTier[str] = tier(3, pending_timeout=10.0, clock=lambda: self.now)
+        self.pending: list[str] = []  # stores in flight (their keys), incl. expired ones
+        self.loads: list[str] = []  # pins in flight
+        self.refused = 0  # refusals the model expects (loads of keys not ready)
+
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=3))
+    def prepare_store(self, keys: list[str]) -> None:
+        plan = self.t.prepare_store(keys)
+        if plan is not None:
+            assert not set(plan.evicted) & set(keys)
+            assert not set(plan.evicted) & set(self.pending) & set(self.t.keys())
+            assert not set(plan.evicted) & set(self.loads)
+            self.pending += plan.keys
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), success=st.booleans())
+    def complete_store(self, data: st.DataObject, success: bool) -> None:
+        keys = data.draw(st.lists(st.sampled_from(self.pending), min_size=1, unique=True))
+        for key in keys:
+            self.pending.remove(key)
+        self.t.complete_store(keys, success=success)
+        assert self.t.refusals.total == self.refused
+
+    @rule(key=KEYS)
+    def load(self, key: str) -> None:
+        hit = self.t.lookup(key) is Lookup.HIT
+        before = state(self.t)
+        pages = self.t.prepare_load([key])
+        assert (pages is not None) == hit
+        if pages is not None:
+            self.loads.append(key)
+        else:  # pending or missing: refused, nothing pinned
+            assert state(self.t) == before
+            self.refused += 1
+
+    @precondition(lambda self: self.loads)
+    @rule(data=st.data())
+    def complete_load(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(self.loads))
+        self.loads.remove(key)
+        self.t.complete_load([key])
+        assert self.t.refusals.total == self.refused
+
+    @rule(key=KEYS)
+    def stray_completion(self, key: str) -> None:
+        if key not in self.pending and key not in self.loads:
+            before = state(self.t)
+            total = self.t.refusals.total
+            self.t.complete_store([key])
+            self.t.complete_load([key])
+            assert state(self.t) == before and self.t.refusals.total == total + 2
+            self.refused += 2
+
+    @rule(dt=st.floats(0, 8))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+        for key in self.t.expire():
+            assert self.t.lookup(key) is Lookup.MISS
+
+    @invariant()
+    def accounted(self) -> None:
+        t, c = self.t, self.t.counts
+        assert t.pool.num_used <= t.capacity
+        entries = [t.entry(k) for k in t.keys()]
+        assert all(e is not None and e.pins >= 0 for e in entries)
+        assert c.pinned == len(self.loads) and c.pinned >= 0
+        assert c.pending == sum(1 for e in entries if e and e.pending)
+        assert c.evictable == sum(1 for e in entries if e and not e.pending and not e.pins)
+        assert t.pool.num_used == len(entries) + c.orphans
+
+    def teardown(self) -> None:
+        self.t.complete_store(list(self.pending))
+        self.t.complete_load(list(self.loads))
+        c = self.t.counts
+        assert (c.pending, c.pinned, c.orphans) == (0, 0, 0)
+        assert self.t.refusals.total == self.refused
+        assert c.evictable == len(self.t)
+
+
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
