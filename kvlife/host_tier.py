@@ -190,7 +190,7 @@ class HostTier(Generic[K]):
     def __len__(self) -> int:
         return len(self._index)
 
-    def keys(self) -> list[K]:
+    def held(self) -> list[K]:
         """Keys held, pending and ready (a copy)."""
         return list(self._index)
 

@@ -23,7 +23,7 @@ def tier(pages: int = 4, *, strict: bool = False, **kwargs: object) -> HostTier[
 def state(t: HostTier[str]) -> tuple[object, ...]:
     """Everything observable: per key (lookup, page, pins), the counts, the pool."""
     held = tuple(
-        (k, t.lookup(k), e.page, e.pins) for k in t.keys() if (e := t.entry(k)) is not None
+        (k, t.lookup(k), e.page, e.pins) for k in t.held() if (e := t.entry(k)) is not None
     )
     return held, t.counts, t.pool.num_used, t.pool.owned_by(t)
 
@@ -214,7 +214,7 @@ class TierMachine(RuleBasedStateMachine):
         plan = self.t.prepare_store(keys)
         if plan is not None:
             assert not set(plan.evicted) & set(keys)
-            assert not set(plan.evicted) & set(self.pending) & set(self.t.keys())
+            assert not set(plan.evicted) & set(self.pending) & set(self.t.held())
             assert not set(plan.evicted) & set(self.loads)
             self.pending += plan.keys
 
@@ -267,7 +267,7 @@ class TierMachine(RuleBasedStateMachine):
     def accounted(self) -> None:
         t, c = self.t, self.t.counts
         assert t.pool.num_used <= t.capacity
-        entries = [t.entry(k) for k in t.keys()]
+        entries = [t.entry(k) for k in t.held()]
         assert all(e is not None and e.pins >= 0 for e in entries)
         assert c.pinned == len(self.loads) and c.pinned >= 0
         assert c.pending == sum(1 for e in entries if e and e.pending)
