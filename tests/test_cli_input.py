@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -201,3 +203,40 @@ def test_issue23_the_runtime_deadline_is_a_positive_finite_time(timeout: str) ->
     done = kvlife("check", "--runtime", "x:y", "--runtime-timeout", timeout, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "runtime-timeout" in done.stderr
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound a moment ago, then closed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+#: Mooncake's C++ client logs through glog on stderr, whatever kvlife says (its lines
+#: start with a severity letter and a date, or glog's "Logging before" warning).
+GLOG_LINE = re.compile(r"^([IWEF]\d{4} |WARNING: Logging before InitGoogleLogging)")
+
+
+def test_issue23_simulate_with_no_mooncake_master_is_refused_before_any_rank(
+    tmp_path: Path,
+) -> None:
+    """It spawned both ranks, each failed, and the command printed FAILED JSON with both
+    tracebacks (exit 1); now the cluster is opened once, in the parent, and refused."""
+    port = closed_port()
+    done = kvlife(
+        "simulate", "--json", "--requests", "5", "--world-size", "2", "--store", "mooncake",
+        "--mooncake-master", f"127.0.0.1:{port}",
+        "--mooncake-metadata", f"http://127.0.0.1:{port}/metadata",
+        timeout=120,
+    )  # fmt: skip
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:  # without the client the same one check refuses, naming it
+        says = "mooncake"
+    else:
+        says = "is the master running?"
+    kvlife_lines = "".join(
+        line for line in done.stderr.splitlines(keepends=True) if not GLOG_LINE.match(line)
+    )
+    assert_refused(subprocess.CompletedProcess(done.args, done.returncode, done.stdout,
+                                               kvlife_lines), "simulate", says)  # fmt: skip

@@ -155,3 +155,30 @@ def test_defect13_copies_failing_for_a_real_reason_are_never_ok() -> None:
     report = sim.run()
     assert report.copy_failures > 0 and not report.ok
     assert any("copies failed" in v and "OverflowError" in v for v in report.violations)
+
+
+def test_issue23_an_unreachable_mooncake_is_refused_before_any_rank_is_spawned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run_distributed opens the store tier once, as a rank would, before it spawns one."""
+    import socket
+
+    from kvlife.errors import KVLifeError
+    from kvlife.sim import distributed
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])  # closed again: no master answers there
+
+    def spawn_ranks(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a rank was spawned for a store no rank can open")
+
+    monkeypatch.setattr(distributed, "spawn_ranks", spawn_ranks)
+    cfg = SimConfig(
+        requests=5,
+        store="mooncake",
+        mooncake_master=f"127.0.0.1:{port}",
+        mooncake_metadata=f"http://127.0.0.1:{port}/metadata",
+    )
+    with pytest.raises(KVLifeError, match=r"(?i)mooncake"):
+        distributed.run_distributed(cfg, 2)

@@ -34,7 +34,7 @@ from kvlife.errors import ConfigError
 from kvlife.manager import OffloadManager
 from kvlife.sim.runtime import SimConfig, SimManager, Simulation, make_store_dir
 
-__all__ = ["init_rank", "run_distributed", "run_rank", "spawn_ranks"]
+__all__ = ["check_store", "init_rank", "run_distributed", "run_rank", "spawn_ranks"]
 
 
 MAX_AGREEMENT_TIMEOUT_S = 86_400.0
@@ -138,6 +138,19 @@ def _rank_main(
         os._exit(1)  # a peer may be gone: do not wait for the group's teardown
 
 
+def check_store(cfg: SimConfig) -> None:
+    """Open ``cfg``'s store tier once, here, as every rank will, and close it: a Mooncake
+    cluster no rank could use (no master answering, no client installed) is refused with
+    the one rank's own error (StoreUnavailable, MissingDependency) before any is spawned,
+    not N times from N ranks. A directory tier is checked by ``make_store_dir``."""
+    if cfg.store != "mooncake":
+        return
+    from kvlife.store.mooncake import MooncakeStore
+
+    assert cfg.mooncake_master and cfg.mooncake_metadata  # SimConfig.check
+    MooncakeStore(cfg.mooncake_master, cfg.mooncake_metadata, "sim/check").close()
+
+
 def run_distributed(
     cfg: SimConfig,
     world_size: int,
@@ -164,6 +177,7 @@ def run_distributed(
         rank_cfg.check(processes=world_size)
     if cfg.store_dir:
         make_store_dir(cfg.store_dir)  # each rank makes its own where none is given
+    check_store(cfg)
     out_dir = tempfile.mkdtemp(prefix="kvlife-sim-ranks-")
     t0 = time.perf_counter()
     try:
