@@ -33,7 +33,7 @@ from kvlife.store import (
     StoreResult,
     StoreStats,
 )
-from kvlife.store.base import QueuedStore, Written, frame_page, unframe_page
+from kvlife.store.base import Payload, QueuedStore, Written, frame_page, unframe_page
 from kvlife.store.directory import PAGES_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,11 +95,15 @@ class GatedMemoryStore(MemoryStore):
         super().__init__(**kw)  # type: ignore[arg-type]
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
+        self,
+        keys: tuple[str, ...],
+        pages: Sequence[Payload],
+        fault_at: int | None,
+        kept: list[str] | None = None,
     ) -> Written:
         self.gate.entered.set()
         self.gate.opened.wait()
-        return super()._store_pages(keys, pages, fault_at)
+        return super()._store_pages(keys, pages, fault_at, kept)
 
 
 class GatedDirectoryStore(LocalDirectoryStore):
@@ -110,11 +114,15 @@ class GatedDirectoryStore(LocalDirectoryStore):
         super().__init__(*args, **kw)  # type: ignore[arg-type]
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
+        self,
+        keys: tuple[str, ...],
+        pages: Sequence[Payload],
+        fault_at: int | None,
+        kept: list[str] | None = None,
     ) -> Written:
         self.gate.entered.set()
         self.gate.opened.wait()
-        return super()._store_pages(keys, pages, fault_at)
+        return super()._store_pages(keys, pages, fault_at, kept)
 
 
 @pytest.fixture(params=KINDS)

@@ -30,6 +30,7 @@ from kvlife.store.base import (
     frame_into,
     frame_page,
     frame_size,
+    tensor_segments,
     unframe_page,
 )
 
@@ -457,3 +458,97 @@ def test_simulate_keeps_running_when_the_master_dies(own_cluster: LocalMooncake)
     assert report.ok, report.violations
     assert report.store_failures > 0
     assert report.leaked_host_pages == 0 and report.leaked_device_pages == 0
+
+
+# ------------------------------------------------------------ issue 23 items 3-4, issue 24 item 3
+
+
+def test_defect23_3_a_large_foreign_object_never_sizes_a_read_buffer(
+    store: MooncakeStore,
+) -> None:
+    """48 MiB under a kvlife key: a counted miss, and later 64-key reads stay small."""
+    k = key(1, 30)
+    assert store.client.put(store.object_key(k), b"\0" * (48 << 20)) == 0
+    assert store.get(k) is None and store.stats().pages_corrupt == 1
+    keys = [key(100 + i, 30) for i in range(64)]
+    assert put_one(store, keys, pages_for(64, numel=1024)).ok  # 4 KiB pages
+    assert store.get_batch(keys) == [as_bytes(p) for p in pages_for(64, numel=1024)]
+    assert store._read_buffer.array.nbytes < 16 << 20  # 64 slots of a page, not of 48 MiB
+
+
+def test_defect23_3_an_object_larger_than_any_page_is_not_read(cluster: LocalMooncake) -> None:
+    k = key(2, 30)
+    with MooncakeStore(
+        cluster.master, cluster.metadata, fresh_namespace(), max_page_bytes=1 << 20
+    ) as s:
+        assert s.client.put(s.object_key(k), b"\0" * (4 << 20)) == 0
+        real, got = s._client, []
+
+        class Watch:  # the pybind client's attributes cannot be patched: wrap it
+            def __getattr__(self, name: str) -> object:
+                if name == "get_into":
+                    got.append(name)
+                return getattr(real, name)
+
+        s._client = Watch()
+        assert s.get(k) is None and s.get_batch([k, k]) == [None, None]
+        assert got == [] and s.stats().pages_corrupt == 3
+        assert s.get_into(k, memoryview(bytearray(4 << 20))) is False  # over the page size
+
+
+def test_defect23_4_a_page_larger_than_the_pool_is_refused_and_opens_no_breaker() -> None:
+    with (
+        LocalMooncake(pool_size="32MB") as c,
+        MooncakeStore(c.master, c.metadata, fresh_namespace(), full_wait=0.3) as s,
+    ):
+        huge = torch.zeros(1, 40 << 18)  # 40 MiB: under max_page_bytes, over the pool
+        result = put_one(s, [key(1, 31)], huge)
+        assert isinstance(result.error, InvalidPut), result.error
+        assert "does not fit" in str(result.error)
+        assert put_one(s, [key(2, 31)], pages_for(1)).ok  # at once, no breaker
+        assert s.get(key(2, 31)) == as_bytes(pages_for(1)[0])
+        assert s.get(key(1, 31)) is None
+
+
+def test_clear_removes_this_namespace_only(cluster: LocalMooncake) -> None:
+    ns = fresh_namespace()
+    with (
+        MooncakeStore(cluster.master, cluster.metadata, ns) as a,
+        MooncakeStore(cluster.master, cluster.metadata, ns + "/below") as below,
+    ):
+        keys = [key(i, 32) for i in range(5)]
+        assert put_one(a, keys, pages_for(5)).ok
+        assert put_one(below, keys[:2], pages_for(2)).ok
+        assert a.clear() == 5 and a.stats().pages_cleared == 5
+        assert a.get_batch(keys) == [None] * 5 and list(a.keys()) == []
+        assert below.get_batch(keys[:2]) == [as_bytes(p) for p in pages_for(2)]
+        assert put_one(a, keys[:1], pages_for(1, tag=3)).ok  # a cleared key takes new bytes
+        assert a.get(keys[0]) == as_bytes(pages_for(1, tag=3)[0])
+
+
+def test_keep_first_stores_the_new_pages_and_counts_the_mismatch(store: MooncakeStore) -> None:
+    keys = [key(i, 33) for i in range(3)]
+    assert put_one(store, keys[1:2], pages_for(1, tag=1)).ok
+    store.put("t", keys, pages_for(3, tag=2), keep_first=True)
+    (result,) = store.drain(30)
+    assert result.ok, result.error
+    got = store.get_batch(keys)
+    assert got[0] == as_bytes(pages_for(3, tag=2)[0]) and got[2] == as_bytes(pages_for(3, tag=2)[2])
+    assert got[1] == as_bytes(pages_for(1, tag=1)[0])
+    assert store.stats().page_mismatches == 1
+
+
+def test_get_batch_into_and_lists_of_pages(store: MooncakeStore) -> None:
+    pool = torch.randn(2, 3, 16, 4).to(torch.bfloat16)  # [K/V, layers, tokens, dim]
+    views = [pool[:, :, t : t + 4] for t in (0, 4)]
+    keys = [key(1, 34), key(2, 34)]
+    store.put("t", keys, views)
+    (result,) = store.drain(30)
+    assert result.ok, result.error
+    into = torch.zeros_like(pool)
+    outs = [tensor_segments(into[:, :, t : t + 4], writable=True) for t in (0, 4)]
+    outs.append(tensor_segments(into[:, :, 8:12], writable=True))
+    assert store.get_batch_into([*keys, key(3, 34)], outs) == [True, True, False]
+    assert torch.equal(into[:, :, :8], pool[:, :, :8])
+    wrong = [memoryview(bytearray(10))]
+    assert store.get_batch_into(keys[:1], [wrong]) == [False]  # another size: not that page

@@ -15,6 +15,7 @@ other bytes fails the put with :class:`~kvlife.errors.PageMismatch`.
 from __future__ import annotations
 
 import abc
+import itertools
 import queue
 import random
 import re
@@ -22,7 +23,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -38,6 +39,8 @@ from kvlife.errors import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_PAGE_BYTES",
+    "Payload",
     "QueuedStore",
     "Store",
     "StoreResult",
@@ -47,6 +50,8 @@ __all__ = [
     "frame_into",
     "frame_page",
     "frame_size",
+    "parse_header",
+    "tensor_segments",
     "unframe_page",
 ]
 
@@ -83,8 +88,14 @@ class StoreStats:
     #: Payload bytes of the pages written (headers not counted).
     bytes_written: int = 0
     #: Reads (get, contains, or a put checking the key) that found a stored page
-    #: failing verification; each was a miss, and a put replaced it.
+    #: failing verification, or something that is not a page (a FIFO, a symlink, an
+    #: object larger than a page can be); each was a miss, and a put replaced it.
     pages_corrupt: int = 0
+    #: Reads that failed with an error of the medium (an ``OSError``: ENOTDIR, ELOOP,
+    #: EACCES, EIO, ...; a Mooncake code that is not "not found"); each was a miss.
+    read_errors: int = 0
+    #: Namespace pages removed by ``clear()``.
+    pages_cleared: int = 0
 
 
 @runtime_checkable
@@ -141,16 +152,82 @@ PAGE_VERSION = 1
 # padding); the key's ASCII digits follow, then the payload. Why XXH3 and not CRC32:
 # docs/store-tier.md, "Throughput".
 _HEADER = struct.Struct("<4sBBQQ")
-_checksum = xxhash.xxh3_64_intdigest
 _B = TypeVar("_B", bytes, memoryview)
 
+#: The largest page payload a store takes and believes by default (64 MiB: a page of 64
+#: tokens of a 70B model's KV on one rank is about 21 MiB). A put of a larger page is
+#: refused; a stored object that declares or has more is a counted miss, never read.
+DEFAULT_MAX_PAGE_BYTES = 64 << 20
 
-def frame_page(key: str, payload: bytes | memoryview) -> bytes:
+#: One page's payload as a store's writer sees it: the bytes in order, in one or more
+#: contiguous pieces of the caller's memory (a row of a 2-D tensor is one piece; a page
+#: of SGLang's host pool in a layer-first layout is one piece per layer and K/V).
+Payload = tuple[memoryview, ...]
+
+
+def _checksum(payload: bytes | memoryview | Payload) -> int:
+    if isinstance(payload, tuple):
+        if len(payload) == 1:
+            return xxhash.xxh3_64_intdigest(payload[0])
+        h = xxhash.xxh3_64()
+        for part in payload:
+            h.update(part)
+        return h.intdigest()
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def payload_nbytes(payload: bytes | memoryview | Payload) -> int:
+    """The number of bytes of a payload."""
+    if isinstance(payload, tuple):
+        return sum(len(part) for part in payload)
+    return len(payload)
+
+
+def same_bytes(held: bytes | memoryview, payload: Payload) -> bool:
+    """Whether ``held`` has exactly the bytes of ``payload`` (compared piece by piece)."""
+    if len(held) != payload_nbytes(payload):
+        return False
+    view, at = memoryview(held), 0
+    for part in payload:  # as bytes: memcmp (comparing memoryviews goes item by item)
+        if view[at : at + len(part)].tobytes() != part.tobytes():
+            return False
+        at += len(part)
+    return True
+
+
+def frame_page(key: str, payload: bytes | memoryview | Payload) -> bytes:
     """The header that precedes ``payload`` when it is stored under ``key``: a stored page
     is ``frame_page(key, payload) + payload`` (the fields: ``docs/store.md``)."""
     digits = key.encode("ascii")
     check = _checksum(payload)
-    return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(payload), check) + digits
+    size = payload_nbytes(payload)
+    return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), size, check) + digits
+
+
+def header_size(key: str) -> int:
+    """Bytes of the header (with the key's digits) that precede the payload of ``key``."""
+    return _HEADER.size + len(key)
+
+
+def parse_header(key: str, head: bytes | memoryview) -> tuple[int, int] | None:
+    """(payload length, checksum) if ``head`` begins with a header of a page of ``key``
+    (magic, version and key match), else None. Nothing after the header is looked at."""
+    if len(head) < header_size(key):
+        return None
+    magic, version, key_len, length, check = _HEADER.unpack_from(head)
+    if (
+        magic != PAGE_MAGIC
+        or version != PAGE_VERSION
+        or key_len != len(key)
+        or head[_HEADER.size : _HEADER.size + key_len] != key.encode("ascii")
+    ):
+        return None
+    return int(length), int(check)
+
+
+def checksum_matches(payload: bytes | memoryview | Payload, check: int) -> bool:
+    """Whether ``payload`` has the checksum a header declared."""
+    return _checksum(payload) == check
 
 
 def frame_size(key: str, payload_nbytes: int) -> int:
@@ -158,35 +235,30 @@ def frame_size(key: str, payload_nbytes: int) -> int:
     return _HEADER.size + len(key) + payload_nbytes
 
 
-def frame_into(out: memoryview, key: str, payload: bytes | memoryview) -> int:
+def frame_into(out: memoryview, key: str, payload: bytes | memoryview | Payload) -> int:
     """Write the stored page of ``key`` (``frame_page(key, payload) + payload``) at ``out[0:]``.
 
     One copy of the payload, none of it in intermediate bytes; returns the bytes written.
     """
     header = frame_page(key, payload)
-    end = len(header) + len(payload)
-    out[: len(header)] = header
-    out[len(header) : end] = payload
-    return end
+    at = len(header)
+    out[:at] = header
+    for part in payload if isinstance(payload, tuple) else (payload,):
+        out[at : at + len(part)] = part
+        at += len(part)
+    return at
 
 
 def unframe_page(key: str, stored: _B) -> _B | None:
     """The payload of ``stored`` if it is a whole page of ``key`` (magic, version, key,
     length and checksum match), else None. A memoryview is checked in place and its
     payload is a view of it."""
-    if len(stored) < _HEADER.size:
-        return None
-    magic, version, key_len, length, check = _HEADER.unpack_from(stored)
-    start = _HEADER.size + key_len
-    if (
-        magic != PAGE_MAGIC
-        or version != PAGE_VERSION
-        or len(stored) != start + length
-        or stored[_HEADER.size : start] != key.encode("ascii")
-    ):
+    fields = parse_header(key, stored)
+    start = header_size(key)
+    if fields is None or len(stored) != start + fields[0]:
         return None
     payload = stored[start:]
-    if _checksum(payload) != check:
+    if _checksum(payload) != fields[1]:
         return None
     return payload
 
@@ -202,35 +274,77 @@ def fault_steps(fault_at: int | None, n_pages: int) -> Callable[[int, str], None
     return step
 
 
-def check_held(key: str, held: bytes | memoryview | None, page: bytes | memoryview) -> bool:
-    """Whether ``key`` already holds ``page`` (``held``: its verified stored payload, None if
-    none); PageMismatch if it holds other bytes (the stored page is kept)."""
-    if held is not None and held != page:
-        raise PageMismatch(
-            f"key {key} is stored with different bytes; the stored page is kept", key=key
-        )
+def check_held(
+    key: str,
+    held: bytes | memoryview | None,
+    page: Payload,
+    kept: list[str] | None = None,
+) -> bool:
+    """Whether ``key`` already holds a whole page, so ``page`` need not be written
+    (``held``: its verified stored payload, None if none). If it holds other bytes, the
+    stored page is kept: PageMismatch, or, when ``kept`` is given (a put that keeps first
+    values), ``key`` is appended to ``kept`` for the mismatch counter and True returned."""
+    if held is not None and not same_bytes(held, page):
+        if kept is None:
+            raise PageMismatch(
+                f"key {key} is stored with different bytes; the stored page is kept", key=key
+            )
+        kept.append(key)
     return held is not None
 
 
-def _check_put(keys: Sequence[str], pages: torch.Tensor) -> tuple[str, ...]:
+def _check_put(
+    keys: Sequence[str],
+    pages: torch.Tensor | Sequence[torch.Tensor],
+    max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+) -> tuple[str, ...]:
     if isinstance(keys, str):
         raise InvalidPut("keys must be a sequence of keys, not one string")
     checked = tuple(check_key(k) for k in keys)
-    if not isinstance(pages, torch.Tensor):
-        raise InvalidPut(f"pages must be a torch.Tensor, got {type(pages).__name__}")
-    if pages.dim() != 2:
-        raise InvalidPut(f"pages must be 2-D [n_pages, page_numel], got shape {tuple(pages.shape)}")
-    if pages.device.type != "cpu" or pages.layout != torch.strided:
-        raise InvalidPut(f"pages must be a dense host tensor, got {pages.device} {pages.layout}")
+    if isinstance(pages, torch.Tensor):
+        if pages.dim() != 2:
+            raise InvalidPut(
+                f"pages must be 2-D [n_pages, page_numel], got shape {tuple(pages.shape)}"
+            )
+        _check_host(pages)
+        n_pages, sizes = pages.shape[0], [pages.shape[1] * pages.element_size()]
+    elif isinstance(pages, (list, tuple)):
+        for one in pages:
+            if not isinstance(one, torch.Tensor):
+                raise InvalidPut(f"each page must be a torch.Tensor, got {type(one).__name__}")
+            _check_host(one)
+        n_pages, sizes = len(pages), [p.numel() * p.element_size() for p in pages]
+    else:
+        raise InvalidPut(
+            f"pages must be a torch.Tensor or a list of them, got {type(pages).__name__}"
+        )
     if not checked:
         raise InvalidPut("a put needs at least one page")
-    if pages.shape[0] != len(checked):
-        raise InvalidPut(f"{len(checked)} keys for {pages.shape[0]} pages: one key per page")
-    if pages.shape[1] == 0:
+    if n_pages != len(checked):
+        raise InvalidPut(f"{len(checked)} keys for {n_pages} pages: one key per page")
+    if min(sizes) == 0:
         raise InvalidPut("pages must not be empty (page_numel is 0)")
+    if max(sizes) > max_page_bytes:
+        raise InvalidPut(
+            f"a page of {max(sizes)} bytes is larger than this store's pages can be "
+            f"(max_page_bytes={max_page_bytes})"
+        )
     if len(set(checked)) != len(checked):
         raise InvalidPut("a key appears twice in one put (a hash chain never repeats a key)")
     return checked
+
+
+def _check_host(pages: torch.Tensor) -> None:
+    if pages.device.type != "cpu" or pages.layout != torch.strided:
+        raise InvalidPut(f"pages must be a dense host tensor, got {pages.device} {pages.layout}")
+
+
+def _check_max_page(max_page_bytes: object) -> int:
+    if isinstance(max_page_bytes, bool) or not isinstance(max_page_bytes, int):
+        raise ConfigError(f"max_page_bytes must be a whole number, got {max_page_bytes!r}")
+    if max_page_bytes <= 0:
+        raise ConfigError(f"max_page_bytes must be positive, got {max_page_bytes}")
+    return max_page_bytes
 
 
 def _check_rate(rate: object) -> float:
@@ -239,13 +353,62 @@ def _check_rate(rate: object) -> float:
     return float(rate)
 
 
-def page_views(pages: torch.Tensor) -> list[memoryview]:
-    """Zero-copy byte views of the rows of a host page tensor, one per page, read on the
-    writer thread (each keeps the tensor's memory alive)."""
+def tensor_segments(tensor: torch.Tensor, *, writable: bool = False) -> Payload:
+    """Zero-copy byte views of a host tensor's memory, in the tensor's element order: one
+    view if it is contiguous, else one per contiguous run (a strided page view of a host
+    pool: one per layer and K/V, say). The views are writable where the tensor is, and
+    keep its memory alive. A tensor whose last dimension is not dense is copied first,
+    unless the views are to be ``writable`` (a read's destination): then InvalidPut."""
+    t = tensor.detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    try:
+        array = t.view(torch.uint8).numpy() if t.element_size() != 1 else t.numpy()
+    except (RuntimeError, TypeError) as exc:  # a last dimension with a stride
+        if writable:
+            raise InvalidPut(
+                f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} cannot be "
+                "read into in place"
+            ) from exc
+        array = t.contiguous().view(torch.uint8).numpy()
+    if array.flags.c_contiguous:
+        return (array.data.cast("B"),)
+    # The innermost dimensions that are dense together form one run.
+    split, run = array.ndim, 1
+    while split > 0 and (array.shape[split - 1] == 1 or array.strides[split - 1] == run):
+        run *= array.shape[split - 1]
+        split -= 1
+    outer = array.reshape((*array.shape[:split], -1)) if split < array.ndim else array
+    return tuple(
+        outer[idx].data.cast("B")
+        for idx in itertools.product(*(range(n) for n in array.shape[:split]))
+    )
+
+
+def page_views(pages: torch.Tensor | Sequence[torch.Tensor]) -> list[Payload]:
+    """Zero-copy byte views of each page of a put, read on the writer thread: the rows of
+    a 2-D host tensor, or each tensor of a list (:func:`tensor_segments`)."""
+    if not isinstance(pages, torch.Tensor):
+        return [tensor_segments(p) for p in pages]
     block = pages.detach().contiguous()
     flat = block.view(torch.uint8).numpy().data.cast("B")
     row = block.shape[1] * block.element_size()
-    return [flat[i * row : (i + 1) * row] for i in range(block.shape[0])]
+    return [(flat[i * row : (i + 1) * row],) for i in range(block.shape[0])]
+
+
+def _pieces(out: memoryview | Sequence[memoryview]) -> Payload:
+    return (out,) if isinstance(out, memoryview) else tuple(out)
+
+
+def _copy_into(data: bytes | memoryview, out: Payload) -> bool:
+    """Copy ``data`` into the pieces of ``out`` if it has exactly their size."""
+    if len(data) != payload_nbytes(out):
+        return False
+    view, at = memoryview(data), 0
+    for part in out:
+        part[:] = view[at : at + len(part)]
+        at += len(part)
+    return True
 
 
 # ----------------------------------------------------------------------------- the shared writer
@@ -255,8 +418,18 @@ def page_views(pages: torch.Tensor) -> list[memoryview]:
 class _Put:
     token: object
     keys: tuple[str, ...]
-    pages: torch.Tensor
+    pages: torch.Tensor | Sequence[torch.Tensor]
     fault_at: int | None
+    keep_first: bool
+
+
+@dataclass(slots=True)
+class _Clear:
+    """A clear() for the writer thread, done between two puts."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    removed: int = 0
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,11 +439,17 @@ class Written:
     pages_written: int
     pages_deduplicated: int
     bytes_written: int
+    #: Keys that held other bytes, kept as stored (a put with ``keep_first``).
+    pages_mismatched: int = 0
 
     @classmethod
-    def of(cls, n_written: int, pages: Sequence[memoryview]) -> Written:
-        """``n_written`` of the put's ``pages`` written; the rest were stored with their bytes."""
-        return cls(n_written, len(pages) - n_written, n_written * len(pages[0]))
+    def of(
+        cls, written: Sequence[Payload], pages: Sequence[Payload], kept: Sequence[str] = ()
+    ) -> Written:
+        """The put's pages ``written`` were written; of the rest, ``kept`` held other
+        bytes (kept as stored) and the others were stored with their bytes."""
+        n = len(written)
+        return cls(n, len(pages) - n - len(kept), sum(map(payload_nbytes, written)), len(kept))
 
 
 class QueuedStore(abc.ABC):
@@ -280,8 +459,16 @@ class QueuedStore(abc.ABC):
     (``_store_pages``) and how pages are read back.
     """
 
-    def __init__(self, *, fail_rate: float = 0.0, seed: int = 0, name: str = "store") -> None:
+    def __init__(
+        self,
+        *,
+        fail_rate: float = 0.0,
+        seed: int = 0,
+        name: str = "store",
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+    ) -> None:
         self._fail_rate = _check_rate(fail_rate)
+        self._max_page = _check_max_page(max_page_bytes)
         self._rng = random.Random(seed)
         self._fail_next = 0
         self._lock = threading.Lock()
@@ -291,7 +478,7 @@ class QueuedStore(abc.ABC):
         self._pending = 0  # accepted puts not yet returned by poll/drain
         self._stats = StoreStats()
         self._closed = False
-        self._queue: queue.SimpleQueue[_Put | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Put | _Clear | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._run, name=f"kvlife-{name}-writer", daemon=True)
         self._writer.start()
 
@@ -303,11 +490,17 @@ class QueuedStore(abc.ABC):
 
     @abc.abstractmethod
     def _store_pages(
-        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
+        self,
+        keys: tuple[str, ...],
+        pages: Sequence[Payload],
+        fault_at: int | None,
+        kept: list[str] | None = None,
     ) -> Written:
         """Store every page (``pages[i]``: the raw bytes of ``keys[i]``) or none; raise
         (after rolling back) on failure, and at step ``fault_at`` (if not None) raise a
-        StoreError whose message says "injected" (:func:`fault_steps`)."""
+        StoreError whose message says "injected" (:func:`fault_steps`). A key holding
+        other bytes fails the put, or, when ``kept`` is a list, is appended to it and
+        kept as stored (:func:`check_held`)."""
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
@@ -317,15 +510,77 @@ class QueuedStore(abc.ABC):
     def keys(self) -> Iterator[str]:
         """Every stored key (for verification; order unspecified)."""
 
+    @abc.abstractmethod
+    def _clear(self) -> int:
+        """Remove every page of this store's namespace; the number removed."""
+
     # -- the protocol
+
+    @property
+    def max_page_bytes(self) -> int:
+        """The largest page payload this store takes, and believes when it reads."""
+        return self._max_page
 
     def contains(self, key: str) -> bool:
         """Whether a whole, verified page is stored under ``key`` (reads it)."""
         return self.get(key) is not None
 
-    def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
-        """Queue ``pages[i]`` under ``keys[i]``; keep the pages until this token's result."""
-        checked = _check_put(keys, pages)
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """``get`` of every key, in order."""
+        if isinstance(keys, str):
+            raise InvalidPut("get_batch takes a sequence of keys, not one string")
+        return [self.get(k) for k in keys]
+
+    def get_into(self, key: str, out: memoryview | Sequence[memoryview]) -> bool:
+        """Fill ``out`` (one buffer, or pieces filled in order) with the payload of ``key``
+        if a whole, verified page of exactly that many bytes is stored; False if not (a
+        miss; the contents of ``out`` are then unspecified)."""
+        return self.get_batch_into([key], [out])[0]
+
+    def get_batch_into(
+        self, keys: Sequence[str], outs: Sequence[memoryview | Sequence[memoryview]]
+    ) -> list[bool]:
+        """``get_into`` of every key into its own ``outs[i]``."""
+        found = self.get_batch(keys)
+        return [
+            data is not None and _copy_into(data, _pieces(out))
+            for data, out in zip(found, outs, strict=True)
+        ]
+
+    def clear(self) -> int:
+        """Remove every page of this store's namespace (other namespaces keep theirs).
+
+        The writer thread does it after the puts accepted before the call and before
+        any accepted after it, so no earlier put lands after the clear. Returns the
+        number of pages removed (also counted in ``stats().pages_cleared``); raises what
+        the medium raised (``OSError``, ``StoreError``) if it could not.
+        """
+        job = _Clear()
+        with self._lock:
+            if self._closed:
+                raise StoreClosed("clear on a closed store")
+            self._queue.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.removed
+
+    def put(
+        self,
+        token: object,
+        keys: Sequence[str],
+        pages: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        keep_first: bool = False,
+    ) -> None:
+        """Queue ``pages[i]`` under ``keys[i]``; keep the pages until this token's result.
+
+        ``pages``: a 2-D host tensor (one row a page) or a list of host tensors (one a
+        page, any shape and strides, sizes may differ; written from their own memory).
+        ``keep_first``: a key already holding a whole page of other bytes keeps it and
+        the put goes on (counted in ``page_mismatches``) instead of failing.
+        """
+        checked = _check_put(keys, pages, self._max_page)
         with self._lock:
             if self._closed:
                 raise StoreClosed("put on a closed store")
@@ -337,7 +592,7 @@ class QueuedStore(abc.ABC):
             fault_at = self._rng.randrange(self._fault_steps(len(checked))) if fail else None
             self._unfinished += 1
             self._pending += 1
-            self._queue.put(_Put(token, checked, pages, fault_at))
+            self._queue.put(_Put(token, checked, pages, fault_at, bool(keep_first)))
 
     def poll(self) -> list[StoreResult]:
         """Results completed since the last poll or drain, in completion order; never blocks."""
@@ -417,9 +672,13 @@ class QueuedStore(abc.ABC):
             return None
         payload = unframe_page(key, stored)
         if payload is None and count:
-            with self._lock:
-                self._stats = replace(self._stats, pages_corrupt=self._stats.pages_corrupt + 1)
+            self._count("pages_corrupt")
         return payload
+
+    def _count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``counter`` of :class:`StoreStats`."""
+        with self._lock:
+            self._stats = replace(self._stats, **{counter: getattr(self._stats, counter) + n})
 
     def _take(self) -> list[StoreResult]:
         taken, self._done = self._done, []
@@ -431,10 +690,19 @@ class QueuedStore(abc.ABC):
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, _Clear):
+                try:
+                    job.removed = self._clear()
+                    self._count("pages_cleared", job.removed)
+                except BaseException as exc:  # raised by clear() on the caller's thread
+                    job.error = exc
+                job.done.set()
+                continue
             written: Written | None = None
             error: BaseException | None = None
             try:
-                written = self._store_pages(job.keys, page_views(job.pages), job.fault_at)
+                kept: list[str] | None = [] if job.keep_first else None
+                written = self._store_pages(job.keys, page_views(job.pages), job.fault_at, kept)
             except BaseException as exc:  # reported on the result, never lost
                 error = exc
             with self._lock:
@@ -446,6 +714,7 @@ class QueuedStore(abc.ABC):
                         pages_written=s.pages_written + written.pages_written,
                         pages_deduplicated=s.pages_deduplicated + written.pages_deduplicated,
                         bytes_written=s.bytes_written + written.bytes_written,
+                        page_mismatches=s.page_mismatches + written.pages_mismatched,
                     )
                 else:
                     self._stats = replace(

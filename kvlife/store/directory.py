@@ -24,13 +24,19 @@ from typing import BinaryIO
 
 from kvlife.errors import ConfigError
 from kvlife.store.base import (
+    DEFAULT_MAX_PAGE_BYTES,
+    Payload,
     QueuedStore,
     Written,
+    _pieces,
     check_held,
     check_key,
+    checksum_matches,
     fault_steps,
     frame_page,
-    unframe_page,
+    header_size,
+    parse_header,
+    payload_nbytes,
 )
 
 __all__ = ["LocalDirectoryStore", "check_namespace"]
@@ -44,6 +50,16 @@ _TEMP_FILE = re.compile(r"\.([0-9a-f]{2,128})\.([0-9]+)\.[0-9a-f]+\.tmp")
 # The longest path below ``@pages``: "/ff/" and a temporary file name with a
 # 128-digit key, a 10-digit pid and 8 random hex digits.
 _LONGEST_BELOW = len("/ff/." + "f" * 128 + "." + "9" * 10 + ".ffffffff.tmp")
+# How every page file is opened for reading: never through a symlink, never blocking
+# (a FIFO), never inherited by a child.
+_READ_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+# preadv takes at most this many buffers in one call (IOV_MAX on Linux).
+_IOV_MAX = 1024
 
 
 def check_namespace(namespace: object) -> tuple[str, ...]:
@@ -87,6 +103,7 @@ class LocalDirectoryStore(QueuedStore):
         seed: int = 0,
         fsync: bool = False,
         clean_temps: bool = True,
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         parts = check_namespace(namespace)
         self._root = Path(root)
@@ -109,7 +126,9 @@ class LocalDirectoryStore(QueuedStore):
         _make_directories(self._directory)
         if clean_temps:
             self.clean_stale_temps()
-        super().__init__(fail_rate=fail_rate, seed=seed, name="directory-store")
+        super().__init__(
+            fail_rate=fail_rate, seed=seed, name="directory-store", max_page_bytes=max_page_bytes
+        )
 
     @property
     def root(self) -> Path:
@@ -131,25 +150,111 @@ class LocalDirectoryStore(QueuedStore):
         check_key(key)
         return self._directory / key[:2] / f"{key}.page"
 
-    # -- reads
+    # -- reads: every one goes through _open_page, then reads what its header declares
 
     def get(self, key: str) -> bytes | None:
         """The stored payload bytes of a page, or None when no whole page is stored under it."""
         return self._read(self.path(key), key)
 
+    def get_batch_into(
+        self, keys: Sequence[str], outs: Sequence[memoryview | Sequence[memoryview]]
+    ) -> list[bool]:
+        """``get_into`` of every key: each payload read straight into its ``outs[i]``."""
+        paths = [self.path(k) for k in keys]
+        return [
+            self._read_into(p, k, _pieces(o)) for p, k, o in zip(paths, keys, outs, strict=True)
+        ]
+
     def _read(self, file: Path, key: str, *, count: bool = True) -> bytes | None:
         """The payload of page ``file`` if it is a whole page of ``key``; None if not."""
-        try:
-            stored = file.read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
+        opened = self._open_page(file, key, None, count)
+        if opened is None:
             return None
-        return self._verify(key, stored, count=count)
+        fd, length, check = opened
+        try:
+            payload = os.pread(fd, length, header_size(key))
+        except OSError:
+            self._count("read_errors")
+            return None
+        finally:
+            os.close(fd)
+        if len(payload) != length or not checksum_matches(payload, check):
+            if count:
+                self._count("pages_corrupt")
+            return None
+        return payload
+
+    def _read_into(self, file: Path, key: str, out: Payload) -> bool:
+        """Read the payload of page ``file`` into ``out`` if it is a whole page of ``key``
+        of exactly that size (a page of another size is a miss, not a bad page)."""
+        opened = self._open_page(file, key, payload_nbytes(out), True)
+        if opened is None:
+            return False
+        fd, length, check = opened
+        try:
+            done, at = 0, header_size(key)
+            for start in range(0, len(out), _IOV_MAX):
+                done += os.preadv(fd, out[start : start + _IOV_MAX], at + done)
+        except OSError:
+            self._count("read_errors")
+            return False
+        finally:
+            os.close(fd)
+        if done != length or not checksum_matches(out, check):
+            self._count("pages_corrupt")
+            return False
+        return True
+
+    def _open_page(
+        self, file: Path, key: str, expect: int | None, count: bool
+    ) -> tuple[int, int, int] | None:
+        """(open descriptor, payload length, checksum) of page ``file`` if it is a regular
+        file whose header names ``key``, declares a payload of at most ``max_page_bytes``
+        (exactly ``expect`` if given) and matches the file's size; else None, counted:
+        ``read_errors`` for an OSError, ``pages_corrupt`` for what is not a page. Reads
+        nothing but the header, and never blocks (``_READ_FLAGS``)."""
+        try:
+            fd = os.open(file, _READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError:  # ENOTDIR, ELOOP (a symlink), EACCES, EIO, EMFILE, ...
+            self._count("read_errors")
+            return None
+        fields: tuple[int, int] | None = None
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode):
+                fields = parse_header(key, os.pread(fd, header_size(key), 0))
+        except OSError:
+            os.close(fd)
+            self._count("read_errors")
+            return None
+        whole = (
+            fields is not None
+            and fields[0] <= self.max_page_bytes
+            and info.st_size == header_size(key) + fields[0]
+        )
+        if fields is not None and whole and (expect is None or fields[0] == expect):
+            return fd, fields[0], fields[1]
+        os.close(fd)
+        if not whole and count:
+            self._count("pages_corrupt")
+        return None
 
     def keys(self) -> Iterator[str]:
         """Every stored key, read from the directory (temporary files are not pages)."""
         for shard, match, entry in self._files(_PAGE_FILE):
             if match.group(1)[:2] == shard and entry.is_file():
                 yield match.group(1)
+
+    def _clear(self) -> int:
+        """Unlink every page file of this namespace (writer thread); other names stay."""
+        removed = 0
+        for _, _, entry in self._files(_PAGE_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+        return removed
 
     def clean_stale_temps(self) -> int:
         """Remove temporary files left by writers no longer running on this host; count them."""
@@ -180,7 +285,8 @@ class LocalDirectoryStore(QueuedStore):
     # -- writes (writer thread)
 
     def _write_page(self, file: BinaryIO, page: memoryview) -> None:
-        """Write one page's payload to its open temporary file (an override point for tests)."""
+        """Write one piece of a page's payload to its open temporary file (an override
+        point for tests)."""
         file.write(page)
 
     def _fault_steps(self, n_pages: int) -> int:
@@ -188,24 +294,30 @@ class LocalDirectoryStore(QueuedStore):
         return 2 * n_pages
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
+        self,
+        keys: tuple[str, ...],
+        pages: Sequence[Payload],
+        fault_at: int | None,
+        kept: list[str] | None = None,
     ) -> Written:
         n = len(keys)
         temps: dict[int, tuple[Path, Path]] = {}  # page index -> (temporary, final)
         created: list[Path] = []
+        written: list[Payload] = []
         step = fault_steps(fault_at, n)
         try:
             for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
                 step(i, f"before writing page {i}")
                 final = self.path(key)
-                if check_held(key, self._read(final, key), page):
+                if check_held(key, self._read(final, key), page, kept):
                     continue
                 final.parent.mkdir(exist_ok=True)
                 temp = _temp_name(final, key)
                 temps[i] = (temp, final)
                 with open(temp, "xb") as file:
                     file.write(frame_page(key, page))
-                    self._write_page(file, page)
+                    for part in page:
+                        self._write_page(file, part)
                     if self._fsync:
                         file.flush()
                         os.fsync(file.fileno())
@@ -213,8 +325,9 @@ class LocalDirectoryStore(QueuedStore):
                 step(n + i, f"before linking page {i}")
                 if i in temps:
                     temp, final = temps[i]
-                    if self._claim(temp, final, keys[i], pages[i]):
+                    if self._claim(temp, final, keys[i], pages[i], kept):
                         created.append(final)
+                        written.append(pages[i])
                     temp.unlink()
                     del temps[i]
             if self._fsync:
@@ -230,9 +343,11 @@ class LocalDirectoryStore(QueuedStore):
             for final in created:
                 final.unlink(missing_ok=True)
             raise
-        return Written.of(len(created), pages)
+        return Written.of(written, pages, kept or ())
 
-    def _claim(self, temp: Path, final: Path, key: str, page: memoryview) -> bool:
+    def _claim(
+        self, temp: Path, final: Path, key: str, page: Payload, kept: list[str] | None
+    ) -> bool:
         """Give the complete ``temp`` the name ``final`` unless a whole page has it first.
 
         True if this put's page is now the stored one, False if the same bytes
@@ -245,7 +360,7 @@ class LocalDirectoryStore(QueuedStore):
             except FileExistsError:
                 pass
             # A bad page was counted when _store_pages read it before writing.
-            if check_held(key, self._read(final, key, count=False), page):
+            if check_held(key, self._read(final, key, count=False), page, kept):
                 return False
             # No whole page under the name (a bad one, or one just removed): move it aside,
             # but put back a whole page another writer may have linked in the meantime.
@@ -258,7 +373,7 @@ class LocalDirectoryStore(QueuedStore):
             except FileNotFoundError:
                 continue
             try:
-                if unframe_page(key, aside.read_bytes()) is not None:
+                if self._read(aside, key, count=False) is not None:
                     with contextlib.suppress(FileExistsError):
                         os.link(aside, final)
             finally:

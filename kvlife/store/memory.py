@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from kvlife.errors import PageMismatch, StoreError
 from kvlife.store.base import (
+    DEFAULT_MAX_PAGE_BYTES,
+    Payload,
     QueuedStore,
     StoreResult,
     Written,
@@ -35,32 +37,53 @@ __all__ = ["InlineStore", "MemoryStore"]
 class MemoryStore(QueuedStore):
     """An in-process store: a dict of page bytes behind a writer thread (tests, simulator)."""
 
-    def __init__(self, *, fail_rate: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        fail_rate: float = 0.0,
+        seed: int = 0,
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+    ) -> None:
         self._pages: dict[str, bytes] = {}  # key -> framed page (header + payload)
         self._pages_lock = threading.Lock()
-        super().__init__(fail_rate=fail_rate, seed=seed, name="memory-store")
+        super().__init__(
+            fail_rate=fail_rate, seed=seed, name="memory-store", max_page_bytes=max_page_bytes
+        )
 
     def _fault_steps(self, n_pages: int) -> int:
         # A fault can strike before copying any page, or after the last: n + 1 steps.
         return n_pages + 1
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
+        self,
+        keys: tuple[str, ...],
+        pages: Sequence[Payload],
+        fault_at: int | None,
+        kept: list[str] | None = None,
     ) -> Written:
         framed: list[bytes] = []
         for i, key in enumerate(keys):
             if fault_at == i:
                 raise StoreError(f"injected failure before page {i} of {len(keys)}")
-            framed.append(frame_page(key, pages[i]) + pages[i])
+            framed.append(b"".join((frame_page(key, pages[i]), *pages[i])))
         if fault_at == len(keys):
             raise StoreError(f"injected failure before committing {len(keys)} pages")
         new: dict[str, bytes] = {}
+        written: list[Payload] = []
         with self._pages_lock:
             for i, key in enumerate(keys):
-                if not check_held(key, self._verify(key, self._pages.get(key)), pages[i]):
+                held = self._verify(key, self._pages.get(key))
+                if not check_held(key, held, pages[i], kept):
                     new[key] = framed[i]
+                    written.append(pages[i])
             self._pages.update(new)
-        return Written.of(len(new), pages)
+        return Written.of(written, pages, kept or ())
+
+    def _clear(self) -> int:
+        with self._pages_lock:
+            removed = len(self._pages)
+            self._pages.clear()
+        return removed
 
     def get(self, key: str) -> bytes | None:
         """The stored payload bytes of a page, or None when no whole page is stored under it."""
@@ -90,11 +113,12 @@ class InlineStore:
     def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
         """Store every page under its key now, or none; the result comes at the next poll."""
         checked = _check_put(keys, pages)
-        copies = {key: bytes(view) for key, view in zip(checked, page_views(pages), strict=True)}
+        views = page_views(pages)
+        copies = {key: b"".join(page) for key, page in zip(checked, views, strict=True)}
         error: PageMismatch | None = None
         try:
             for key, page in copies.items():
-                check_held(key, self._pages.get(key), page)
+                check_held(key, self._pages.get(key), (memoryview(page),))
             self._pages.update(copies)
         except PageMismatch as exc:
             error = exc

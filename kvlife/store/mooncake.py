@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,18 +29,24 @@ import numpy as np
 
 from kvlife.errors import (
     ConfigError,
+    InvalidPut,
     MissingDependency,
     StoreError,
     StoreUnavailable,
 )
 from kvlife.store.base import (
+    DEFAULT_MAX_PAGE_BYTES,
+    Payload,
     QueuedStore,
     Written,
+    _copy_into,
+    _pieces,
     check_held,
     check_key,
     fault_steps,
     frame_into,
     frame_size,
+    payload_nbytes,
 )
 from kvlife.store.directory import check_namespace
 
@@ -144,6 +152,7 @@ class MooncakeStore(QueuedStore):
         setup_retries: int = 1,
         fail_rate: float = 0.0,
         seed: int = 0,
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         check_namespace(namespace)
         if not isinstance(master, str) or not master or not isinstance(metadata, str):
@@ -194,11 +203,15 @@ class MooncakeStore(QueuedStore):
             self._put_buffer.release()
             client.close()
             raise
-        self._slot = 0  # the largest stored page seen, in bytes (a read's first guess)
+        # The largest page this store put or verified, in bytes (a batched read's slot):
+        # what an object claims (get_size) never sizes it.
+        self._slot = 0
         self._known: set[str] = set()  # keys this store put or found stored by its puts
         self._known_lock = threading.Lock()
         self._client_closed = False
-        super().__init__(fail_rate=fail_rate, seed=seed, name="mooncake-store")
+        super().__init__(
+            fail_rate=fail_rate, seed=seed, name="mooncake-store", max_page_bytes=max_page_bytes
+        )
 
     @classmethod
     def from_env(cls, namespace: str = "default", **kwargs: Any) -> MooncakeStore:
@@ -250,28 +263,59 @@ class MooncakeStore(QueuedStore):
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """``get`` of every key in one batched read; raises on the first key that fails."""
         if isinstance(keys, str):
-            raise TypeError("get_batch takes a sequence of keys, not one string")
+            raise InvalidPut("get_batch takes a sequence of keys, not one string")
         names = [self.object_key(k) for k in keys]
         out: list[bytes | None] = [None] * len(names)
 
         def use(i: int, data: memoryview | None) -> None:
             # Verified in the read buffer: one copy, of the payload only.
             if (payload := self._verify(keys[i], data)) is not None:
+                self._seen(keys[i], len(payload))
                 out[i] = payload.tobytes()
 
         if names:
             with self._read_lock:
-                self._read_each(names, self._read_buffer, "get", use)
+                self._read_each(names, keys, None, self._read_buffer, "get", use)
         return out
+
+    def get_batch_into(
+        self, keys: Sequence[str], outs: Sequence[memoryview | Sequence[memoryview]]
+    ) -> list[bool]:
+        """``get_into`` of every key in one batched read: each object lands in the read
+        buffer, is verified there and its payload copied into ``outs[i]`` (one copy); an
+        object of another size than ``outs[i]`` is a miss and is not transferred."""
+        if isinstance(keys, str):
+            raise InvalidPut("get_batch_into takes a sequence of keys, not one string")
+        names = [self.object_key(k) for k in keys]
+        pieces = [_pieces(o) for o in outs]
+        if len(pieces) != len(names):
+            raise InvalidPut(f"{len(names)} keys for {len(pieces)} destinations")
+        sizes = [payload_nbytes(p) for p in pieces]
+        done = [False] * len(names)
+
+        def use(i: int, data: memoryview | None) -> None:
+            if (payload := self._verify(keys[i], data)) is not None:
+                done[i] = _copy_into(payload, pieces[i])
+
+        if names:
+            with self._read_lock:
+                self._read_each(names, keys, sizes, self._read_buffer, "get", use)
+        return done
 
     def keys(self) -> Iterator[str]:
         """The keys this store put or found stored with its bytes (a cluster is not listed)."""
         with self._known_lock:
             return iter(sorted(self._known))
 
+    def _seen(self, key: str, payload_nbytes: int) -> None:
+        """A verified page of ``key`` has ``payload_nbytes``: batched reads make room for it."""
+        self._slot = max(self._slot, frame_size(key, payload_nbytes))
+
     def _read_each(
         self,
         names: list[str],
+        keys: Sequence[str],
+        expect: list[int] | None,
         buffer: _Buffer,
         call: str,
         use: Callable[[int, memoryview | None], None],
@@ -279,31 +323,43 @@ class MooncakeStore(QueuedStore):
         """``use(i, object)`` for each of ``names`` in order (None where absent); raises on failure.
 
         One ``batch_get_into`` into ``buffer``; an object is a view of
-        ``buffer``, valid until its next use (nothing is copied here).
+        ``buffer``, valid until its next use (nothing is copied here). Each slot
+        is the expected page's size (``expect``: payload bytes per key) or the
+        largest page seen; an object larger than its slot is read alone only if a
+        page of this store can be that large, else it is a counted miss.
         """
-        slot = max(self._slot, 4096)
-        n = len(names)
-        buffer.ensure(slot * n)
+        if expect is not None:
+            slots = [frame_size(k, n) for k, n in zip(keys, expect, strict=True)]
+        else:
+            slots = [max(self._slot, 4096)] * len(names)
+        offsets = [0]
+        for size in slots:
+            offsets.append(offsets[-1] + size)
+        buffer.ensure(offsets[-1])
         base, view = buffer.ptr, buffer.array.data
-        codes = self._client.batch_get_into(names, [base + i * slot for i in range(n)], [slot] * n)
+        codes = self._client.batch_get_into(names, [base + o for o in offsets[:-1]], slots)
         for i, code in enumerate(codes):
             if code >= 0:
-                use(i, view[i * slot : i * slot + code])
+                use(i, view[offsets[i] : offsets[i] + code])
             elif code == OBJECT_NOT_FOUND:
                 use(i, None)
+            elif code == INVALID_PARAMS and expect is not None:
+                use(i, None)  # larger than the page asked for: not that page
             elif code == INVALID_PARAMS:  # bigger than the slot: ask its size, read it alone
-                data = self._read_one(names[i], call)
+                data = self._read_one(names[i], keys[i], call)
                 use(i, None if data is None else memoryview(data))
             else:
                 raise _error(f"batch_get_into ({call})", code, names[i])
 
-    def _read_one(self, name: str, call: str) -> bytes | None:
+    def _read_one(self, name: str, key: str, call: str) -> bytes | None:
         size = self._client.get_size(name)
         if size == OBJECT_NOT_FOUND:
             return None
         if size < 0:
             raise _error(f"get_size ({call})", size, name)
-        self._slot = max(self._slot, size)
+        if size > frame_size(key, self.max_page_bytes):  # no page of this store is that large
+            self._count("pages_corrupt")
+            return None
         one = _Buffer(self._client, "large read")
         try:
             one.ensure(size)
@@ -316,6 +372,16 @@ class MooncakeStore(QueuedStore):
         finally:
             one.release()
 
+    def _clear(self) -> int:
+        """Remove every page object of this namespace (not those of a namespace below it)."""
+        pattern = "^" + re.escape(self._prefix) + "[0-9a-f]{2,128}$"
+        removed = self._client.remove_by_regex(pattern, True)
+        if removed < 0:
+            raise _error("remove_by_regex (clear)", removed, self._prefix)
+        with self._known_lock:
+            self._known.clear()
+        return int(removed)
+
     # -- writes (writer thread)
 
     def _fault_steps(self, n_pages: int) -> int:
@@ -323,7 +389,11 @@ class MooncakeStore(QueuedStore):
         return 3
 
     def _store_pages(
-        self, keys: tuple[str, ...], pages: Sequence[memoryview], fault_at: int | None
+        self,
+        keys: tuple[str, ...],
+        pages: Sequence[Payload],
+        fault_at: int | None,
+        kept: list[str] | None = None,
     ) -> Written:
         now = time.monotonic()
         if now < self._down_until and self._down_error is not None:
@@ -333,14 +403,18 @@ class MooncakeStore(QueuedStore):
                 call=self._down_error.call,
             )
         try:
-            return self._write(keys, pages, fault_steps(fault_at, len(keys)))
+            return self._write(keys, pages, fault_steps(fault_at, len(keys)), kept)
         except StoreUnavailable as exc:
             self._down_error = exc
             self._down_until = time.monotonic() + self._retry_after
             raise
 
     def _write(
-        self, keys: tuple[str, ...], pages: Sequence[memoryview], step: Callable[[int, str], None]
+        self,
+        keys: tuple[str, ...],
+        pages: Sequence[Payload],
+        step: Callable[[int, str], None],
+        kept: list[str] | None,
     ) -> Written:
         names = [self._prefix + k for k in keys]
         step(0, "before looking for stored pages")
@@ -360,11 +434,13 @@ class MooncakeStore(QueuedStore):
                     if data is not None:  # a stored object failing verification
                         bad.append(i)
                     to_write.append(i)  # (or evicted since it was found)
-                else:  # compared as bytes: memcmp, not per item
-                    check_held(keys[i], payload.tobytes(), pages[i].tobytes())
+                else:
+                    self._seen(keys[i], len(payload))
+                    check_held(keys[i], payload, pages[i], kept)
 
             held = [names[i] for i in existing]
-            self._read_each(held, self._put_buffer, "put", check)
+            held_keys = [keys[i] for i in existing]
+            self._read_each(held, held_keys, None, self._put_buffer, "put", check)
             if bad:
                 codes = self._client.batch_remove([names[i] for i in bad], True)
                 for i, code in zip(bad, codes, strict=True):
@@ -380,17 +456,17 @@ class MooncakeStore(QueuedStore):
             if created:
                 self._client.batch_remove(created, True)  # best effort: the cluster may be gone
             raise
-        longest = max(frame_size(k, len(pages[0])) for k in keys)
-        self._slot = max(self._slot, longest)
+        for i in to_write:
+            self._seen(keys[i], payload_nbytes(pages[i]))
         with self._known_lock:
             self._known.update(keys)
-        return Written.of(len(to_write), pages)
+        return Written.of([pages[i] for i in to_write], pages, kept or ())
 
     def _put(
         self,
         names: list[str],
         keys: tuple[str, ...],
-        pages: Sequence[memoryview],
+        pages: Sequence[Payload],
         indices: list[int],
         created: list[str],
     ) -> None:
@@ -398,7 +474,7 @@ class MooncakeStore(QueuedStore):
         checksum taken from the caller's memory) and put them, batch by batch."""
         if not indices:
             return
-        frame = max(frame_size(keys[i], len(pages[0])) for i in indices)
+        frame = max(frame_size(keys[i], payload_nbytes(pages[i])) for i in indices)
         per_batch = max(1, self._max_batch // frame)
         buffer = self._put_buffer
         buffer.ensure(frame * min(per_batch, len(indices)))
@@ -421,7 +497,10 @@ class MooncakeStore(QueuedStore):
 
         A full pool evicts in the background, so a burst of puts can find no
         memory (NO_AVAILABLE_HANDLE) for a moment; so can a cluster whose pool
-        is gone, for good. ``full_wait`` seconds tell the two apart.
+        is gone, for good, and so can a page larger than the pool can ever hold.
+        ``full_wait`` seconds tell the first apart; then a one-byte probe object
+        tells the other two: if the pool takes it, this put's pages can never fit
+        (InvalidPut, a refusal of this put; the breaker stays closed).
         """
         deadline = time.monotonic() + self._full_wait
         pause = 0.01
@@ -433,6 +512,11 @@ class MooncakeStore(QueuedStore):
                     created.append(name)
                 elif code == NO_AVAILABLE_HANDLE and time.monotonic() < deadline:
                     retry.append(j)
+                elif code == NO_AVAILABLE_HANDLE and self._pool_takes_a_byte(ptrs[j]):
+                    raise InvalidPut(
+                        f"a page of {sizes[j]} bytes ({name}) does not fit in the Mooncake "
+                        f"pool, which takes smaller objects: no put of it can succeed"
+                    )
                 else:
                     raise _error("batch_put_from", code, name)
             if not retry:
@@ -442,6 +526,14 @@ class MooncakeStore(QueuedStore):
             names = [names[j] for j in retry]
             ptrs = [ptrs[j] for j in retry]
             sizes = [sizes[j] for j in retry]
+
+    def _pool_takes_a_byte(self, ptr: int) -> bool:
+        """Whether the pool stores a one-byte probe object (removed again at once)."""
+        probe = f"{self._prefix}probe-{secrets.token_hex(8)}"  # never a page name
+        if self._client.put_from(probe, ptr, 1) != 0:
+            return False
+        self._client.remove(probe, True)
+        return True
 
     # -- lifecycle
 
