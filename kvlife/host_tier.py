@@ -351,10 +351,11 @@ class HostTier(Generic[K]):
         self._evict(victims)
         return True
 
-    def insert_ready(self, key: K, fill: Callable[[int], bool]) -> bool:
+    def insert_ready(self, key: K, fill: Callable[[int], bool], *, pin: bool = False) -> bool:
         """Promote ``key`` from another tier: take a page (evicting if needed), let ``fill``
-        write and verify its bytes; on ``True`` the key is ready, else the page goes back.
-        ``False`` when the key is held already, there is no room, or ``fill`` failed."""
+        write and verify its bytes; on ``True`` the key is ready (and pinned once, with
+        ``pin``, for the load that asked), else the page goes back. ``False`` when the key
+        is held already, there is no room, or ``fill`` failed."""
         if key in self._index or key in self._orphans or not self.make_room(1):
             return False
         pages = self.pool.alloc(1, self)
@@ -373,6 +374,11 @@ class HostTier(Generic[K]):
         c.entries += 1
         c.stored += 1
         self._events.append(TierEvent((key,), False))
+        if pin:
+            entry.pins = 1
+            c.pinned += 1
+            c.loads += 1
+            return True
         freed: list[int] = []
         self._settled(key, entry, freed)
         if freed:

@@ -7,8 +7,14 @@ the chunk that is due), :meth:`~OffloadManager.poll` each step (acks applied,
 host pages handed to the store and freed once written),
 :meth:`~OffloadManager.finish` when decoding ends (the release callback gets the
 device pages once nothing is in flight) and :meth:`~OffloadManager.close` to drain.
-The stride policy is in ``docs/integration.md``; page accounting and every failure
-path in ``docs/failures.md``.
+The load half mirrors it: :meth:`~OffloadManager.lookup` says how much of a prompt's
+prefix the host tier (or the store, promoted into the host tier) holds ready and whether
+the rest is still being written; :meth:`~OffloadManager.load` copies that prefix into the
+request's device pages with a ticket bound to its Lifecycle, the host pages pinned until
+the load's ack (a finish, abort or retraction meanwhile releases only after it). The
+host tier is :class:`~kvlife.host_tier.HostTier`; with ``keep_on_host`` written pages stay
+there as a cache. The stride policy is in ``docs/integration.md``; page accounting and
+every failure path in ``docs/failures.md``.
 """
 
 from __future__ import annotations
@@ -21,9 +27,18 @@ from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from kvlife._lifecycle import FinishReason, Lifecycle, LifecycleSnapshot, State, Ticket
+import torch
+
+from kvlife._lifecycle import (
+    FinishReason,
+    Lifecycle,
+    LifecycleSnapshot,
+    LoadTicket,
+    State,
+    Ticket,
+)
 from kvlife.engine.base import Ack
 from kvlife.errors import (
     ConfigError,
@@ -37,6 +52,8 @@ from kvlife.errors import (
     StoreError,
 )
 from kvlife.hashing import PageHasher, namespace_prior, sglang_page_hashes
+from kvlife.host_tier import HostTier, Lookup
+from kvlife.refusals import Refusals
 
 if TYPE_CHECKING:
     from kvlife.engine.base import CopyEngine
@@ -48,6 +65,7 @@ __all__ = [
     "ManagerMetrics",
     "OffloadManager",
     "OffloadRequest",
+    "PrefixLookup",
     "ReleaseHandler",
 ]
 
@@ -78,6 +96,17 @@ class Agreement(Protocol):
         """Submissions not yet returned by :meth:`agree`."""
 
 
+class PrefixLookup(NamedTuple):
+    """What :meth:`OffloadManager.lookup` found of a prompt's whole pages, in page order."""
+
+    #: The storage key of each whole page of the prompt.
+    keys: tuple[str, ...]
+    #: Leading pages loadable now: ready on the host tier, or whole and verified in the store.
+    ready: int
+    #: Whether the page after those is still being copied or written (wait, or recompute).
+    pending: bool
+
+
 class OffloadRequest:
     """One request life under an :class:`OffloadManager`, returned by its
     :meth:`~OffloadManager.start`: the runtime passes it back to the manager, and its
@@ -90,9 +119,12 @@ class OffloadRequest:
         "_decoding",
         "_lifecycle",
         "device_pages",
+        "load_failures",
+        "loaded_pages",
         "manager",
         "next_page",
         "prefill_len",
+        "prompt_keys",
         "release_handler",
     )
 
@@ -116,6 +148,12 @@ class OffloadRequest:
         #: The first page not prefilled and not yet offloaded: where the next chunk starts.
         self.next_page = prefill_len // manager.page_size
         self.release_handler = release_handler
+        #: Keys of the prompt's whole pages (what :meth:`OffloadManager.load` reads).
+        self.prompt_keys: tuple[str, ...] = ()
+        #: Prompt pages loads copied into the device pages successfully so far.
+        self.loaded_pages = 0
+        #: Loads whose copy failed (the runtime recomputes those pages).
+        self.load_failures = 0
 
     @property
     def rid(self) -> object:
@@ -129,8 +167,13 @@ class OffloadRequest:
 
     @property
     def inflight(self) -> int:
-        """Chunks submitted and not yet acked."""
+        """Chunks and loads started and not yet acked."""
         return self._lifecycle.inflight
+
+    @property
+    def loading(self) -> bool:
+        """Whether a load of this request is in flight (its device pages are being written)."""
+        return self._lifecycle.loads_in_flight_count > 0
 
     def snapshot(self) -> LifecycleSnapshot:
         """Every observable field of the Lifecycle, for comparing whole states."""
@@ -171,6 +214,15 @@ class ManagerMetrics:
     copy_failures: int = _metric("counter", "Chunks whose copy failed")
     store_failures: int = _metric("counter", "Store writes that failed or were refused")
     release_callback_errors: int = _metric("counter", "Release callbacks that raised")
+    loads_started: int = _metric("counter", "Loads of a prompt prefix into device pages started")
+    pages_loaded: int = _metric("counter", "Pages loaded into device pages successfully")
+    load_failures: int = _metric("counter", "Loads whose copy failed")
+    pages_promoted: int = _metric("counter", "Store pages read into the host tier for a load")
+    lookups_pending: int = _metric(
+        "counter", "Lookups that stopped at a page still being copied or written"
+    )
+    host_tier_keys: int = _metric("gauge", "Keys held ready or pending on the host tier")
+    host_tier_evicted: int = _metric("counter", "Host-tier keys evicted to make room")
     refused_events: dict[str, int] = field(default_factory=dict)
     ack_latency_count: int = 0
     ack_latency_sum_s: float = 0.0
@@ -231,8 +283,13 @@ class OffloadManager:
         namespace: str | None = None,
         hasher: PageHasher = sglang_page_hashes,
         agreement: Agreement | None = None,
+        keep_on_host: bool = False,
     ) -> None:
         page_size = _count("page_size", page_size, 1)
+        if type(keep_on_host) is not bool:
+            raise ConfigError(f"keep_on_host must be a bool, got {keep_on_host!r}")
+        if keep_on_host and agreement is not None:
+            raise ConfigError("keep_on_host is not supported with a rank agreement yet")
         stride = page_size if stride is None else _count("stride", stride, page_size)
         self.engine = engine
         self.host = host
@@ -251,6 +308,10 @@ class OffloadManager:
         self._live: set[OffloadRequest] = set()  # started, not yet released
         self._released = 0
         self._refused: Counter[str] = Counter()
+        #: The host tier: pages kept under their keys (written chunks with ``keep_on_host``,
+        #: store pages promoted for a load), pinned while a load reads them.
+        self.tier: HostTier[str] = HostTier(host, keep=keep_on_host, refusals=Refusals(strict=True))
+        self._writing: dict[object, tuple[str, ...]] = {}  # store writes in flight: keys
         #: The counters, mutated in place; :meth:`metrics` copies them.
         self._metrics = ManagerMetrics(refused_events=self._refused)
         #: Errors raised by release callbacks, newest last (bounded), for the runtime to log.
@@ -272,13 +333,14 @@ class OffloadManager:
         runtime has it from the prefill side; otherwise it is computed here.
         """
         self._check_thread()
+        keys: tuple[str, ...] = ()
         try:
             prefill_len = len(prompt) // self.page_size * self.page_size
             if prior_hash is None:
                 prior_hash = self._seed
                 if prefill_len:
-                    prefix = _slice(prompt, 0, prefill_len)
-                    prior_hash = self.hasher(prefix, self.page_size, prior_hash)[-1]
+                    keys = self._prompt_keys(prompt, prefill_len)
+                    prior_hash = keys[-1]
             else:  # the scheme checks a prior it is given even with no page to hash
                 self.hasher((), self.page_size, prior_hash)
         except (HashingError, TypeError) as exc:
@@ -291,6 +353,7 @@ class OffloadManager:
             hasher=self.hasher,
         )
         req = lc.owner = OffloadRequest(self, lc, prefill_len, on_release)
+        req.prompt_keys = keys
         self._live.add(req)
         self._metrics.lifecycles_started += 1
         return req
@@ -351,6 +414,8 @@ class OffloadManager:
             host_pages = None
         else:
             host_pages = self.host.alloc(end - first, owner=req)
+            if host_pages is None and self.tier.make_room(end - first):  # evict cached pages
+                host_pages = self.host.alloc(end - first, owner=req)
         if host_pages is None:
             self._metrics.host_pool_exhausted += 1
             return None
@@ -404,6 +469,125 @@ class OffloadManager:
             req.device_pages, req._decoding = kept, decoding
             self._refused[type(exc).__name__] += 1
             raise
+
+    # ------------------------------------------------------------ loads
+
+    def lookup(self, prompt: Sequence[int]) -> PrefixLookup:
+        """How much of ``prompt``'s whole-page prefix can be loaded now. Changes nothing.
+
+        A page counts as ready when the host tier holds it ready, or the store holds a
+        whole, verified page under its key (a load promotes it into the host tier). The
+        walk stops at the first page that is neither; ``pending`` says whether that page
+        is still being copied or written (a store or copy in flight: wait, never load it).
+        """
+        self._check_thread()
+        full = len(prompt) // self.page_size * self.page_size
+        try:
+            keys = self._prompt_keys(prompt, full) if full else ()
+        except (HashingError, TypeError) as exc:
+            raise self._refuse(f"cannot look up a prompt: {exc}") from None
+        tier, ready = self.tier, 0
+        for key in keys:
+            found = tier.lookup(key)
+            if found is Lookup.PENDING or (found is Lookup.MISS and not self.store.contains(key)):
+                break
+            ready += 1
+        pending = ready < len(keys) and keys[ready] in self._in_flight_keys()
+        if pending:
+            self._metrics.lookups_pending += 1
+        return PrefixLookup(keys, ready, pending)
+
+    def load(
+        self, req: OffloadRequest, device_pages: Sequence[int], pages: int | None = None
+    ) -> LoadTicket | None:
+        """Copy the ready prefix of the request's prompt (at most ``pages`` pages) into
+        ``device_pages`` (its page table: page ``i`` of the prompt goes to
+        ``device_pages[i]``); return the load's ticket, or ``None`` when no page is ready.
+
+        Pages the store holds are read and verified into the host tier first (a page that
+        is damaged or gone is a miss: the load stops before it). The host pages stay
+        pinned until the load's ack; the request does not release before it either. A
+        refusal raises before anything changes.
+        """
+        self._check_thread()
+        self._check_owned(req)
+        if not req._decoding:
+            raise self._invalid_step(req, "decoding has ended; nothing to load into")
+        keys = req.prompt_keys
+        limit = len(keys) if pages is None else _count("pages", pages, 0)
+        try:
+            if len(device_pages) < min(limit, len(keys)):
+                raise self._invalid_step(
+                    req, f"{len(device_pages)} device pages cannot hold the prefix to load"
+                )
+        except TypeError:
+            raise self._invalid_step(req, "device_pages must be a sequence") from None
+        tier = self.tier
+        ready: list[str] = []
+        host_pages: list[int] = []
+        for key in keys[:limit]:  # pinned one by one: making room never evicts them
+            found = tier.lookup(key)
+            if found is Lookup.HIT:
+                host_pages += tier.prepare_load([key]) or ()
+            elif found is not Lookup.MISS or not self._promote(key):
+                break
+            else:
+                entry = tier.entry(key)
+                assert entry is not None  # promoted and pinned just now
+                host_pages.append(entry.page)
+            ready.append(key)
+        if not ready:
+            return None
+        device = list(_slice(device_pages, 0, len(ready)))
+        try:
+            self.engine.check(device, host_pages)
+            ticket = req._lifecycle.load(ready)
+        except BaseException as exc:
+            tier.complete_load(ready)
+            if isinstance(exc, KVLifeError):
+                self._refused[type(exc).__name__] += 1
+            raise
+        self._metrics.loads_started += 1
+        try:
+            self.engine.submit(ticket, device, host_pages)
+        except BaseException as exc:
+            fault = CopyFault(f"the engine failed to take load {ticket.seq}: {exc!r}")
+            self._apply_ack(Ack(ticket, tuple(device), tuple(host_pages), fault))
+            raise
+        return ticket
+
+    def _promote(self, key: str) -> bool:
+        """Read ``key``'s page from the store into the host tier (verified) and pin it for a
+        load; whether it is there now. A page damaged, gone or of the wrong size is a miss."""
+        row = self.host.tensor[0]
+        nbytes = row.numel() * row.element_size()
+
+        def fill(page: int) -> bool:
+            try:
+                payload = self.store.get(key)
+            except (StoreError, OSError):
+                return False
+            if payload is None or len(payload) != nbytes:
+                return False
+            target = self.host.tensor[page].view(-1).view(torch.uint8)
+            target.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            return True
+
+        if self.tier.insert_ready(key, fill, pin=True):
+            self._metrics.pages_promoted += 1
+            return True
+        return False
+
+    def _in_flight_keys(self) -> set[str]:
+        """Keys whose copy to the host or write to the store is in flight (lookups only)."""
+        keys = {key for written in self._writing.values() for key in written}
+        for req in tuple(self._live):
+            for ticket in req._lifecycle.chunks_in_flight():
+                keys.update(ticket[2])
+        return keys
+
+    def _prompt_keys(self, prompt: Sequence[int], full: int) -> tuple[str, ...]:
+        return tuple(self.hasher(_slice(prompt, 0, full), self.page_size, self._seed))
 
     # ------------------------------------------------------------ progress
 
@@ -481,7 +665,21 @@ class OffloadManager:
             self._refused[type(exc).__name__] += 1
         finally:  # applied (even if the release callback raised KeyboardInterrupt): settle it
             if lc.inflight != inflight:
-                self._settle(req, ack)
+                if type(ticket) is LoadTicket:
+                    self._settle_load(req, ack)
+                else:
+                    self._settle(req, ack)
+
+    def _settle_load(self, req: OffloadRequest, ack: Ack) -> None:
+        """An applied load ack: the host pages' pins go; the request learns what it got."""
+        keys = ack.ticket[2]
+        self.tier.complete_load(keys)
+        if ack.ok:
+            req.loaded_pages += len(keys)
+            self._metrics.pages_loaded += len(keys)
+        else:
+            req.load_failures += 1
+            self._metrics.load_failures += 1
 
     def _settle(self, req: OffloadRequest, ack: Ack) -> None:
         """An applied ack's pages: freed if the copy failed, else handed to the store."""
@@ -502,7 +700,9 @@ class OffloadManager:
                 rows = self.host.tensor[first : first + len(pages)]
             else:
                 rows = self.host.tensor[list(pages)]
-            self.store.put((req, pages), ack.ticket[2], rows)
+            token = (req, pages)
+            self.store.put(token, ack.ticket[2], rows)
+            self._writing[token] = ack.ticket[2]
         except BaseException as exc:  # refused or broken at once: never stored
             m.store_failures += 1
             self.host.free(pages, owner=req)
@@ -521,7 +721,11 @@ class OffloadManager:
             if owner.manager is not self:  # a store shared with another manager
                 owner.manager._results.append(result)
                 continue
-            self.host.free(host_pages, owner=owner)
+            keys = self._writing.pop(result.token, ())
+            if result.ok and self.tier.keep and len(keys) == len(host_pages):
+                self.tier.adopt(keys, host_pages, owner)  # a cache now, evicted for room
+            else:
+                self.host.free(host_pages, owner=owner)
             if result.ok:
                 self._metrics.pages_stored += len(result.keys)
             else:
@@ -577,7 +781,8 @@ class OffloadManager:
             m,
             lifecycles_by_state={
                 **{
-                    s.name: by_state[s.name] for s in (State.IDLE, State.OFFLOADING, State.FINISHED)
+                    s.name: by_state[s.name]
+                    for s in (State.IDLE, State.OFFLOADING, State.LOADING, State.FINISHED)
                 },
                 State.RELEASED.name: self._released,
             },
@@ -585,6 +790,8 @@ class OffloadManager:
             bytes_offloaded=m.pages_offloaded * self._page_bytes,
             store_writes_pending=self.store.pending,
             host_pages_used=self.host.num_used,
+            host_tier_keys=self.tier.counts.entries,
+            host_tier_evicted=self.tier.counts.evicted,
             refused_events=dict(self._refused),
         )
 

@@ -36,7 +36,7 @@ def test_collector_matches_snapshot() -> None:
     store.close()
     snap = manager.metrics()
     sample = registry.get_sample_value
-    assert len(scalar_fields()) == 13  # every scalar but the latency summary's
+    assert len(scalar_fields()) == 20  # every scalar but the latency summary's
     for field, kind, _ in scalar_fields():
         name = f"kvlife_{field}_total" if kind == "counter" else f"kvlife_{field}"
         assert sample(name, {"rank": "0"}) == getattr(snap, field), field
