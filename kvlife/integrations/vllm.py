@@ -18,11 +18,10 @@ import logging
 import os
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -38,7 +37,9 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
+    Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
@@ -63,8 +64,10 @@ from kvlife.engine import (
     host_runs,
 )
 from kvlife.errors import ConfigError, KVLifeError, LifecycleError, ManagerError, StoreError
+from kvlife.host_tier import HostTier, Lookup
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
+from kvlife.refusals import Refusals
 from kvlife.store.directory import LocalDirectoryStore
 
 __all__ = [
@@ -85,10 +88,10 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def _given_bytes(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
-    """The backend Lifecycles' hasher: :func:`~kvlife.hashing.given_keys` for vLLM's own
-    ``bytes`` keys (its block hashes), recorded as they are, unchecked: no work per call."""
-    return tokens  # type: ignore[return-value]
+def _hex_keys(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
+    """The backend Lifecycles' hasher: vLLM names each block by its own ``OffloadKey``
+    (bytes); a Lifecycle records keys as hex ``str`` (one key type per ticket)."""
+    return [key.hex() for key in tokens]  # type: ignore[attr-defined]
 
 
 #: ``Lifecycle.submit`` typed for a chunk named by vLLM's keys (the hasher above).
@@ -112,6 +115,8 @@ class HostBlocksSpec(LoadStoreSpec):  # type: ignore[misc]
 #: Host page of a block that a load reads from the persistent tier.
 FROM_STORE = -1
 
+_CPU = Medium.CPU  # the medium of the host tier's KV events
+
 #: Metric name -> (kind, documentation). Counters are deltas per ``get_stats``.
 METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvlife_stored_blocks": ("counter", "Blocks whose store to the host tier completed."),
@@ -133,30 +138,28 @@ METRICS: dict[str, tuple[str, str]] = {
 #: The counter metrics' names and the manager's counts they report (``_Counts`` fields).
 _COUNTER_NAMES = tuple(name for name, (kind, _) in METRICS.items() if kind == "counter")
 _COUNTED = ("stored", "loaded", "loaded_from_store", "evicted", "dropped_host_full", "refused")
-_read_counted = attrgetter(*_COUNTED)
 
 # ----------------------------------------------------------------------------- scheduler side
 
 
-#: A host entry is a list ``[page, ready, pins, hex]`` (cheaper than an object): not
-#: ``ready`` while its store is in flight; ``pins``: loads reading it; ``hex`` made once.
-_PAGE, _READY, _PINS, _HEX = 0, 1, 2, 3
+class _Job:
+    """One prepared store or load of one request life: its ticket and the keys not yet
+    completed (vLLM completes per key: any subset, any grouping)."""
 
-#: ``jobs.pop(job_id, _NO_JOB)``: no job of these keys.
-_NO_JOB: Any = object()
+    __slots__ = ("left", "lifecycle", "ticket")
 
-#: A job of one request: its Lifecycle (by identity) and the job's key set.
-_JobId = tuple[Lifecycle, frozenset[OffloadKey]]
+    def __init__(self, lifecycle: Lifecycle, ticket: Ticket | LoadTicket | None, left: int) -> None:
+        self.lifecycle = lifecycle
+        self.ticket = ticket
+        self.left = left
 
 
 @dataclass(slots=True)
 class _Counts:
-    stored: int = 0
+    """The backend's own counts; the host tier's are in ``HostTier.counts``."""
+
     loaded: int = 0
     loaded_from_store: int = 0
-    evicted: int = 0
-    dropped_host_full: int = 0
-    refused: int = 0
     store_failed: int = 0
     abandoned_jobs: int = 0
     lifecycles_started: int = 0
@@ -195,9 +198,11 @@ def live_workers() -> list[KVLifeWorker]:
 
 
 class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
-    """vLLM's scheduler-side manager, on vLLM's scheduler thread every step (hot paths
-    avoid work per call). ``pool``: the host tier (the worker's in one process, else
-    an allocator only); ``disk``: the persistent tier, read side, or None."""
+    """vLLM's scheduler-side manager on kvlife's :class:`~kvlife.host_tier.HostTier`: the
+    tier holds the keys, pins and recency; each request life is a :class:`~kvlife.Lifecycle`
+    whose stores and loads are tickets, settled key by key as vLLM completes them.
+    ``pool``: the host tier's pages (the worker's in one process, else an allocator only);
+    ``disk``: the persistent tier, read side, or None."""
 
     def __init__(
         self,
@@ -206,25 +211,25 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         strict: bool = False,
         disk: LocalDirectoryStore | None = None,
         report_dir: str | None = None,
+        pending_timeout: float | None = None,
     ) -> None:
+        self.refusals = Refusals(strict=strict, logger=logger)
+        self.tier: HostTier[OffloadKey] = HostTier(
+            pool, keep=True, pending_timeout=pending_timeout, refusals=self.refusals
+        )
         self._pool = pool
-        self._capacity = pool.capacity
         self._strict = strict
         self._disk = disk
         self._report_dir = report_dir
-        # key -> host entry, least recently used first.
-        self._entries: OrderedDict[OffloadKey, list[Any]] = OrderedDict()
-        self._evictable = 0  # entries ready and unpinned
         self._on_disk: set[OffloadKey] = set()  # keys verified in the persistent tier
         self._live: set[Lifecycle] = set()  # not yet released (each on its ReqContext)
-        # A job's ticket (None: the Lifecycle refused it); a load's host keys it pins.
-        self._stores: dict[_JobId, Ticket | None] = {}
-        self._loads: dict[_JobId, tuple[LoadTicket | None, list[OffloadKey]]] = {}
+        # Per key, the jobs in flight that name it, oldest first (two identical loads: two).
+        self._stores: dict[OffloadKey, _Job] = {}
+        self._loads: dict[OffloadKey, list[_Job]] = {}
+        self._order: dict[Lifecycle, dict[OffloadKey, None]] = {}  # keys per life, seen order
         self._on_release = self._released  # one bound method for every Lifecycle
-        self._pending = 0
         self.counts = _Counts()
         self._last_stats: tuple[int, ...] | None = None
-        self.refusals: Counter[str] = Counter()
         self._shut = False
         _LIVE_MANAGERS.add(self)
 
@@ -234,28 +239,26 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return self._pool
 
     def accounting(self) -> dict[str, int]:
-        """Counters and invariants, for tests and the shutdown report."""
-        entries = self._entries.values()
-        evictable = sum(1 for e in entries if e[_READY] and not e[_PINS])
+        """Counters and gauges, for tests, metrics and the shutdown report (O(1) reads)."""
+        c = self.tier.counts
         return {
             "host_pages_used": self._pool.num_used,
-            "host_keys": len(self._entries),
-            "pending": self._pending,
-            "pinned": sum(e[_PINS] for e in entries),
-            "evictable_drift": self._evictable - evictable,  # 0 unless the count is wrong
+            "host_keys": c.entries,
+            "pending": c.pending,
+            "pinned": c.pinned,
+            "evictable": c.evictable,
+            "orphans": c.orphans,
+            "expired": c.expired,
             "live_lifecycles": len(self._live),
+            "stored": c.stored,
+            "evicted": c.evicted,
+            "dropped_host_full": c.no_room,
+            "refused": self.refusals.total,
             **asdict(self.counts),
         }
 
-    def _refuse(self, kind: str, message: str, exc: BaseException | None = None) -> None:
-        if self._strict:
-            if exc is not None:
-                raise exc
-            raise ManagerError(message)
-        self.counts.refused += 1
-        self.refusals[kind] += 1
-        if self.refusals[kind] == 1:
-            logger.warning("kvlife: %s refused (%s); counted, logged once per kind", kind, message)
+    def _refuse(self, kind: str, message: str, exc: KVLifeError | None = None) -> None:
+        self.refusals.refuse(kind, exc if exc is not None else ManagerError(message))
 
     def _event(self, what: str, event: Callable[..., _T], *args: Any) -> _T | None:
         """A Lifecycle event; refused (nothing changed): counted, or raised with strict."""
@@ -265,49 +268,59 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self._refuse(f"{what}:{type(exc).__name__}", str(exc), exc)
             return None
 
-    def _ack(self, what: str, lifecycle: Lifecycle, ticket: Ticket | LoadTicket | None) -> None:
-        if ticket is not None:
-            self._event(what, lifecycle.ack, ticket)
+    def _life(self, ctx: ReqContext, what: str) -> Lifecycle:
+        lifecycle: Lifecycle | None = ctx.get_state(Lifecycle)
+        if lifecycle is None:  # a call for a request vLLM never started with us
+            self._refuse(f"{what}:untracked_request", f"request {ctx.req_id} was never started")
+            self.on_new_request(ctx)
+            lifecycle = cast(Lifecycle, ctx.get_state(Lifecycle))
+        return lifecycle
 
-    def _untracked(self, ctx: ReqContext, what: str) -> Lifecycle:
-        """A call for a request vLLM never started with us: counted, then started."""
-        self._refuse(f"{what}:untracked_request", f"request {ctx.req_id} was never started")
-        self.on_new_request(ctx)
-        return cast(Lifecycle, ctx.get_state(Lifecycle))
+    def _seen(self, lifecycle: Lifecycle, keys: Iterable[OffloadKey]) -> None:
+        order = self._order.get(lifecycle)
+        if order is not None:
+            order.update(dict.fromkeys(keys))
 
-    def _pop_job(
-        self, jobs: dict[_JobId, _T], what: str, keys: Collection[OffloadKey], ctx: ReqContext
-    ) -> tuple[Lifecycle, _T] | None:
-        """The job ``complete_<what>`` names, by (Lifecycle, key set); unknown: refused."""
-        lifecycle = ctx.get_state(Lifecycle) or self._untracked(ctx, f"complete_{what}")
-        job = jobs.pop((lifecycle, frozenset(keys)), _NO_JOB)
-        if job is _NO_JOB:
-            self._refuse(f"complete_{what}:unknown_job", f"no {what} of these {len(keys)} keys")
-            return None
-        return lifecycle, job
+    def _settle(self, job: _Job | None) -> None:
+        """One key of ``job`` completed; its ticket is acked with the last one."""
+        if job is None:
+            return
+        job.left -= 1
+        if not job.left and job.ticket is not None:
+            self._event("complete", job.lifecycle.ack, job.ticket)
 
     def _released(self, lifecycle: Lifecycle) -> None:
         self._live.discard(lifecycle)
+        self._order.pop(lifecycle, None)
         self.counts.lifecycles_released += 1
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         lifecycle = Lifecycle(
-            req_context.req_id, page_size=1, hasher=_given_bytes, on_release=self._on_release
+            req_context.req_id, page_size=1, hasher=_hex_keys, on_release=self._on_release
         )
         req_context.set_state(lifecycle)
         self._live.add(lifecycle)
+        self._order[lifecycle] = {}
         self.counts.lifecycles_started += 1
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
-        if lifecycle is not None:
-            self._event("finish", lifecycle.finish, FinishReason.FINISHED)
+        if lifecycle is None:
+            return
+        keys = list(self._order.get(lifecycle, ()))
+        positions = [req_context.get_offload_key_position(k) for k in keys]
+        if keys and None not in positions:  # vLLM knows each key's place in the prefix
+            keys = [k for _, k in sorted(zip(positions, keys, strict=True), key=lambda p: p[0])]
+        self.tier.finished(keys)  # the tail goes first: what stays is reachable
+        self._event("finish", lifecycle.finish, FinishReason.FINISHED)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        entry = self._entries.get(key)
-        if entry is not None:
-            return LookupResult.HIT if entry[_READY] else LookupResult.HIT_PENDING
+        found = self.tier.lookup(key)
+        if found is Lookup.HIT:
+            return LookupResult.HIT
+        if found is Lookup.PENDING:
+            return LookupResult.HIT_PENDING
         if self._disk is not None:
             if key in self._on_disk:
                 return LookupResult.HIT
@@ -317,157 +330,125 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        lifecycle = req_context.get_state(Lifecycle) or self._untracked(req_context, "load")
-        entries = self._entries
+        lifecycle = self._life(req_context, "load")
         ordered = keys if type(keys) is list else list(keys)
+        tier = self.tier
         pages: list[int] = []
-        hex_keys: list[str] = []
-        pinned: list[OffloadKey] = []
+        hit: list[OffloadKey] = []
         for key in ordered:
-            entry = entries.get(key)
-            if entry is not None and entry[_READY]:
-                if not entry[_PINS]:
-                    self._evictable -= 1
-                entry[_PINS] += 1
-                entries.move_to_end(key)
-                pinned.append(key)
-                pages.append(entry[_PAGE])
-                hexed = entry[_HEX]
-                if hexed is None:
-                    hexed = entry[_HEX] = key.hex()
-                hex_keys.append(hexed)
+            if tier.lookup(key) is Lookup.HIT:
+                pinned = tier.prepare_load([key])
+                pages.append(pinned[0] if pinned else FROM_STORE)
+                hit.append(key)
             else:
                 if key not in self._on_disk:  # lookup said HIT: unreachable by design
                     self._refuse("load:no_source", f"key {key.hex()[:16]} is on no tier")
                 pages.append(FROM_STORE)
                 self.counts.loaded_from_store += 1
-                hex_keys.append(key.hex())
-        ticket = self._event("load", lifecycle.load, hex_keys)
-        self._loads[lifecycle, frozenset(ordered)] = (ticket, pinned)
+        ticket = self._event("load", lifecycle.load, [key.hex() for key in ordered])
+        job = _Job(lifecycle, ticket, len(ordered))
+        for key in ordered:
+            self._loads.setdefault(key, []).append(job)
+        self._seen(lifecycle, ordered)
+        tier.touch(ordered)
         return HostBlocksSpec(pages, ordered)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for key in keys:
-            if key in self._entries:
-                self._entries.move_to_end(key)
+        ordered = keys if isinstance(keys, Sequence) else list(keys)
+        self.tier.touch(ordered)
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        if lifecycle is not None:
+            self._seen(lifecycle, ordered)
 
     def complete_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext, **kwargs: Any
     ) -> None:
-        found = self._pop_job(self._loads, "load", keys, req_context)
-        if found is None:
-            return
-        lifecycle, (ticket, pinned) = found
-        entries = self._entries
-        for key in pinned:
-            entry = entries.get(key)
-            if entry is not None and entry[_PINS] > 0:
-                entry[_PINS] -= 1
-                if not entry[_PINS] and entry[_READY]:
-                    self._evictable += 1
-        self.counts.loaded += len(keys)
-        self._ack("complete_load", lifecycle, ticket)
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        tier, loads = self.tier, self._loads
+        for key in keys:
+            jobs = loads.get(key)
+            if not jobs:
+                self._refuse("complete_load:unknown_key", f"no load of key {key.hex()[:16]}")
+                continue
+            # The request's own load of this key, oldest first; else the oldest one.
+            job = next((j for j in jobs if j.lifecycle is lifecycle), jobs[0])
+            jobs.remove(job)
+            if not jobs:
+                del loads[key]
+            entry = tier.entry(key)
+            if entry is not None and entry.pins:
+                tier.complete_load([key])  # a FROM_STORE block has no pin to drop
+            self.counts.loaded += 1
+            self._settle(job)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        entries = self._entries
-        new: list[OffloadKey] = []
-        for key in keys:
-            if key in entries:
-                entries.move_to_end(key)
-            else:
-                new.append(key)
-        if not new:
-            return PrepareStoreOutput(
-                keys_to_store=[], store_spec=HostBlocksSpec([], []), evicted_keys=[]
-            )
-        del new[self._capacity :]  # more new keys than the tier: store the leading ones
-        need = len(new) - self._pool.num_free
-        evicted: list[OffloadKey] = []
-        if need > 0:
-            if need <= self._evictable:  # else every other page is pending or pinned
-                protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
-                for key, entry in entries.items():  # least recently used first
-                    if entry[_READY] and not entry[_PINS] and key not in protected:
-                        evicted.append(key)
-                        if len(evicted) == need:
-                            break
-            if len(evicted) < need:
-                self.counts.dropped_host_full += 1
-                return None
-            self._evictable -= need
-            self.counts.evicted += need
-        # The evicted entries' pages go straight to the new keys (one owner: us).
-        pages = [entries.pop(key)[_PAGE] for key in evicted]
-        if len(pages) < len(new):
-            more = self._pool.alloc(len(new) - len(pages), self)
-            assert more is not None  # enough pages are free
-            pages += more
-        for key, page in zip(new, pages, strict=True):
-            entries[key] = [page, False, 0, None]
-        self._pending += len(new)
-        lifecycle = req_context.get_state(Lifecycle) or self._untracked(req_context, "store")
-        self._stores[lifecycle, frozenset(new)] = self._event("store", _start_store, lifecycle, new)
+        offered = list(keys)
+        del offered[self.tier.capacity :]  # more keys than the tier: store the leading ones
+        plan = self.tier.prepare_store(offered)
+        if plan is None:
+            return None
+        lifecycle = self._life(req_context, "store")
+        self._seen(lifecycle, offered)
+        new = plan.keys
+        if new:
+            ticket = self._event("store", _start_store, lifecycle, new)
+            job = _Job(lifecycle, ticket, len(new))
+            for key in new:
+                self._stores[key] = job
         return PrepareStoreOutput(
-            keys_to_store=new, store_spec=HostBlocksSpec(pages, new), evicted_keys=evicted
+            keys_to_store=new, store_spec=HostBlocksSpec(plan.pages, new), evicted_keys=plan.evicted
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        found = self._pop_job(self._stores, "store", keys, req_context)
-        if found is None:
+        named = list(keys)
+        ours = [key for key in named if key in self._stores]
+        for key in named:
+            if key not in self._stores:
+                self._refuse("complete_store:unknown_key", f"no store of key {key.hex()[:16]}")
+        if not ours:
             return
-        lifecycle, ticket = found
-        entries = self._entries
-        settled = 0
-        failed: list[int] = []
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None or entry[_READY]:
-                continue
-            settled += 1
-            if success:
-                entry[_READY] = True  # pending entries are never pinned: now evictable
-            else:
-                del entries[key]
-                failed.append(entry[_PAGE])
-        self._pending -= settled
-        if success:
-            self.counts.stored += settled
-            self._evictable += settled
-        elif failed:
-            self._pool.free(failed, self)
-            self.counts.store_failed += len(failed)
-        self._ack("complete_store", lifecycle, ticket)
+        self.tier.complete_store(ours, success=success)
+        if not success:
+            self.counts.store_failed += len(ours)
+        for key in ours:
+            self._settle(self._stores.pop(key))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for event in self.tier.take_events():
+            yield OffloadingEvent(keys=list(event.keys), medium=_CPU, removed=event.removed)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._stores or self._loads)
 
     def on_schedule_end(self, context: Any) -> None:
         self.counts.preemptions += len(context.preempted_req_ids)
+        self.tier.expire()
 
     def _abandon_jobs(self) -> None:
         """Ack every job vLLM will never complete (reset or shutdown); pins and pending go."""
-        stores, loads = self._stores, self._loads
+        jobs = {id(job): job for job in self._stores.values()}
+        for pending in self._loads.values():
+            jobs.update((id(job), job) for job in pending)
         self._stores, self._loads = {}, {}
-        self.counts.abandoned_jobs += len(stores) + len(loads)
-        for (lifecycle, _), ticket in stores.items():
-            self._ack("abandon", lifecycle, ticket)
-        for (lifecycle, _), (load, _) in loads.items():
-            self._ack("abandon", lifecycle, load)
+        self.counts.abandoned_jobs += len(jobs)
+        for job in jobs.values():
+            if job.ticket is not None:
+                self._event("abandon", job.lifecycle.ack, job.ticket)
 
     def reset_cache(self) -> None:
         """vLLM dropped its offloaded state: no complete_* will come for jobs begun before."""
         self._abandon_jobs()
-        self._entries.clear()
-        self._evictable = 0
-        self._pending = 0
+        self.tier.reset()
+        self.tier.abandon()
         self._on_disk.clear()
-        owned = self._pool.owned_by(self)
-        if owned:
-            self._pool.free(owned, self)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        now = (*_read_counted(self.counts), self._pending, self._pool.num_used)
+        books = self.accounting()
+        now = (*(books[name] for name in _COUNTED), books["pending"], self._pool.num_used)
         last = self._last_stats
         if now == last:
             return None
@@ -477,7 +458,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if value != old:
                 stats.increase_counter(name, value - old)
         stats.set_gauge("vllm:kvlife_pending_blocks", now[-2])
-        stats.set_gauge("vllm:kvlife_host_usage_perc", now[-1] / self._capacity)
+        stats.set_gauge("vllm:kvlife_host_usage_perc", now[-1] / self.tier.capacity)
         self._last_stats = now
         return stats
 
@@ -491,10 +472,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 self.counts.finished_at_shutdown += 1
                 self._event("finish", lifecycle.finish, FinishReason.ABORTED)
         self._abandon_jobs()
-        # Pending entries never became ready; ready ones stay (the pool dies with us).
-        for key in [k for k, e in self._entries.items() if not e[_READY]]:
-            self._pool.free([self._entries.pop(key)[_PAGE]], self)
-        self._pending = 0
         if self._disk is not None:
             self._disk.close()
         if self._report_dir is not None:
@@ -611,7 +588,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             self._error_once("job_id_in_flight", f"job {job_id} submitted while in flight")
         job = _WorkerJob(job_id, load, blocks, time.perf_counter())
         lifecycle = Lifecycle(
-            job_id, page_size=1, hasher=_given_bytes, on_release=partial(self._released, job)
+            job_id, page_size=1, hasher=_hex_keys, on_release=partial(self._released, job)
         )
         self._jobs[job_id] = job
         self._by_life[lifecycle] = job
@@ -685,8 +662,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 try:  # a private copy: the host pages may be evicted before the write ends
                     pages = torch.tensor(ack.host_pages, dtype=torch.int64)
                     rows = self._pool.tensor.index_select(0, pages)
-                    keys = cast("tuple[bytes, ...]", ack.keys)
-                    self._store.put(job.job_id, [key.hex() for key in keys], rows)
+                    self._store.put(job.job_id, list(ack.keys), rows)
                 except StoreError as exc:
                     self._error_once("store_put_refused", repr(exc))
             ack.lifecycle.ack(ack.ticket)

@@ -32,7 +32,6 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from kvlife import Lifecycle, State
 from kvlife.engine import CpuCopyEngine
 from kvlife.errors import ManagerError
-from kvlife.integrations import vllm as backend
 from kvlife.integrations.vllm import KVLifeOffloadingManager, store_namespace
 from kvlife.pool import HostPagePool
 
@@ -67,10 +66,7 @@ class _LoadsDoNotPin(KVLifeOffloadingManager):
 
     def prepare_load(self, keys: Any, req_context: Any) -> Any:
         spec = super().prepare_load(keys, req_context)
-        for k in keys:
-            entry = self._entries[k]
-            entry[backend._PINS] -= 1
-            self._evictable += 1
+        self.tier.complete_load(list(keys))  # the pins go at once
         return spec
 
 
@@ -154,7 +150,7 @@ def test_refusals_change_nothing_counted_once_logged_or_raised_when_strict(
         m.complete_store({key(9)}, ctx)  # no such job
         m.complete_store({key(8)}, ctx)
     after = m.accounting()
-    assert after["refused"] == 2 and dict(m.refusals) == {"complete_store:unknown_job": 2}
+    assert after["refused"] == 2 and m.refusals.snapshot() == {"complete_store:unknown_key": 2}
     assert {k: v for k, v in after.items() if k != "refused"} == {
         k: v for k, v in before.items() if k != "refused"
     }
@@ -163,7 +159,7 @@ def test_refusals_change_nothing_counted_once_logged_or_raised_when_strict(
     strict.on_new_request(ctx2 := ReqContext("s"))
     stored(strict, ctx2, key(1))
     before = strict.accounting()
-    with pytest.raises(ManagerError, match="no store of these 1 keys"):
+    with pytest.raises(ManagerError, match="no store of key"):
         strict.complete_store({key(9)}, ctx2)
     assert strict.accounting() == before
 
@@ -299,3 +295,131 @@ def test_an_ack_of_no_job_is_counted_and_logged_never_raised_into_vllm() -> None
     worker.flush(timeout=10)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
     worker.shutdown()
+
+
+# ---------------------------------------------------------- the host tier's rules, per key
+# Each test below failed on the backend's own host index (before it moved into the core).
+
+
+@pytest.mark.parametrize(
+    "completions",
+    [[[1], [2], [3]], [[1, 2, 3]], [[3, 1], [2]]],
+    ids=["subsets", "union-of-two-jobs", "across-jobs"],
+)
+def test_completion_is_per_key_and_nothing_stays_pending(completions: list[list[int]]) -> None:
+    """Scenario: two store jobs of one request ([1, 2] and [3]) completed in groups vLLM
+    may use: one key at a time, the union of both, or mixed. Every key becomes a hit and
+    the Lifecycle releases; before, any grouping but the exact job was refused and its
+    keys stayed HIT_PENDING for good."""
+    m = manager(pages=4)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    assert m.prepare_store([key(1), key(2)], ctx) is not None
+    assert m.prepare_store([key(3)], ctx) is not None
+    for group in completions:
+        m.complete_store({key(i) for i in group}, ctx)
+    assert [m.lookup(key(i), ctx) for i in (1, 2, 3)] == [LookupResult.HIT] * 3
+    lifecycle: Lifecycle = ctx.get_state(Lifecycle)
+    m.on_request_finished(ctx)
+    assert lifecycle.state is State.RELEASED
+    acc = m.accounting()
+    assert (acc["pending"], acc["refused"], acc["live_lifecycles"]) == (0, 0, 0)
+
+
+def test_a_superset_completion_settles_what_was_prepared_and_counts_the_rest() -> None:
+    m = manager(pages=4)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    assert m.prepare_store([key(1)], ctx) is not None
+    m.complete_store({key(1), key(9)}, ctx)
+    assert m.lookup(key(1), ctx) is LookupResult.HIT
+    assert m.accounting()["pending"] == 0 and m.refusals.snapshot() == {
+        "complete_store:unknown_key": 1
+    }
+
+
+def test_scenario_two_identical_loads_are_two_pins_both_acked_and_released() -> None:
+    """Scenario: prepare_load([k]) twice on one request, then complete_load({k}) twice.
+    Before: the second completion was refused, k stayed pinned for good and the request
+    never released, even after reset_cache()."""
+    m = manager(pages=2)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    m.prepare_load([key(1)], ctx)
+    m.prepare_load([key(1)], ctx)
+    assert m.accounting()["pinned"] == 2
+    lifecycle: Lifecycle = ctx.get_state(Lifecycle)
+    assert lifecycle.loads_in_flight_count == 2
+    m.complete_load({key(1)}, ctx)
+    m.complete_load({key(1)}, ctx)
+    assert m.accounting()["pinned"] == 0 and lifecycle.inflight == 0
+    m.on_request_finished(ctx)
+    assert lifecycle.state is State.RELEASED and m.accounting()["refused"] == 0
+
+
+def test_scenario_eviction_keeps_the_prefix_head_a_returning_prompt_reaches() -> None:
+    """Scenario: a 4-page tier; request A stores a 4-block prefix and finishes; request B
+    needs 2 pages. Before: plain LRU evicted A's head and a returning A loaded 0 blocks
+    (vLLM's own manager: 1 or more). Now A's tail goes: the lookup reaches 2 blocks."""
+    m = manager(pages=4)
+    a = ReqContext("a")
+    m.on_new_request(a)
+    prefix = [key(i) for i in range(4)]
+    for i, k in enumerate(prefix):
+        a.set_offload_key_position(k, (i + 1) * 32)
+    stored(m, a, *prefix)
+    m.on_request_finished(a)
+    b = ReqContext("b")
+    m.on_new_request(b)
+    out = m.prepare_store([key(10), key(11)], b)
+    assert out is not None and list(out.evicted_keys) == [key(3), key(2)]
+    again = ReqContext("a2")
+    m.on_new_request(again)
+    hits = 0
+    while hits < 4 and m.lookup(prefix[hits], again) is LookupResult.HIT:
+        hits += 1
+    assert hits == 2
+
+
+def test_kv_events_announce_a_removal_before_the_store_that_reuses_its_page() -> None:
+    m = manager(pages=1)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    stored(m, ctx, key(2))
+    events = [(e.removed, list(e.keys)) for e in m.take_events()]
+    assert events == [(False, [key(1)]), (True, [key(1)]), (False, [key(2)])]
+    assert list(m.take_events()) == []
+
+
+def test_scenario_a_store_never_completed_stops_being_a_hit_past_its_deadline() -> None:
+    """Scenario (vLLM #49829): a store whose completion never comes kept its key
+    HIT_PENDING and its page unevictable for ever. With ``pending_timeout`` the key is a
+    miss after the deadline (checked at each schedule end); its page waits for the copy."""
+    m = manager(pages=2, pending_timeout=0.05)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    out = m.prepare_store([key(1)], ctx)
+    assert out is not None and m.lookup(key(1), ctx) is LookupResult.HIT_PENDING
+    import time
+
+    time.sleep(0.06)
+    m.on_schedule_end(SimpleNamespace(preempted_req_ids=()))
+    assert m.lookup(key(1), ctx) is LookupResult.MISS
+    acc = m.accounting()
+    assert acc["expired"] == 1 and acc["orphans"] == 1 and acc["host_pages_used"] == 1
+    m.complete_store({key(1)}, ctx)  # the late completion frees the page
+    assert m.accounting()["host_pages_used"] == 0 and m.accounting()["orphans"] == 0
+
+
+def test_the_state_says_a_load_is_what_is_left_after_the_store_ack() -> None:
+    m = manager(pages=4)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    assert m.prepare_store([key(2)], ctx) is not None
+    m.prepare_load([key(1)], ctx)
+    m.complete_store({key(2)}, ctx)
+    lifecycle: Lifecycle = ctx.get_state(Lifecycle)
+    assert lifecycle.state is State.LOADING and lifecycle.inflight == 1
