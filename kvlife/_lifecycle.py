@@ -205,12 +205,8 @@ TABLE: tuple[Transition, ...] = (
     Transition(_S.IDLE, _E.FINISH, _S.FINISHED, None, "record reason"),
     Transition(_S.OFFLOADING, _E.FINISH, _S.FINISHED, None, "record reason"),
     Transition(_S.LOADING, _E.FINISH, _S.FINISHED, None, "record reason"),
-    Transition(
-        _S.FINISHED, _E.ACK, _S.FINISHED, "stores_in_flight", "settle chunk, stores -= 1"
-    ),
-    Transition(
-        _S.FINISHED, _E.LOAD_ACK, _S.FINISHED, "loads_in_flight", "settle load, loads -= 1"
-    ),
+    Transition(_S.FINISHED, _E.ACK, _S.FINISHED, "stores_in_flight", "settle chunk, stores -= 1"),
+    Transition(_S.FINISHED, _E.LOAD_ACK, _S.FINISHED, "loads_in_flight", "settle load, loads -= 1"),
     Transition(_S.FINISHED, _E.RELEASE, _S.RELEASED, "drained", "call the release callback once"),
 )
 
