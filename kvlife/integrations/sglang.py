@@ -20,17 +20,32 @@ The extra config picks the store:
   and the shard, as SGLang's file backend names them (MLA pages are shared by
   every TP rank; other models' pages are per rank).
 
-The contract kept (``HiCacheStorage``):
+The contract kept (``HiCacheStorage``, and what SGLang's control flow relies on):
 
-- ``get(key, target_location)`` fills ``target_location`` and returns it, or
-  returns None when no whole page of that size is stored (a miss, a page
-  failing verification, or a store that cannot answer: logged);
-- ``set(key, value)`` stores ``value`` and returns True once it is stored
-  (the same bytes already stored are a success; other bytes under the key, or a
-  store failure, return False); ``batch_set`` stores all pages or none and
-  returns True only if all are stored;
+- ``get(key, target_location)`` reads the page straight into
+  ``target_location`` and returns it, or returns None when no whole page of
+  that size is stored (a miss, a page failing verification, or a store that
+  cannot answer: counted);
+- ``set(key, value)`` returns True once the key holds a whole page: this one,
+  or one stored before (its first value is kept; other bytes are counted in
+  ``page_mismatches``, as SGLang's own file backend skips a key it has).
+  ``batch_set`` is one put: every new page is stored even where other keys of
+  the batch existed, and True only if every key then holds a page; a store
+  failure stores none of the batch's new pages and answers False (SGLang's
+  backup loop then stops that backup);
 - ``exists(key)``; ``batch_exists(keys)`` is the count of consecutive existing
-  keys from the first.
+  keys from the first;
+- ``clear()`` removes this namespace's pages (``POST
+  /clear_hicache_storage_backend``) and logs how many;
+- ``batch_get_v1`` / ``batch_set_v1`` (``"interface_v1": 1`` in the extra
+  config): pages read into and written from SGLang's host pool in place, through
+  the pool's own page views (a layer-first page is written run by run, never
+  gathered); a pool whose page is not a view of its memory is filled through
+  ``set_from_flat_data_page``.
+
+Nothing raises into SGLang: a refused or failed call is counted in
+``refusals`` (by kind) and logged once per kind; ``"kvlife_strict": true``
+raises instead (tests).
 
 Keys: SGLang's page keys are SHA-256 hex digests, which kvlife's hasher makes
 bit for bit, so the same page has the same key on both sides. A key that is
@@ -45,9 +60,9 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import count
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
@@ -56,15 +71,21 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
     HiCacheStorageExtraInfo,
 )
 
-from kvlife.errors import ConfigError, StoreError
-from kvlife.store.base import QueuedStore, StoreResult, check_key
+from kvlife.errors import ConfigError, InvalidPut, KVLifeError, StoreError
+from kvlife.refusals import Refusals
+from kvlife.store.base import QueuedStore, StoreResult, tensor_segments
 
 __all__ = ["KVLifeHiCacheStorage", "store_key"]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
 _HEX = re.compile(r"[0-9a-f]{2,128}")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+#: The longest model name kept whole in the namespace; a longer one keeps this many
+#: characters and the SHA-256 of the whole name (a namespace component takes 100).
+MODEL_NAME_KEPT = 60
 #: Keys checked per round trip in batch_exists (it stops at the first miss).
 EXISTS_CHUNK = 64
 
@@ -76,16 +97,28 @@ def store_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _model_component(name: str | None) -> str:
+    """A namespace component for a model name or path: unsafe characters become ``-``;
+    a name longer than MODEL_NAME_KEPT keeps that readable prefix and 16 hex digits of
+    the whole name's SHA-256 (a Hugging Face snapshot path is longer than 100)."""
+    model = _UNSAFE.sub("-", (name or "model").replace("/", "-")).lstrip(".-") or "model"
+    if len(model) <= MODEL_NAME_KEPT:
+        return model
+    digest = hashlib.sha256((name or "").encode()).hexdigest()[:16]
+    return f"{model[:MODEL_NAME_KEPT].rstrip('.-')}-{digest}"
+
+
 def _namespace(config: HiCacheStorageConfig | None) -> str:
     if config is None:
         return "sglang"
-    model = _UNSAFE.sub("-", (config.model_name or "model").replace("/", "-")).lstrip(".-")
     shard = "mla" if config.is_mla_model else f"tp{config.tp_rank}of{config.tp_size}"
     if config.pp_size > 1:
         shard += f"-pp{config.pp_rank}of{config.pp_size}"
     if getattr(config, "attn_cp_size", 1) > 1:
         shard += f"-cp{config.attn_cp_rank}of{config.attn_cp_size}"
-    return f"sglang/{model or 'model'}/{shard}"
+    if getattr(config, "dcp_size", 1) > 1:  # MLA pages sharded by decode context parallel
+        shard += f"-dcp{config.dcp_rank}of{config.dcp_size}"
+    return f"sglang/{_model_component(config.model_name)}/{shard}"
 
 
 def _make_store(extra: dict[str, Any], namespace: str) -> QueuedStore:
@@ -114,36 +147,61 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         *,
         store: QueuedStore | None = None,
         timeout: float = 60.0,
+        strict: bool | None = None,
     ) -> None:
         extra = dict((storage_config.extra_config or {}) if storage_config else {})
         namespace = extra.get("kvlife_namespace") or _namespace(storage_config)
         self._owns_store = store is None
         self.store: QueuedStore = store if store is not None else _make_store(extra, namespace)
         self.timeout = timeout
+        strict = bool(extra.get("kvlife_strict", False)) if strict is None else strict
+        #: Refused or failed calls by kind (counted, logged once per kind; raised if strict).
+        self.refusals = Refusals(strict=strict, logger=logger)
+        self._refusals_lock = threading.Lock()
         self._tokens = count()
         self._results: dict[int, StoreResult] = {}
         self._results_lock = threading.Lock()
 
+    def _guard(self, kind: str, what: str, call: Callable[[], _T], failed: _T) -> _T:
+        """``call()``, or ``failed`` with the error counted under ``kind``: nothing a
+        store, a tensor or the memory can raise reaches SGLang (unless strict)."""
+        try:
+            return call()
+        except Exception as exc:
+            error = exc if isinstance(exc, KVLifeError) else StoreError(f"{what}: {exc!r}")
+            if error is not exc:
+                error.__cause__ = exc
+            with self._refusals_lock:
+                self.refusals.refuse(kind, error)  # raises when strict
+            return failed
+
     # -- writes
 
     def _put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> bool:
-        """Store ``values[i]`` under ``keys[i]`` (all or none); True once all are stored."""
+        """One put of ``values[i]`` under ``keys[i]``; True once every key holds a page.
+
+        New pages are stored even where other keys already hold one (kept as first
+        stored; other bytes counted in ``page_mismatches``); a store failure stores
+        none of them.
+        """
         unique: dict[str, torch.Tensor] = {}
         for key, value in zip(keys, values, strict=True):
             unique.setdefault(store_key(key), value)
-        try:
-            rows = [v.detach().contiguous().view(torch.uint8).reshape(-1) for v in unique.values()]
-            if any(r.numel() != rows[0].numel() for r in rows):  # one put holds equal pages
-                return all(self._put([k], [v]) for k, v in unique.items())
-            token = next(self._tokens)
-            self.store.put(token, list(unique), torch.stack(rows).cpu())
-            result = self._wait(token)
-        except (StoreError, ValueError, TypeError, RuntimeError) as exc:
-            logger.warning("kvlife store refused a put of %d pages: %s", len(unique), exc)
-            return False
-        if not result.ok:
-            logger.warning("kvlife store put of %d pages failed: %r", len(unique), result.error)
-        return result.ok
+        token = next(self._tokens)
+        self.store.put(token, list(unique), list(unique.values()), keep_first=True)
+        result = self._wait(token)
+        if result.error is not None:
+            raise result.error
+        return True
+
+    def _set_pages(self, kind: str, keys: Sequence[str], values: Sequence[Any]) -> bool:
+        if not keys:
+            return True
+        if len(values) != len(keys) or not all(isinstance(v, torch.Tensor) for v in values):
+            return self._guard(kind, "set", lambda: _refuse("one tensor per key"), False)
+        return self._guard(
+            kind, f"put of {len(keys)} pages", lambda: self._put(keys, values), False
+        )
 
     def _wait(self, token: int) -> StoreResult:
         """This token's result; other callers' results are kept for them."""
@@ -168,10 +226,8 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         target_location: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """Store one page; True once it is stored (or was, with the same bytes)."""
-        if not isinstance(value, torch.Tensor):
-            return False
-        return self._put([key], [value])
+        """Store one page; True once the key holds a page (this one, or its first value)."""
+        return self._set_pages("set", [key], [value])
 
     def batch_set(
         self,
@@ -180,42 +236,51 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """Store every page or none; True only if all are stored."""
-        if not keys:
+        """One put: the new pages stored, True once every key holds a page."""
+        return self._set_pages("batch_set", keys, list(values) if values is not None else [])
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Zero-copy ``batch_set``: each page written from SGLang's host pool in place."""
+
+        def put() -> list[bool]:
+            views = [self._pool_page(host_indices, i)[1] for i in range(len(keys))]
+            return [self._put(keys, views)] * len(keys)
+
+        return self._guard("batch_set_v1", "zero-copy put", put, [False] * len(keys))
+
+    def clear(self) -> bool:
+        """Remove this namespace's pages from the store; True if it did (logged)."""
+
+        def clear() -> bool:
+            removed = self.store.clear()
+            logger.info("kvlife store: cleared %d pages", removed)
             return True
-        if values is None or len(values) != len(keys):
-            return False
-        if not all(isinstance(v, torch.Tensor) for v in values):
-            return False
-        return self._put(keys, list(values))
+
+        return self._guard("clear", "clear", clear, False)
 
     # -- reads
 
+    def _pool_page(self, host_indices: torch.Tensor, i: int) -> tuple[int, torch.Tensor]:
+        """(first token index, page view) of page ``i`` of ``host_indices`` in the host pool."""
+        pool = getattr(self, "mem_pool_host", None)
+        if pool is None:
+            raise ConfigError("the zero-copy calls need SGLang's host pool (none registered)")
+        index = int(host_indices[i * pool.page_size])
+        return index, pool.get_data_page(index, flat=False)
+
+    def _read_into(self, keys: Sequence[str], targets: Sequence[torch.Tensor]) -> list[bool]:
+        names = [store_key(k) for k in keys]
+        outs = [tensor_segments(t, writable=True) for t in targets]
+        return self.store.get_batch_into(names, outs)
+
     def _read(self, keys: Sequence[str]) -> list[bytes | None]:
         names = [store_key(k) for k in keys]
-        try:
-            get_batch = getattr(self.store, "get_batch", None)
-            if get_batch is not None:
-                found: list[bytes | None] = get_batch(names)
-                return found
-            return [self.store.get(check_key(n)) for n in names]
-        except StoreError as exc:
-            logger.warning("kvlife store read of %d pages failed: %s", len(names), exc)
-            return [None] * len(names)
-
-    @staticmethod
-    def _deliver(data: bytes | None, target: Any) -> torch.Tensor | None:
-        if data is None:
-            return None
-        if target is None:
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if not isinstance(target, torch.Tensor):
-            return None
-        if target.numel() * target.element_size() != len(data):
-            return None  # a page of another size is not this page
-        source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        target.copy_(source.view(target.dtype).view(target.shape))
-        return target
+        return self.store.get_batch(names)
 
     def get(
         self,
@@ -224,7 +289,7 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         target_sizes: Any | None = None,
     ) -> torch.Tensor | None:
         """The page under ``key`` in ``target_location`` (or a new uint8 tensor); None on a miss."""
-        return self._deliver(self._read([key])[0], target_location)
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
 
     def batch_get(
         self,
@@ -232,32 +297,75 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
-        """``get`` of every key, in one batched read where the store has one."""
-        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        return [self._deliver(d, t) for d, t in zip(self._read(keys), targets, strict=True)]
+        """``get`` of every key, each read straight into its target."""
+        if target_locations is None:
+            misses: list[bytes | None] = [None] * len(keys)
+            found = self._guard("get", "read", lambda: self._read(keys), misses)
+            return [
+                None if d is None else torch.frombuffer(bytearray(d), dtype=torch.uint8)
+                for d in found
+            ]
+        targets = list(target_locations)
+        if len(targets) != len(keys) or not all(isinstance(t, torch.Tensor) for t in targets):
+            return self._guard(
+                "get", "read", lambda: _refuse("one tensor per key"), [None] * len(keys)
+            )
+        done = self._guard(
+            "get", "read", lambda: self._read_into(keys, targets), [False] * len(keys)
+        )
+        return [t if ok else None for t, ok in zip(targets, done, strict=True)]
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Zero-copy ``batch_get``: each page read into SGLang's host pool in place."""
+
+        def read() -> list[bool]:
+            pool = self.mem_pool_host
+            pages = [self._pool_page(host_indices, i) for i in range(len(keys))]
+            # A page view shares the pool's memory; a pool that hands out copies is
+            # filled through its own setter instead.
+            targets = [v if v._is_view() else torch.empty_like(v) for _, v in pages]
+            done = self._read_into(keys, targets)
+            for (index, view), target, ok in zip(pages, targets, done, strict=True):
+                if ok and target is not view:
+                    pool.set_from_flat_data_page(index, target.flatten())
+            return done
+
+        return self._guard("batch_get_v1", "zero-copy read", read, [False] * len(keys))
 
     def exists(self, key: str) -> bool:
         """Whether a whole, verified page is stored under ``key``."""
-        return self._read([key])[0] is not None
+        return self.batch_exists([key]) == 1
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """The number of consecutive existing keys from the first."""
-        done = 0
-        for start in range(0, len(keys), EXISTS_CHUNK):
-            found = self._read(keys[start : start + EXISTS_CHUNK])
-            for data in found:
-                if data is None:
-                    return done
-                done += 1
-        return done
+
+        def count_existing() -> int:
+            done = 0
+            for start in range(0, len(keys), EXISTS_CHUNK):
+                for data in self._read(keys[start : start + EXISTS_CHUNK]):
+                    if data is None:
+                        return done
+                    done += 1
+            return done
+
+        return self._guard("exists", "read", count_existing, 0)
 
     def get_stats(self) -> Any:
-        """The store's counters (``StoreStats``)."""
+        """The store's counters (``StoreStats``: ``page_mismatches``, ``pages_corrupt``, ...)."""
         return self.store.stats() if hasattr(self.store, "stats") else None
 
     def close(self) -> None:
         """Close the store if this backend made it."""
         if self._owns_store:
             self.store.close()
+
+
+def _refuse(why: str) -> Any:
+    raise InvalidPut(f"refused: {why}")
