@@ -43,6 +43,10 @@ def device_of(device: object) -> torch.device:
         raise ConfigError(f"device must be a torch.device, a name or an ordinal, got {device!r}")
     try:
         parsed = torch.device(device)
+        if parsed.type == "cuda" and torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            if parsed.index is not None and parsed.index >= count:
+                raise RuntimeError(f"this machine has {count} CUDA devices")
         torch.empty(0, device=parsed)  # allocates nothing; fails where the device is missing
     except (RuntimeError, AssertionError, ValueError) as exc:
         raise ConfigError(f"device {device!r} cannot be used here: {exc}") from None
