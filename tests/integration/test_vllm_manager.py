@@ -161,7 +161,9 @@ def test_refusals_change_nothing_counted_once_logged_or_raised_when_strict(
     before = strict.accounting()
     with pytest.raises(ManagerError, match="no store of key"):
         strict.complete_store({key(9)}, ctx2)
-    assert strict.accounting() == before
+    after = strict.accounting()
+    assert after.pop("refused") == before.pop("refused") + 1  # counted, then raised
+    assert after == before
 
 
 def _config(model: str, kv_bytes: int = 32768) -> Any:
