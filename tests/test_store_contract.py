@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlife.errors import InvalidPut, PageMismatch, StoreClosed
+from kvlife.errors import ConfigError, InvalidPut, PageMismatch, StoreClosed
 from kvlife.store import LocalDirectoryStore, MemoryStore, StoreStats
 from kvlife.store.base import QueuedStore, tensor_segments
 
@@ -163,3 +163,11 @@ def test_get_into_a_view_that_is_not_addressable_is_refused() -> None:
     with pytest.raises(InvalidPut, match="in place"):
         tensor_segments(t, writable=True)
     assert len(tensor_segments(t)) == 1  # for a write it is copied
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "64"])
+def test_a_bad_max_page_bytes_is_refused(tmp_path: Path, bad: object) -> None:
+    for kind in KINDS:
+        with pytest.raises(ConfigError, match="max_page_bytes"):
+            make(kind, tmp_path, max_page_bytes=bad)
+    assert not (tmp_path / "root").exists()  # refused before any directory was made

@@ -28,6 +28,7 @@ from kvlife.store.base import (
     Payload,
     QueuedStore,
     Written,
+    _check_max_page,
     _pieces,
     check_held,
     check_key,
@@ -106,6 +107,7 @@ class LocalDirectoryStore(QueuedStore):
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         parts = check_namespace(namespace)
+        _check_max_page(max_page_bytes)  # before anything is created
         self._root = Path(root)
         self._namespace = namespace
         self._directory = self._root.joinpath(*parts, PAGES_DIR)
