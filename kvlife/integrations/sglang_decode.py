@@ -1,0 +1,485 @@
+"""SGLang's decode-side KV offload manager with kvlife Lifecycles as its bookkeeping.
+
+SGLang 0.5.23's ``DecodeKVCacheOffloadManager`` keeps a decode request's offload state in
+dicts keyed by the ``Req`` object. :class:`KVLifeDecodeOffloadManager` (a subclass of it,
+built on first use so that this module imports without SGLang) keeps the surface SGLang's
+scheduler calls and SGLang's own cache controller, host pool and release path, and replaces
+the per-request bookkeeping:
+
+* each request *life* is a :class:`~kvlife.Lifecycle`; a copy's completion acks the ticket
+  its life issued, so a late ack can only move its own life (never a new request on the
+  same rid, nor the resumed life of a retracted request);
+* the life is released (SGLang's own ``_release_finished_req``: the device KV row freed,
+  the tree lock dropped) exactly once, when it finished and none of its copies is in flight;
+* device pages under a copy are never handed back: kvlife guards the KV allocator's
+  ``free``, and a free that names a page a copy in flight still reads is held back, whole,
+  until that copy's ack. So ``drain_before_retraction()`` neither refuses nor waits: the
+  retraction SGLang's scheduler runs next frees the request's row, and the retracted life
+  keeps its pages until its acks. The retracted life ends ``RETRACTED`` and the resumed
+  request gets a new life whose hash chain continues where the old one's pages end;
+* with more than one rank, the chunk admission (host pages free on every rank) and the acks
+  applied are the same on every rank.
+
+Switch it on in the launcher, before SGLang builds its scheduler (in the scheduler process)::
+
+    import kvlife.integrations.sglang_decode as kvlife_decode; kvlife_decode.install()
+
+It replaces the name ``DecodeKVCacheOffloadManager`` in ``sglang.srt.managers.scheduler``,
+the only name SGLang's scheduler constructs the decode offload manager by (with
+``--disaggregation-mode decode --disaggregation-decode-enable-offload-kvcache``). See
+docs/sglang.md.
+
+Inside SGLang a kvlife refusal (:class:`~kvlife.errors.KVLifeError`) never reaches the
+scheduler: it is counted in ``refusals`` and logged, and the call answers as SGLang's would
+for a request it cannot offload (``False``); ``strict=True`` raises it instead (for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvlife._lifecycle import FinishReason, Lifecycle, State, Ticket
+from kvlife.engine.base import Ack
+from kvlife.errors import ConfigError, KVLifeError, ManagerError
+from kvlife.hashing import sglang_page_hashes
+
+__all__ = ["decode_manager_class", "install", "uninstall"]  # and KVLifeDecodeOffloadManager
+
+logger = logging.getLogger(__name__)
+
+_LIVE = (State.IDLE, State.OFFLOADING)
+_SCHEDULER = "sglang.srt.managers.scheduler"
+
+
+class _Life:
+    """One life of one ``Req``: its Lifecycle and where its chunks start."""
+
+    __slots__ = ("generation", "lifecycle", "prefill_len", "req", "retracted")
+
+    def __init__(self, req: Any, lifecycle: Lifecycle, prefill_len: int) -> None:
+        self.req = weakref.ref(req)  # copies in flight hold the Req strongly, not the life
+        self.lifecycle = lifecycle
+        self.prefill_len = prefill_len
+        self.generation = req.retraction_count  # SGLang counts each retraction of a Req
+        self.retracted = False
+
+
+class _HostBudget:
+    """SGLang's host pool seen as kvlife's (free pages), for the agreed host budget."""
+
+    def __init__(self, pool: Any, page_size: int) -> None:
+        self._pool, self._page_size = pool, page_size
+
+    @property
+    def num_free(self) -> int:
+        return int(self._pool.available_size()) // self._page_size
+
+
+class _KVLifeDecodeOffload:
+    """The kvlife half of :class:`KVLifeDecodeOffloadManager` (no SGLang import here).
+
+    The attributes below are SGLang's, set by its ``__init__`` (or by :meth:`from_parts`).
+    """
+
+    page_size: int
+    offload_stride: int
+    request_counter: int
+    tp_world_size: int
+    tp_group: Any
+    req_to_token_pool: Any
+    token_to_kv_pool_allocator: Any
+    tree_cache: Any
+    cache_controller: Any
+    decode_host_mem_pool: Any
+    kv_cache: Any
+    ongoing_offload: dict[int, tuple[Any, ...]]
+    ongoing_backup: dict[int, tuple[Any, ...]]
+    offloaded_state: Any
+    offload_inflight: Any
+    _resolve_offload_transfers: Callable[..., tuple[Any, list[Any]]]
+    _release_finished_req: Callable[[Any], None]
+    _check_backup_progress: Callable[[int], None]
+    _compute_prefix_hash: Callable[..., list[str]]
+
+    def __init__(self, *args: Any, strict: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # SGLang's: controller, host pool, dicts
+        self._init_kvlife(strict=strict)
+
+    @classmethod
+    def from_parts(
+        cls,
+        *,
+        req_to_token_pool: Any,
+        token_to_kv_pool_allocator: Any,
+        tree_cache: Any,
+        cache_controller: Any,
+        host_pool: Any,
+        page_size: int,
+        stride: int | None = None,
+        tp_group: Any = None,
+        tp_world_size: int = 1,
+        kv_cache: Any = None,
+        strict: bool = False,
+    ) -> Any:
+        """Build one from SGLang's parts without SGLang's ``__init__`` (which builds its own
+        ``HiCacheController`` from the server's global config): for tests and benches."""
+        self = cls.__new__(cls)
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.tree_cache = tree_cache
+        self.cache_controller = cache_controller
+        self.decode_host_mem_pool = host_pool
+        self.page_size = page_size
+        stride = page_size if stride is None else stride
+        self.offload_stride = max(page_size, stride // page_size * page_size)
+        self.request_counter = 0
+        self.tp_group, self.tp_world_size = tp_group, tp_world_size
+        self.kv_cache = kv_cache
+        self.ongoing_offload, self.ongoing_backup = {}, {}
+        self.offloaded_state = weakref.WeakKeyDictionary()
+        self.offload_inflight = weakref.WeakKeyDictionary()
+        self._init_kvlife(strict=strict)
+        return self
+
+    def _init_kvlife(self, *, strict: bool) -> None:
+        self.strict = strict
+        #: Refusals by kind, counted (and logged) instead of raised into SGLang.
+        self.refusals: Counter[str] = Counter()
+        #: Lifecycles released, retractions drained, copies waited for in those drains.
+        self.released = 0
+        self.retractions_drained = 0
+        self.drained_copies = 0
+        #: Frees held back because a copy in flight still read one of their pages.
+        self.deferred_frees = 0
+        self._lives: weakref.WeakKeyDictionary[Any, _Life] = weakref.WeakKeyDictionary()
+        self._tickets: dict[int, Ticket] = {}
+        self._pins: dict[int, torch.Tensor] = {}  # ack id -> device indices its copy reads
+        self._held: list[tuple[torch.Tensor, set[int]]] = []  # frees waiting for those acks
+        self._raw_free: Callable[[torch.Tensor], None] | None = None
+        allocator = self.token_to_kv_pool_allocator
+        if allocator is not None:
+            self._raw_free = allocator.free
+            allocator.free = self._guarded_free  # the instance's free; free_full etc. call it
+        self.agreement: Any = None
+        if self.tp_world_size > 1:
+            from kvlife.distributed import TorchAgreement
+
+            budget: Any = _HostBudget(self.decode_host_mem_pool, self.page_size)
+            self.agreement = TorchAgreement(self.tp_group, host=budget)
+
+    # ------------------------------------------------------------ what SGLang calls
+
+    def offload_kv_cache(self, req: Any) -> bool:
+        """Submit the chunk that is due (whole strides of decoded KV); True if one was.
+
+        Called after every unfinished decode step and once at finish; at finish a True
+        answer means the life is released after this last copy's ack."""
+        if self.cache_controller is None or self.decode_host_mem_pool is None:
+            return False
+        kv = req.kv
+        row: Any = kv.req_pool_idx
+        if row is None or row == -1 or not req.output_ids:
+            return False
+        try:
+            life = self._life_of(req)
+            lc = life.lifecycle
+            if lc.state not in _LIVE:
+                raise ManagerError(f"offload of {lc!r} after its life ended")
+            start = life.prefill_len + lc.tokens_submitted
+            have = len(req.origin_input_ids) + len(req.output_ids) - 1  # the newest has no KV
+            n = (have - start) // self.offload_stride * self.offload_stride
+            if n <= 0:
+                return False
+            if not self._admit(n):
+                return False
+            tokens = _tokens(req, start, start + n)
+            ticket = lc.submit(tokens)  # a typed refusal here changes nothing
+        except KVLifeError as exc:
+            return self._refused("offload", exc)
+        indices = self.req_to_token_pool.req_to_token[row][start : start + n].to(torch.int64)
+        device_indices, pool_transfers = self._resolve_offload_transfers(indices)
+        self.request_counter += 1
+        ack_id = self.request_counter
+        host_indices = self.cache_controller.write(
+            device_indices=device_indices, node_id=ack_id, extra_pools=pool_transfers
+        )
+        if host_indices is None:  # the host pool filled after all: the chunk never started
+            lc.ack(ticket)
+            return self._refused("host_pool_exhausted", ManagerError("no host pages"))
+        if self.agreement is not None:
+            self.agreement.submitted(ticket)
+        self._tickets[ack_id] = ticket
+        self._pins[ack_id] = device_indices
+        self.ongoing_offload[ack_id] = (req, host_indices, tokens, time.time(), pool_transfers)
+        if req.finished():  # the finish-time flush: released after its ack
+            lc.finish(_reason(req))
+        return True
+
+    def check_offload_progress(self) -> None:
+        """Wait for the device -> host copies queued on this rank (as SGLang's check does),
+        agree with the other ranks, apply the acks; then free host pages already backed up."""
+        cc = self.cache_controller
+        queue = cc.ack_write_queue
+        done: list[int] = []
+        while queue:
+            ack = queue.pop(0)
+            ack.finish_event.synchronize()
+            done.extend(ack.node_ids)
+        if self.agreement is None:
+            for ack_id in done:
+                self._apply(ack_id)
+        else:
+            tickets = self._tickets
+            local = [Ack(tickets[i], (), ()) for i in done if i in tickets]
+            agreed = self.agreement.agree(local)
+            by_ticket = {id(t): i for i, t in tickets.items()}
+            for ack in agreed:
+                agreed_id = by_ticket.get(id(ack.ticket))
+                if agreed_id is None:
+                    self._refused("stray_ack", ManagerError(f"no copy for {ack.ticket[:2]!r}"))
+                else:
+                    self._apply(agreed_id)
+        backed_up = cc.ack_backup_queue.qsize()
+        if backed_up:
+            self._check_backup_progress(backed_up)
+
+    def drain_before_retraction(self) -> None:
+        """Retraction is safe, never refused: the allocator guard holds back the retracted
+        request's pages until its copies' acks, so there is nothing to wait for. (Without
+        an allocator to guard, it waits for every copy on this rank and agrees, instead.)"""
+        self.retractions_drained += 1
+        if self._raw_free is not None:
+            return
+        self.drained_copies += len(self.ongoing_offload)
+        self.check_offload_progress()
+        if self.agreement is not None and self.agreement.pending:
+            self.check_offload_progress()  # every rank drained: the second agreement is total
+
+    def _guarded_free(self, indices: torch.Tensor) -> None:
+        """The allocator's ``free``, except that a free naming a page under a copy in flight
+        waits, whole, for the acks of every such copy."""
+        assert self._raw_free is not None
+        pins = self._pins
+        if pins and indices.numel():
+            waits = {i for i, read in pins.items() if bool(torch.isin(read, indices).any())}
+            if waits:
+                self._held.append((indices, waits))
+                self.deferred_frees += 1
+                return
+        self._raw_free(indices)
+
+    def finalize_release_on_finish(self, req: Any) -> None:
+        """The request finished with nothing more to offload: release now, or at its last ack."""
+        life = self._lives.get(req)
+        if life is None or life.generation != req.retraction_count:
+            if life is not None:
+                self._end_retracted(req, life)
+            self._release_finished_req(req)
+            self.released += 1
+            return
+        lc = life.lifecycle
+        if lc.state in _LIVE:
+            try:
+                lc.finish(_reason(req))
+            except KVLifeError as exc:
+                self._refused("finish", exc)
+
+    def has_inflight_device_transfer(self) -> bool:
+        """Whether a device -> host copy may still read device KV pages."""
+        return bool(self.ongoing_offload)
+
+    def release_host_resources(self) -> None:
+        """Shutdown: wait for the copies in flight, then free SGLang's host pool."""
+        try:
+            self.check_offload_progress()
+        finally:
+            self.decode_host_mem_pool.destroy()
+
+    # ------------------------------------------------------------ kvlife's bookkeeping
+
+    def _life_of(self, req: Any) -> _Life:
+        life = self._lives.get(req)
+        if life is not None and life.generation == req.retraction_count:
+            return life
+        start, prior = self._prefill_point(req)
+        if life is not None:  # retracted since: end that life, continue after its pages
+            self._end_retracted(req, life)
+            old = life.prefill_len + life.lifecycle.tokens_submitted
+            if old >= start:
+                start, prior = old, life.lifecycle.chain_tail
+        lc = Lifecycle(
+            req.rid,
+            page_size=self.page_size,
+            on_release=self._on_release,
+            prior_hash=prior,
+            hasher=self._hasher(req, start),
+        )
+        new = _Life(req, lc, start)
+        lc.owner = new
+        self._lives[req] = new
+        return new
+
+    def _prefill_point(self, req: Any) -> tuple[int, str | None]:
+        """The prompt's whole pages (the prefill side stored them) and their last key."""
+        prefill = len(req.origin_input_ids) // self.page_size * self.page_size
+        if not prefill:
+            return 0, None
+        prompt = list(req.origin_input_ids[:prefill])
+        return prefill, self._compute_prefix_hash(req, prompt)[-1]
+
+    def _hasher(self, req: Any, start: int) -> Any:
+        """SGLang's page keys: kvlife's SGLang chain; a namespaced request (``extra_key`` or
+        ``cache_salt``) chains its first page from SGLang's namespace seed."""
+        if start or (getattr(req, "extra_key", None) is None and req.cache_salt is None):
+            return sglang_page_hashes
+        compute = self._compute_prefix_hash
+
+        def namespaced(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+            return compute(req, list(tokens), prior)
+
+        return namespaced
+
+    def _end_retracted(self, req: Any, life: _Life) -> None:
+        """A retracted request came back (or finished): its old life ends RETRACTED."""
+        lc = life.lifecycle
+        life.retracted = True  # its pages went back (or wait in the guard) with the retraction
+        if lc.state in _LIVE:
+            try:
+                lc.finish(FinishReason.RETRACTED)
+            except KVLifeError as exc:
+                self._refused("finish", exc)
+
+    def _admit(self, n_tokens: int) -> bool:
+        pages = n_tokens // self.page_size
+        if self.agreement is not None:
+            ok = bool(self.agreement.admit(pages))
+        else:
+            ok = int(self.decode_host_mem_pool.available_size()) >= n_tokens
+        if not ok:
+            self.refusals["host_pool_exhausted"] += 1
+        return ok
+
+    def _apply(self, ack_id: int) -> None:
+        """One agreed ack: back the chunk up under its life's keys, then ack the life."""
+        ticket = self._tickets.pop(ack_id)
+        self._pins.pop(ack_id, None)
+        if self._held:
+            self._free_held(ack_id)
+        req, host_indices, tokens, start_time, pool_transfers = self.ongoing_offload.pop(ack_id)
+        keys = list(ticket[2])
+        for transfer in pool_transfers:
+            transfer.keys = keys[-(transfer.device_indices.numel() // self.page_size) :]
+        extra = {"extra_pools": pool_transfers} if pool_transfers else {}
+        op_id = self.cache_controller.write_storage(host_indices, tokens, hash_value=keys, **extra)
+        self.ongoing_backup[op_id] = (req.rid, host_indices, start_time, pool_transfers)
+        try:
+            ticket[0].ack(ticket)  # may release the life
+        except KVLifeError as exc:
+            self._refused("ack", exc)
+
+    def _free_held(self, ack_id: int) -> None:
+        assert self._raw_free is not None
+        still: list[tuple[torch.Tensor, set[int]]] = []
+        for indices, waits in self._held:
+            waits.discard(ack_id)
+            if waits:
+                still.append((indices, waits))
+            else:
+                self._raw_free(indices)
+        self._held = still
+
+    def _on_release(self, lc: Lifecycle) -> None:
+        life = lc.owner
+        assert isinstance(life, _Life)
+        req = life.req()
+        if req is None:
+            return
+        if self._lives.get(req) is life:
+            del self._lives[req]
+        self.released += 1
+        if life.retracted or life.generation != req.retraction_count:
+            return  # a retracted life's device pages went back with the retraction
+        self._release_finished_req(req)
+
+    def _refused(self, kind: str, exc: KVLifeError) -> bool:
+        self.refusals[kind] += 1
+        if self.strict:
+            raise exc
+        logger.error("kvlife refused %s: %s", kind, exc)
+        return False
+
+
+def _tokens(req: Any, start: int, stop: int) -> list[int]:
+    """Tokens ``[start, stop)`` of prompt + outputs, without building the whole list."""
+    prompt = req.origin_input_ids
+    n = len(prompt)
+    if stop <= n:
+        return list(prompt[start:stop])
+    if start >= n:
+        return list(req.output_ids[start - n : stop - n])
+    return list(prompt[start:]) + list(req.output_ids[: stop - n])
+
+
+def _reason(req: Any) -> FinishReason:
+    name = type(getattr(req, "finished_reason", None)).__name__
+    return FinishReason.ABORTED if name == "FINISH_ABORT" else FinishReason.FINISHED
+
+
+_CLASS: list[type] = []
+
+
+def decode_manager_class() -> type:
+    """The subclass of SGLang's ``DecodeKVCacheOffloadManager`` (imports SGLang once)."""
+    if not _CLASS:
+        try:
+            from sglang.srt.disaggregation.decode_kvcache_offload_manager import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
+                DecodeKVCacheOffloadManager,
+            )
+        except ImportError as exc:
+            raise ConfigError(f"SGLang's decode offload manager does not import: {exc}") from exc
+        cls = type(
+            "KVLifeDecodeOffloadManager",
+            (_KVLifeDecodeOffload, DecodeKVCacheOffloadManager),
+            {"__module__": __name__, "__doc__": _KVLifeDecodeOffload.__doc__},
+        )
+        _CLASS.append(cls)
+    return _CLASS[0]
+
+
+def install() -> type:
+    """Make SGLang's scheduler build kvlife's decode offload manager (the one switch-on line).
+
+    Replaces ``sglang.srt.managers.scheduler.DecodeKVCacheOffloadManager``; run it in the
+    scheduler process before the ``Scheduler`` is constructed. Returns the class."""
+    import importlib
+
+    cls = decode_manager_class()
+    scheduler: Any = importlib.import_module(_SCHEDULER)
+    if not hasattr(scheduler, "_kvlife_replaced"):
+        scheduler._kvlife_replaced = scheduler.DecodeKVCacheOffloadManager
+    scheduler.DecodeKVCacheOffloadManager = cls
+    logger.info("kvlife: SGLang's scheduler builds %s", cls.__qualname__)
+    return cls
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    import sys
+
+    scheduler: Any = sys.modules.get(_SCHEDULER)
+    if scheduler is not None and hasattr(scheduler, "_kvlife_replaced"):
+        scheduler.DecodeKVCacheOffloadManager = scheduler._kvlife_replaced
+        del scheduler._kvlife_replaced
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVLifeDecodeOffloadManager":
+        return decode_manager_class()
+    raise AttributeError(name)

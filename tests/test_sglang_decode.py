@@ -1,0 +1,282 @@
+"""kvlife's decode offload manager for SGLang, driven through the calls SGLang's scheduler
+makes, on SGLang 0.5.23's real classes (its Req, ReqToTokenPool, finish reasons and decode
+offload manager), with CPU stand-ins only for the cache controller's copy and storage calls
+(kvlife's threaded CpuCopyEngine over a real torch KV pool; kvlife's InlineStore).
+
+Runs in .venv-sglang (``.ci/sglang.sh``); skipped where SGLang is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pytest
+import sglang_stubs
+from hypothesis import settings
+
+sglang_stubs.install()
+pytest.importorskip("sglang.srt.disaggregation.decode_kvcache_offload_manager")
+
+from sglang_stubs import DecodeScheduler  # noqa: E402
+
+from kvlife import FinishReason, State  # noqa: E402
+from kvlife.errors import KVLifeError  # noqa: E402
+from kvlife.integrations import sglang_decode  # noqa: E402
+from kvlife.testing import (  # noqa: E402
+    KIT_SETTINGS,
+    InvariantViolation,
+    KitOptions,
+    Release,
+    page_bytes_of,
+    run_kit,
+)
+from kvlife.testing.adapter import AdapterError  # noqa: E402
+
+
+def life_of(sched: DecodeScheduler, req: Any) -> Any:
+    return sched.mgr._lives[req].lifecycle
+
+
+def stored_ok(sched: DecodeScheduler) -> int:
+    """Every stored page holds the bytes its key's page had on the device; how many."""
+    n = 0
+    for key in sched.cc.store.keys():  # noqa: SIM118 (a store, not a dict)
+        assert sched.cc.store.get(key) == page_bytes_of(key, sched.layout.page_nbytes), key
+        n += 1
+    return n
+
+
+def test_it_is_sglangs_class_and_install_replaces_the_schedulers_name() -> None:
+    from sglang.srt.disaggregation.decode_kvcache_offload_manager import (
+        DecodeKVCacheOffloadManager,
+    )
+    from sglang.srt.managers import scheduler
+
+    cls = sglang_decode.decode_manager_class()
+    assert issubclass(cls, DecodeKVCacheOffloadManager)
+    assert cls is sglang_decode.KVLifeDecodeOffloadManager
+    before = scheduler.DecodeKVCacheOffloadManager
+    assert before is DecodeKVCacheOffloadManager
+    try:
+        assert sglang_decode.install() is cls
+        assert scheduler.DecodeKVCacheOffloadManager is cls
+    finally:
+        sglang_decode.uninstall()
+    assert scheduler.DecodeKVCacheOffloadManager is DecodeKVCacheOffloadManager
+
+
+def test_keys_are_sglangs_own_page_keys() -> None:
+    """The stored keys are what SGLang's own manager computes for the same request."""
+    keys = []
+    for kvlife in (True, False):
+        sched = DecodeScheduler(kvlife=kvlife, stride=2)
+        req = sched.start("r", [1, 2, 3, 4, 5])
+        for t in range(6, 14):
+            sched.step(req, [t])
+        sched.finish(req)
+        sched.close()
+        keys.append(sorted(sched.cc.store.keys()))
+        assert stored_ok(sched) > 2
+    assert keys[0] == keys[1]
+
+
+def test_37026_a_late_ack_of_the_old_request_leaves_the_new_one_alone() -> None:
+    """Two requests on one rid; the old one finishes with its copy in flight, the new one
+    starts and offloads; the old one's late ack releases only the old one."""
+    sched = DecodeScheduler()
+    old = sched.start("r", [1, 2, 3])
+    gate = sched.engine.hold_next()
+    assert sched.step(old, [4, 5, 6, 7])  # one chunk (4 tokens), held in flight
+    sched.finish(old)
+    assert sched.device.releases == []  # released after its ack, not now
+    new = sched.start("r", [1, 2, 3])
+    assert sched.step(new, [8, 9, 10, 11])  # True after the old request finished
+    new_life = life_of(sched, new)
+    assert new_life.inflight == 1 and new_life.state is State.OFFLOADING
+    new_key = new.kit_keys[-1]
+    gate.open()
+    sched.poll()  # SGLang's progress check waits for both copies; each ack moves its own life
+    assert [r.request for r in sched.device.releases] == [old]
+    assert new_life.snapshot()[:4] == (State.IDLE, 0, 4, new_key)  # its own chunk, acked once
+    assert new.kit_pages and sched.mgr._lives[new].lifecycle is new_life
+    assert sched.step(new, [12, 13, 14, 15])  # the new life goes on from its own chain
+    sched.finish(new)
+    sched.close()
+    assert [r.request for r in sched.device.releases] == [old, new]
+    assert sched.device.allocated() == 0 and sched.host.num_used == 0
+    assert stored_ok(sched) == 6 and sched.mgr.refusals == {}
+
+
+def test_retraction_with_a_copy_in_flight_is_safe_not_refused() -> None:
+    """The copy is still reading when the scheduler retracts: nothing waits, nothing is
+    refused; the retraction's free of the row is held back until the copy's ack, while the
+    same Req object resumes with new pages and a new life."""
+    sched = DecodeScheduler(copy_delay=0.05)
+    req = sched.start("r", [1, 2, 3])
+    gate = sched.engine.hold_next()
+    assert sched.step(req, [4, 5, 6, 7])
+    old_life = life_of(sched, req)
+    old_pages = list(req.kit_pages)
+    sched.retract(req)  # drain_before_retraction, then the scheduler frees the row
+    assert sched.device.releases == [] and sched.mgr.deferred_frees == 1
+    assert sched.mgr.has_inflight_device_transfer() and sched.mgr.retractions_drained == 1
+    sched.resume(req, sched.tokens(req))  # the same Req object, new pages...
+    assert not set(req.kit_pages) & set(old_pages)  # ...none of them the held ones
+    assert sched.step(req, [8, 9, 10, 11])  # ...and its next offload starts a new life
+    new_life = life_of(sched, req)
+    assert new_life is not old_life and old_life.finish_reason is FinishReason.RETRACTED
+    assert old_life.state is State.FINISHED  # waiting for its copy
+    gate.open()
+    sched.poll()
+    assert old_life.state is State.RELEASED
+    assert [r.device_pages for r in sched.device.releases] == [tuple(old_pages)]
+    assert stored_ok(sched) == 4  # the held pages were never reused under the copy
+    sched.finish(req)
+    sched.close()
+    assert [r.request for r in sched.device.releases] == [req, req]
+    assert sched.device.allocated() == 0 and sched.host.num_used == 0
+    assert sched.mgr.refusals == {}
+
+
+def test_sglangs_own_drain_refuses_while_it_tracks_a_copy() -> None:
+    """SGLang's own manager, for contrast: while it still tracks a copy after its drain
+    (here one that only another rank's MIN-reduced queue count would leave), it raises into
+    the scheduler instead of retracting."""
+    from sglang.srt.disaggregation.decode_kvcache_offload_manager import (
+        DecodeKVCacheOffloadManager,
+    )
+
+    sched = DecodeScheduler(kvlife=False, copy_delay=0.05)
+    assert type(sched.mgr) is DecodeKVCacheOffloadManager
+    req = sched.start("r", [1, 2, 3])
+    assert sched.step(req, [4, 5, 6, 7])
+    sched.mgr.ongoing_offload[999] = sched.mgr.ongoing_offload[1]  # another rank's copy
+    with pytest.raises(RuntimeError, match="refusing to retract"):
+        sched.mgr.drain_before_retraction()
+    del sched.mgr.ongoing_offload[999]
+    sched.close()
+
+
+def test_a_refusal_is_counted_not_raised_unless_strict() -> None:
+    sched = DecodeScheduler(strict=False)
+    req = sched.start("r", [1, 2, 3])
+    life = life_of(sched, req) if req in sched.mgr._lives else None
+    assert life is None
+    assert sched.step(req, [4, 5, 6, 7])
+    sched.finish(req)
+    # The finished life's release waits for its ack; one more offload of it is refused.
+    req.finished_reason = None
+    assert sched.mgr.offload_kv_cache(req) is False
+    assert sched.mgr.refusals["offload"] == 1
+    strict = DecodeScheduler(strict=True)
+    other = strict.start("r", [1, 2, 3])
+    assert strict.step(other, [4, 5, 6, 7])
+    strict.finish(other)
+    other.finished_reason = None
+    with pytest.raises(KVLifeError):
+        strict.mgr.offload_kv_cache(other)
+    for s in (sched, strict):
+        s.close()
+        assert s.device.allocated() == 0
+
+
+# ----------------------------------------------------------------------------- the kit
+
+
+class _Copy:
+    def __init__(self, ack_id: int, req: Any) -> None:
+        self.ack_id, self.req = ack_id, req
+
+    def __repr__(self) -> str:
+        return f"<copy ack={self.ack_id} rid={self.req.rid!r}>"
+
+
+class DecodeAdapter:
+    """The kit's adapter: SGLang's scheduler calls around either manager, nothing else."""
+
+    namespace = None
+    progress = "drain"
+
+    def __init__(self, kvlife: bool = True) -> None:
+        self.sched = DecodeScheduler(kvlife=kvlife, page_size=2, stride=4, host_pages=6)
+        self.page_size = 2
+        self._handles: dict[int, _Copy] = {}
+        self._closed = False
+
+    def start(self, rid: str, prompt: Sequence[int]) -> Any:
+        return self.sched.start(rid, prompt)
+
+    def resume(self, request: Any, tokens: Sequence[int]) -> Any:
+        return self.sched.resume(request, tokens)
+
+    def step(self, request: Any, tokens: Sequence[int]) -> None:
+        self.sched.step(request, tokens)
+
+    def finish(self, request: Any, reason: FinishReason) -> None:
+        if reason is FinishReason.RETRACTED:
+            self.sched.retract(request)
+        else:
+            self.sched.finish(request, abort=reason is FinishReason.ABORTED)
+
+    def copies_in_flight(self) -> list[_Copy]:
+        ongoing = self.sched.mgr.ongoing_offload
+        handles = self._handles
+        for gone in [i for i in handles if i not in ongoing]:
+            del handles[gone]
+        for i, entry in ongoing.items():  # one handle per copy, the same at every call
+            if i not in handles:
+                handles[i] = _Copy(i, entry[0])
+        return list(handles.values())
+
+    def copy_request(self, copy: object) -> Any:
+        assert isinstance(copy, _Copy)
+        return copy.req
+
+    def complete(self, copy: object, ok: bool = True) -> None:
+        raise AdapterError("copies complete in SGLang's progress check (drain)")
+
+    def poll(self) -> None:
+        self.sched.poll()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.sched.close()
+
+    def releases(self) -> list[Release]:
+        return self.sched.device.releases
+
+    def stored_keys(self) -> Iterable[str]:
+        return self.sched.cc.store.keys()
+
+    def stored_page(self, key: str) -> bytes | None:
+        return self.sched.cc.store.get(key)
+
+    def page_bytes(self, key: str) -> bytes:
+        return page_bytes_of(key, self.sched.layout.page_nbytes)
+
+    def host_pages_allocated(self) -> int:
+        return self.sched.host.num_used
+
+    def host_pages_free(self) -> int:
+        return self.sched.host.num_free
+
+    def device_pages_allocated(self) -> int:
+        return self.sched.device.allocated()
+
+
+#: SGLang's faithful configuration: no per-copy failure path; retractions ON.
+FAITHFUL = KitOptions(failures=False)
+SMALL = settings(KIT_SETTINGS, max_examples=40, stateful_step_count=25, derandomize=True)
+
+
+def test_the_kit_with_retractions_passes_kvlifes_manager() -> None:
+    assert FAITHFUL.retractions and FAITHFUL.resumes
+    run_kit(DecodeAdapter, SMALL, options=FAITHFUL)
+
+
+def test_the_kit_with_retractions_fails_sglangs_own_manager() -> None:
+    with pytest.raises(InvariantViolation) as failure:
+        run_kit(lambda: DecodeAdapter(kvlife=False), SMALL, options=FAITHFUL)
+    print(failure.value)
