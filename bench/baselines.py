@@ -67,12 +67,27 @@ class MachinePerRequest:
             auto_transitions=False,
         )
 
-    # guards, by the table's names
-    def more_in_flight(self) -> bool:
+    # guards, by the table's names (this baseline has stores only: no load in flight)
+    def more_stores(self) -> bool:
         return self.inflight >= 2
 
-    def last_in_flight(self) -> bool:
+    def last_store(self) -> bool:
         return self.inflight == 1
+
+    def last_store_loads_left(self) -> bool:
+        return False
+
+    def stores_in_flight(self) -> bool:
+        return self.inflight >= 1
+
+    def more_loads(self) -> bool:
+        return False
+
+    def last_load(self) -> bool:
+        return False
+
+    def loads_in_flight(self) -> bool:
+        return False
 
     def drained(self) -> bool:
         return self.inflight == 0
