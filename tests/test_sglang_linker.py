@@ -1,0 +1,167 @@
+"""kvlife's UnifiedCacheLinker, loaded by SGLang 0.5.23's own linker factory from the
+``--unified-cache-external-linker-config`` JSON, against SGLang's real abstract class, with
+kvlife's threaded CpuCopyEngine over real torch KV buffers and kvlife's directory store.
+Runs in .venv-sglang; skipped where SGLang is not installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sglang_stubs
+import torch
+
+sglang_stubs.install()
+pytest.importorskip("sglang.srt.mem_cache.unified_cache.linker_factory")
+
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.linker_factory import (  # noqa: E402
+    create_unified_cache_linker,
+)
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # noqa: E402
+    UnifiedCacheLinker,
+)
+
+from kvlife.engine import CpuCopyEngine  # noqa: E402
+from kvlife.integrations.sglang_linker import linker_class  # noqa: E402
+
+PS = 2
+
+
+class KVPool:
+    """The two attributes of SGLang's MHATokenToKVPool the linker reads: per-layer buffers."""
+
+    def __init__(self, slots: int = 64) -> None:
+        self.k_buffer = [torch.zeros(slots, 1, 4) for _ in range(2)]
+        self.v_buffer = [torch.zeros(slots, 1, 4) for _ in range(2)]
+
+
+class Allocator:
+    def __init__(self) -> None:
+        self.pool = KVPool()
+
+    def get_kvcache(self) -> KVPool:
+        return self.pool
+
+
+def make(tmp_path: Path, **extra: Any) -> Any:
+    flag = json.dumps(
+        {
+            "linker": "KVLifeCacheLinker",
+            "linker_module_path": "kvlife.integrations.sglang_linker",
+            "linker_extra_config": {"store_dir": str(tmp_path), "host_pages": 8, **extra},
+        }
+    )
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=Allocator(), page_size=PS
+    )
+    return create_unified_cache_linker(
+        None, params, backend="dynamic", config=json.loads(flag), components={ComponentType.FULL}
+    )
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.tensor([p * PS + i for p in pages for i in range(PS)], dtype=torch.int64)
+
+
+def kv(pages: list[int], keys: list[str]) -> list[PoolTransfer]:
+    return [PoolTransfer(name=PoolName.KV, device_indices=indices(pages), keys=keys)]
+
+
+def fill(linker: Any, page: int, value: float) -> None:
+    for buf in linker.pools[PoolName.KV].k_buffer + linker.pools[PoolName.KV].v_buffer:
+        buf[page * PS : (page + 1) * PS] = value
+
+
+def page_of(linker: Any, page: int) -> list[float]:
+    pool = linker.pools[PoolName.KV]
+    return [float(b[page * PS, 0, 0]) for b in pool.k_buffer + pool.v_buffer]
+
+
+def test_sglangs_factory_loads_it_and_it_is_a_complete_linker(tmp_path: Path) -> None:
+    linker = make(tmp_path)
+    assert isinstance(linker, UnifiedCacheLinker) and type(linker) is linker_class()
+    assert isinstance(linker.engine, CpuCopyEngine)
+    linker.close()
+
+
+def test_offload_then_lookup_and_load_back(tmp_path: Path) -> None:
+    linker = make(tmp_path)
+    fill(linker, 0, 1.5)
+    fill(linker, 1, 2.5)
+    gate = linker.engine.hold_next()
+    assert linker.offload(kv([0, 1], ["a" * 64, "b" * 64]))
+    assert linker.num_completed_offloads() == 0  # the device copy has not finished
+    assert linker.lookup("r", kv([], ["a" * 64, "b" * 64])) == []  # nor is it stored
+    gate.open()
+    linker._progress(wait=True)
+    assert linker.num_completed_offloads() == 1 and linker.pop_completed_offload() is True
+    assert linker.lookup("r", kv([], ["a" * 64, "b" * 64, "c" * 64])) == [1, 2]
+    assert linker.load("r", kv([5, 6], ["a" * 64, "b" * 64]))
+    index = linker.start_layer_wise_loading()
+    assert linker.finish_layer_wise_loading(index)
+    assert page_of(linker, 5) == [1.5] * 4 and page_of(linker, 6) == [2.5] * 4
+    assert linker.host.num_used == 0
+    linker.close()
+
+
+def test_completions_are_reported_oldest_first_and_late_ones_wait(tmp_path: Path) -> None:
+    linker = make(tmp_path)
+    gate = linker.engine.hold_next()
+    assert linker.offload(kv([0], ["a" * 64]))  # held: a late completion
+    assert linker.offload(kv([1], ["b" * 64]))
+    assert linker.num_completed_offloads() == 0  # the second may be done; the first is not
+    gate.open()
+    linker._progress(wait=True)
+    assert linker.num_completed_offloads() == 2
+    assert [linker.pop_completed_offload(), linker.pop_completed_offload()] == [True, True]
+    assert linker.pop_completed_offload() is False and linker.refusals["pop"] == 1
+    linker.close()
+
+
+def test_cancel_touches_only_the_rids_current_queued_load(tmp_path: Path) -> None:
+    """rid reuse: the old request's load started (in flight); the new request on the same
+    rid queued one; cancelling the rid cancels only the new one, and the old one lands."""
+    linker = make(tmp_path)
+    fill(linker, 0, 7.0)
+    assert linker.offload(kv([0], ["a" * 64]))
+    linker._progress(wait=True)
+    linker.pop_completed_offload()
+    assert linker.load("r", kv([3], ["a" * 64]))
+    gate = linker.engine.hold_next()
+    first = linker.layer_done_counter.producer_index + 1
+    started_life = linker._queued["r"].lc
+    # start_layer_wise_loading waits for its batch: start it on a thread while held
+    import threading
+
+    box: list[int] = []
+    t = threading.Thread(target=lambda: box.append(linker.start_layer_wise_loading()))
+    t.start()
+    while "r" in linker._queued:
+        pass
+    assert linker.load("r", kv([4], ["a" * 64]))  # the new request on the same rid
+    queued_life = linker._queued["r"].lc
+    assert linker.cancel_queued_load("r") is True
+    assert linker.cancel_queued_load("r") is False  # nothing queued any more
+    assert queued_life.state.name == "RELEASED" and started_life.inflight == 1
+    gate.open()
+    t.join(10)
+    assert box == [first] and linker.finish_layer_wise_loading(first)
+    assert page_of(linker, 3) == [7.0] * 4 and page_of(linker, 4) == [0.0] * 4
+    assert started_life.state.name == "RELEASED"
+    linker.close()
+
+
+def test_reset_waits_and_forgets(tmp_path: Path) -> None:
+    linker = make(tmp_path)
+    assert linker.offload(kv([0], ["a" * 64]))
+    assert linker.load("q", kv([2], ["z" * 64]))
+    linker.reset()
+    assert linker.num_completed_offloads() == 0 and linker._queued == {}
+    assert linker.host.num_used == 0
+    assert linker.lookup("q", kv([], ["a" * 64])) == [1]  # the write finished before reset
+    linker.close()
