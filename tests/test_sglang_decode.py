@@ -280,3 +280,12 @@ def test_the_kit_with_retractions_fails_sglangs_own_manager() -> None:
     with pytest.raises(InvariantViolation) as failure:
         run_kit(lambda: DecodeAdapter(kvlife=False), SMALL, options=FAITHFUL)
     print(failure.value)
+
+
+def test_every_import_stand_in_is_listed_in_the_docs() -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "sglang.md").read_text()
+    for name in sglang_stubs.STAND_INS:
+        assert f"`{name}`" in page, name
+    assert set(sglang_stubs.installed) <= set(sglang_stubs.STAND_INS)
