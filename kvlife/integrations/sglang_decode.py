@@ -432,25 +432,33 @@ def _reason(req: Any) -> FinishReason:
     return FinishReason.ABORTED if name == "FINISH_ABORT" else FinishReason.FINISHED
 
 
-_CLASS: list[type] = []
+_MADE: dict[str, type] = {}
+
+
+def sglang_subclass(mixin: type, module: str, base: str, name: str, owner: str) -> type:
+    """``name``: ``mixin`` over SGLang's class ``module.base``, made once (imports SGLang)."""
+    if name not in _MADE:
+        import importlib
+
+        try:
+            sglang_base = getattr(importlib.import_module(module), base)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"SGLang's {base} does not import: {exc}") from exc
+        _MADE[name] = type(
+            name, (mixin, sglang_base), {"__module__": owner, "__doc__": mixin.__doc__}
+        )
+    return _MADE[name]
 
 
 def decode_manager_class() -> type:
     """The subclass of SGLang's ``DecodeKVCacheOffloadManager`` (imports SGLang once)."""
-    if not _CLASS:
-        try:
-            from sglang.srt.disaggregation.decode_kvcache_offload_manager import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
-                DecodeKVCacheOffloadManager,
-            )
-        except ImportError as exc:
-            raise ConfigError(f"SGLang's decode offload manager does not import: {exc}") from exc
-        cls = type(
-            "KVLifeDecodeOffloadManager",
-            (_KVLifeDecodeOffload, DecodeKVCacheOffloadManager),
-            {"__module__": __name__, "__doc__": _KVLifeDecodeOffload.__doc__},
-        )
-        _CLASS.append(cls)
-    return _CLASS[0]
+    return sglang_subclass(
+        _KVLifeDecodeOffload,
+        "sglang.srt.disaggregation.decode_kvcache_offload_manager",
+        "DecodeKVCacheOffloadManager",
+        "KVLifeDecodeOffloadManager",
+        __name__,
+    )
 
 
 def install() -> type:

@@ -335,25 +335,17 @@ def _store(cfg: dict[str, Any]) -> Any:
     raise ConfigError(f"linker_extra_config store must be 'directory' or 'memory': {kind!r}")
 
 
-_CLASS: list[type] = []
-
-
 def linker_class() -> type:
     """``KVLifeCacheLinker``: a subclass of SGLang's ``UnifiedCacheLinker`` (imports SGLang)."""
-    if not _CLASS:
-        try:
-            from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
-                UnifiedCacheLinker,
-            )
-        except ImportError as exc:
-            raise ConfigError(f"SGLang's UnifiedCacheLinker does not import: {exc}") from exc
-        cls = type(
-            "KVLifeCacheLinker",
-            (_KVLifeCacheLinker, UnifiedCacheLinker),
-            {"__module__": __name__, "__doc__": _KVLifeCacheLinker.__doc__},
-        )
-        _CLASS.append(cls)
-    return _CLASS[0]
+    from kvlife.integrations.sglang_decode import sglang_subclass
+
+    return sglang_subclass(
+        _KVLifeCacheLinker,
+        "sglang.srt.mem_cache.unified_cache.unified_cache_linker",
+        "UnifiedCacheLinker",
+        "KVLifeCacheLinker",
+        __name__,
+    )
 
 
 def __getattr__(name: str) -> Any:
