@@ -30,6 +30,9 @@ from kvlife.testing.scripted import ScriptedEngine as ScriptedCopyEngine
 
 PAGE = 4
 
+#: ``lifecycles_by_state`` once the one life of a test released.
+ONE_RELEASED = {"IDLE": 0, "OFFLOADING": 0, "LOADING": 0, "FINISHED": 0, "RELEASED": 1}
+
 
 def tokens_for(n: int, salt: int = 0) -> list[int]:
     return [(salt * 7919 + i) % 50_000 for i in range(n)]
@@ -231,13 +234,7 @@ def test_defect4_a_release_callback_raising_keyboardinterrupt_leaves_no_half_app
     p.close()
     metrics = m.metrics()
     assert p.host.num_used == 0 and metrics.pages_stored == 1 and metrics.chunks_in_flight == 0
-    assert metrics.lifecycles_by_state == {
-        "IDLE": 0,
-        "OFFLOADING": 0,
-        "LOADING": 0,
-        "FINISHED": 0,
-        "RELEASED": 1,
-    }
+    assert metrics.lifecycles_by_state == ONE_RELEASED
     assert p.store.contains(tokens_key(tokens_for(PAGE)))
 
 
@@ -346,13 +343,7 @@ def test_defect8_a_second_thread_is_refused_and_corrupts_nothing() -> None:
     m.close(timeout=5)
     metrics = m.metrics()
     assert lc.state is State.RELEASED and lc.inflight == 0 and len(p.released) == 1
-    assert metrics.lifecycles_by_state == {
-        "IDLE": 0,
-        "OFFLOADING": 0,
-        "LOADING": 0,
-        "FINISHED": 0,
-        "RELEASED": 1,
-    }
+    assert metrics.lifecycles_by_state == ONE_RELEASED
     assert metrics.chunks_in_flight == 0 and p.host.num_used == 0
     assert metrics.refused_events == {"ManagerError": 1}
 
