@@ -1,0 +1,74 @@
+"""What both sides of the vLLM backend share: vLLM's keys as a Lifecycle records them,
+the host side of a job, the live roles of this process, reports, and the pools a worker
+hands to the manager of the same engine in one process."""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+# vLLM is an optional dependency: mypy runs without it, hence the ignores.
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
+    LoadStoreSpec,
+    OffloadKey,
+)
+
+from kvlife import Lifecycle, Ticket
+from kvlife.pool import HostPagePool
+
+if TYPE_CHECKING:
+    from kvlife.integrations.vllm.scheduler import KVLifeOffloadingManager
+    from kvlife.integrations.vllm.worker import KVLifeWorker
+
+def _hex_keys(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
+    """The backend Lifecycles' hasher: vLLM names each block by its own ``OffloadKey``
+    (bytes); a Lifecycle records keys as hex ``str`` (one key type per ticket)."""
+    return [key.hex() for key in tokens]  # type: ignore[attr-defined]
+
+
+#: ``Lifecycle.submit`` typed for a chunk named by vLLM's keys (the hasher above).
+_start_store = cast("Callable[[Lifecycle, Sequence[object]], Ticket]", Lifecycle.submit)
+
+
+class HostBlocksSpec(LoadStoreSpec):  # type: ignore[misc]
+    """A job's host side: ``block_ids[i]`` is block ``i``'s host page (or ``FROM_STORE``),
+    ``keys[i]`` its vLLM key. Only the worker reads it: plain lists, no array."""
+
+    __slots__ = ("block_ids", "keys")
+
+    def __init__(self, block_ids: list[int], keys: list[OffloadKey]) -> None:
+        self.block_ids = block_ids
+        self.keys = keys
+
+    def __repr__(self) -> str:
+        return f"HostBlocksSpec({self.block_ids!r})"
+
+
+#: Host page of a block that a load reads from the persistent tier.
+FROM_STORE = -1
+
+
+_LIVE_MANAGERS: weakref.WeakSet[KVLifeOffloadingManager] = weakref.WeakSet()
+_LIVE_WORKERS: weakref.WeakSet[KVLifeWorker] = weakref.WeakSet()
+
+
+def live_managers() -> list[KVLifeOffloadingManager]:
+    """The managers alive in this process (single-process vLLM: the engine's)."""
+    return list(_LIVE_MANAGERS)
+
+
+def live_workers() -> list[KVLifeWorker]:
+    """The workers alive in this process."""
+    return list(_LIVE_WORKERS)
+
+
+def _write_report(directory: str, name: str, report: Mapping[str, Any]) -> None:
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / name).write_text(json.dumps(dict(report), sort_keys=True))
+
+#: Host pools built by a worker, for the manager of the same engine in the same process.
+_SHARED_POOLS: dict[str, HostPagePool] = {}

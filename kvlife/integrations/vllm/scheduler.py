@@ -1,0 +1,355 @@
+"""The scheduler side: :class:`KVLifeOffloadingManager`, vLLM's ``OffloadingManager`` on
+kvlife's core host tier (``docs/vllm.md``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar, cast
+
+# vLLM is an optional dependency: mypy runs without it, hence the ignores.
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from kvlife import FinishReason, Lifecycle, LoadTicket, Ticket
+from kvlife.errors import KVLifeError, LifecycleError, ManagerError
+from kvlife.host_tier import HostTier, Lookup
+from kvlife.integrations.vllm._common import (
+    _LIVE_MANAGERS,
+    FROM_STORE,
+    HostBlocksSpec,
+    _hex_keys,
+    _start_store,
+    _write_report,
+)
+from kvlife.integrations.vllm.metrics import _COUNTED, _COUNTER_NAMES
+from kvlife.pool import HostPagePool
+from kvlife.refusals import Refusals
+from kvlife.store.directory import LocalDirectoryStore
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_CPU = Medium.CPU  # the medium of the host tier's KV events
+
+
+
+class _Job:
+    """One prepared store or load of one request life: its ticket and the keys not yet
+    completed (vLLM completes per key: any subset, any grouping)."""
+
+    __slots__ = ("left", "lifecycle", "ticket")
+
+    def __init__(self, lifecycle: Lifecycle, ticket: Ticket | LoadTicket | None, left: int) -> None:
+        self.lifecycle = lifecycle
+        self.ticket = ticket
+        self.left = left
+
+
+@dataclass(slots=True)
+class _Counts:
+    """The backend's own counts; the host tier's are in ``HostTier.counts``."""
+
+    loaded: int = 0
+    loaded_from_store: int = 0
+    store_failed: int = 0
+    abandoned_jobs: int = 0
+    lifecycles_started: int = 0
+    lifecycles_released: int = 0
+    finished_at_shutdown: int = 0
+    preemptions: int = 0  # requests vLLM preempted (seen at the end of each step)
+
+
+class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
+    """vLLM's scheduler-side manager on kvlife's :class:`~kvlife.host_tier.HostTier`: the
+    tier holds the keys, pins and recency; each request life is a :class:`~kvlife.Lifecycle`
+    whose stores and loads are tickets, settled key by key as vLLM completes them.
+    ``pool``: the host tier's pages (the worker's in one process, else an allocator only);
+    ``disk``: the persistent tier, read side, or None."""
+
+    def __init__(
+        self,
+        pool: HostPagePool,
+        *,
+        strict: bool = False,
+        disk: LocalDirectoryStore | None = None,
+        report_dir: str | None = None,
+        pending_timeout: float | None = None,
+    ) -> None:
+        self.refusals = Refusals(strict=strict, logger=logger)
+        self.tier: HostTier[OffloadKey] = HostTier(
+            pool, keep=True, pending_timeout=pending_timeout, refusals=self.refusals
+        )
+        self._pool = pool
+        self._strict = strict
+        self._disk = disk
+        self._report_dir = report_dir
+        self._on_disk: set[OffloadKey] = set()  # keys verified in the persistent tier
+        self._live: set[Lifecycle] = set()  # not yet released (each on its ReqContext)
+        # Per key, the jobs in flight that name it, oldest first (two identical loads: two).
+        self._stores: dict[OffloadKey, _Job] = {}
+        self._loads: dict[OffloadKey, list[_Job]] = {}
+        self._order: dict[Lifecycle, dict[OffloadKey, None]] = {}  # keys per life, seen order
+        self._on_release = self._released  # one bound method for every Lifecycle
+        self.counts = _Counts()
+        self._last_stats: tuple[int, ...] | None = None
+        self._shut = False
+        _LIVE_MANAGERS.add(self)
+
+    @property
+    def pool(self) -> HostPagePool:
+        """The host tier's pool (its allocator; its bytes too in single-process mode)."""
+        return self._pool
+
+    def accounting(self) -> dict[str, int]:
+        """Counters and gauges, for tests, metrics and the shutdown report (O(1) reads)."""
+        c = self.tier.counts
+        return {
+            "host_pages_used": self._pool.num_used,
+            "host_keys": c.entries,
+            "pending": c.pending,
+            "pinned": c.pinned,
+            "evictable": c.evictable,
+            "orphans": c.orphans,
+            "expired": c.expired,
+            "live_lifecycles": len(self._live),
+            "stored": c.stored,
+            "evicted": c.evicted,
+            "dropped_host_full": c.no_room,
+            "refused": self.refusals.total,
+            **asdict(self.counts),
+        }
+
+    def _refuse(self, kind: str, message: str, exc: KVLifeError | None = None) -> None:
+        self.refusals.refuse(kind, exc if exc is not None else ManagerError(message))
+
+    def _event(self, what: str, event: Callable[..., _T], *args: Any) -> _T | None:
+        """A Lifecycle event; refused (nothing changed): counted, or raised with strict."""
+        try:
+            return event(*args)
+        except LifecycleError as exc:
+            self._refuse(f"{what}:{type(exc).__name__}", str(exc), exc)
+            return None
+
+    def _life(self, ctx: ReqContext, what: str) -> Lifecycle:
+        lifecycle: Lifecycle | None = ctx.get_state(Lifecycle)
+        if lifecycle is None:  # a call for a request vLLM never started with us
+            self._refuse(f"{what}:untracked_request", f"request {ctx.req_id} was never started")
+            self.on_new_request(ctx)
+            lifecycle = cast(Lifecycle, ctx.get_state(Lifecycle))
+        return lifecycle
+
+    def _seen(self, lifecycle: Lifecycle, keys: Iterable[OffloadKey]) -> None:
+        order = self._order.get(lifecycle)
+        if order is not None:
+            order.update(dict.fromkeys(keys))
+
+    def _settle(self, job: _Job | None) -> None:
+        """One key of ``job`` completed; its ticket is acked with the last one."""
+        if job is None:
+            return
+        job.left -= 1
+        if not job.left and job.ticket is not None:
+            self._event("complete", job.lifecycle.ack, job.ticket)
+
+    def _released(self, lifecycle: Lifecycle) -> None:
+        self._live.discard(lifecycle)
+        self._order.pop(lifecycle, None)
+        self.counts.lifecycles_released += 1
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        lifecycle = Lifecycle(
+            req_context.req_id, page_size=1, hasher=_hex_keys, on_release=self._on_release
+        )
+        req_context.set_state(lifecycle)
+        self._live.add(lifecycle)
+        self._order[lifecycle] = {}
+        self.counts.lifecycles_started += 1
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        if lifecycle is None:
+            return
+        keys = list(self._order.get(lifecycle, ()))
+        positions = [req_context.get_offload_key_position(k) for k in keys]
+        if keys and None not in positions:  # vLLM knows each key's place in the prefix
+            keys = [k for _, k in sorted(zip(positions, keys, strict=True), key=lambda p: p[0])]
+        self.tier.finished(keys)  # the tail goes first: what stays is reachable
+        self._event("finish", lifecycle.finish, FinishReason.FINISHED)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self.tier.lookup(key)
+        if found is Lookup.HIT:
+            return LookupResult.HIT
+        if found is Lookup.PENDING:
+            return LookupResult.HIT_PENDING
+        if self._disk is not None:
+            if key in self._on_disk:
+                return LookupResult.HIT
+            if self._disk.contains(key.hex()):  # whole and verified, or a miss
+                self._on_disk.add(key)
+                return LookupResult.HIT
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        lifecycle = self._life(req_context, "load")
+        ordered = keys if type(keys) is list else list(keys)
+        tier = self.tier
+        pages: list[int] = []
+        hit: list[OffloadKey] = []
+        for key in ordered:
+            if tier.lookup(key) is Lookup.HIT:
+                pinned = tier.prepare_load([key])
+                pages.append(pinned[0] if pinned else FROM_STORE)
+                hit.append(key)
+            else:
+                if key not in self._on_disk:  # lookup said HIT: unreachable by design
+                    self._refuse("load:no_source", f"key {key.hex()[:16]} is on no tier")
+                pages.append(FROM_STORE)
+                self.counts.loaded_from_store += 1
+        ticket = self._event("load", lifecycle.load, [key.hex() for key in ordered])
+        job = _Job(lifecycle, ticket, len(ordered))
+        for key in ordered:
+            self._loads.setdefault(key, []).append(job)
+        self._seen(lifecycle, ordered)
+        tier.touch(ordered)
+        return HostBlocksSpec(pages, ordered)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        ordered = keys if isinstance(keys, Sequence) else list(keys)
+        self.tier.touch(ordered)
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        if lifecycle is not None:
+            self._seen(lifecycle, ordered)
+
+    def complete_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, **kwargs: Any
+    ) -> None:
+        lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
+        tier, loads = self.tier, self._loads
+        for key in keys:
+            jobs = loads.get(key)
+            if not jobs:
+                self._refuse("complete_load:unknown_key", f"no load of key {key.hex()[:16]}")
+                continue
+            # The request's own load of this key, oldest first; else the oldest one.
+            job = next((j for j in jobs if j.lifecycle is lifecycle), jobs[0])
+            jobs.remove(job)
+            if not jobs:
+                del loads[key]
+            entry = tier.entry(key)
+            if entry is not None and entry.pins:
+                tier.complete_load([key])  # a FROM_STORE block has no pin to drop
+            self.counts.loaded += 1
+            self._settle(job)
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        offered = list(keys)
+        del offered[self.tier.capacity :]  # more keys than the tier: store the leading ones
+        plan = self.tier.prepare_store(offered)
+        if plan is None:
+            return None
+        lifecycle = self._life(req_context, "store")
+        self._seen(lifecycle, offered)
+        new = plan.keys
+        if new:
+            ticket = self._event("store", _start_store, lifecycle, new)
+            job = _Job(lifecycle, ticket, len(new))
+            for key in new:
+                self._stores[key] = job
+        return PrepareStoreOutput(
+            keys_to_store=new, store_spec=HostBlocksSpec(plan.pages, new), evicted_keys=plan.evicted
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        named = list(keys)
+        ours = [key for key in named if key in self._stores]
+        for key in named:
+            if key not in self._stores:
+                self._refuse("complete_store:unknown_key", f"no store of key {key.hex()[:16]}")
+        if not ours:
+            return
+        self.tier.complete_store(ours, success=success)
+        if not success:
+            self.counts.store_failed += len(ours)
+        for key in ours:
+            self._settle(self._stores.pop(key))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for event in self.tier.take_events():
+            yield OffloadingEvent(keys=list(event.keys), medium=_CPU, removed=event.removed)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._stores or self._loads)
+
+    def on_schedule_end(self, context: Any) -> None:
+        self.counts.preemptions += len(context.preempted_req_ids)
+        self.tier.expire()
+
+    def _abandon_jobs(self) -> None:
+        """Ack every job vLLM will never complete (reset or shutdown); pins and pending go."""
+        jobs = {id(job): job for job in self._stores.values()}
+        for pending in self._loads.values():
+            jobs.update((id(job), job) for job in pending)
+        self._stores, self._loads = {}, {}
+        self.counts.abandoned_jobs += len(jobs)
+        for job in jobs.values():
+            if job.ticket is not None:
+                self._event("abandon", job.lifecycle.ack, job.ticket)
+
+    def reset_cache(self) -> None:
+        """vLLM dropped its offloaded state: no complete_* will come for jobs begun before."""
+        self._abandon_jobs()
+        self.tier.reset()
+        self.tier.abandon()
+        self._on_disk.clear()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        books = self.accounting()
+        now = (*(books[name] for name in _COUNTED), books["pending"], self._pool.num_used)
+        last = self._last_stats
+        if now == last:
+            return None
+        stats = OffloadingConnectorStats()
+        # The counters lead ``now``: zip stops at the last of their names.
+        for name, value, old in zip(_COUNTER_NAMES, now, last or (0,) * len(now), strict=False):
+            if value != old:
+                stats.increase_counter(name, value - old)
+        stats.set_gauge("vllm:kvlife_pending_blocks", now[-2])
+        stats.set_gauge("vllm:kvlife_host_usage_perc", now[-1] / self.tier.capacity)
+        self._last_stats = now
+        return stats
+
+    def shutdown(self) -> None:
+        """Finish every Lifecycle left (vLLM never signals the last batch), then drain."""
+        if self._shut:
+            return
+        self._shut = True
+        for lifecycle in list(self._live):
+            if lifecycle.finish_reason is None:
+                self.counts.finished_at_shutdown += 1
+                self._event("finish", lifecycle.finish, FinishReason.ABORTED)
+        self._abandon_jobs()
+        if self._disk is not None:
+            self._disk.close()
+        if self._report_dir is not None:
+            _write_report(self._report_dir, f"manager-{os.getpid()}.json", self.accounting())

@@ -1,0 +1,335 @@
+"""The worker side: :class:`KVLifeWorker`, vLLM's ``OffloadingWorker`` copying through a
+kvlife copy engine, and :class:`BlockViewsLayout`, vLLM's KV cache as a kvlife layout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, cast
+
+import torch
+
+# vLLM is an optional dependency: mypy runs without it, hence the ignores.
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvlife import FinishReason, Lifecycle, LoadTicket, Ticket
+from kvlife.engine import (
+    Ack,
+    CpuCopyEngine,
+    CpuCopyEvent,
+    CudaCopyEngine,
+    EngineError,
+    PageBusy,
+    UnallocatedHostPage,
+    host_runs,
+)
+from kvlife.errors import ConfigError, KVLifeError, StoreError
+from kvlife.integrations.vllm._common import (
+    _LIVE_WORKERS,
+    _SHARED_POOLS,
+    FROM_STORE,
+    HostBlocksSpec,
+    _hex_keys,
+    _start_store,
+    _write_report,
+)
+from kvlife.layout import KVLayout
+from kvlife.pool import HostPagePool
+from kvlife.store.directory import LocalDirectoryStore
+
+logger = logging.getLogger(__name__)
+
+
+
+def _block_views(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
+    """vLLM's block views of the one KV cache group, each tensor once."""
+    indices = dict.fromkeys(ref.tensor_idx for ref in kv_caches.group_data_refs[0])
+    return [kv_caches.tensors[i].tensor for i in indices]
+
+
+class BlockViewsLayout(KVLayout):
+    """vLLM's KV cache as a kvlife layout: block ``b`` is row ``b`` of every view, vLLM's
+    per-layer ``(num_blocks, page_bytes)`` int8 views (strided, each row contiguous)."""
+
+    def __init__(self, views: Sequence[torch.Tensor], tokens_per_block: int = 1) -> None:
+        # KVLayout checks the rest: at least one, 2-D, contiguous rows, one block count.
+        for view in views:
+            if view.dtype != torch.int8:
+                raise ConfigError(f"kvlife: expected int8 block views, got {view.dtype}")
+        super().__init__(views, page_size=tokens_per_block)
+        #: vLLM's block views, one per layer (or per tensor layers share): the page rows.
+        self.views = self.buffers()
+
+
+@dataclass(slots=True)
+class _WorkerJob:
+    """One vLLM transfer job on the worker: its own Lifecycle, one result when it releases."""
+
+    job_id: int
+    load: bool
+    blocks: int
+    started: float
+    event: CpuCopyEvent | torch.cuda.Event | None = None
+    copy_done: float = 0.0
+    #: A copy of the job could not be made, even directly: its result says so.
+    failed: bool = False
+
+
+class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
+    """Copies blocks between vLLM's KV cache and host page rows through a kvlife copy
+    engine. Each job's Lifecycle is finished at submit; the engine acks its chunks and
+    its one release is the job's one ``TransferResult``."""
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        pool: HostPagePool,
+        *,
+        store: LocalDirectoryStore | None = None,
+        report_dir: str | None = None,
+        pool_key: str | None = None,
+        tokens_per_block: int = 1,
+    ) -> None:
+        layout = BlockViewsLayout(_block_views(kv_caches), tokens_per_block)
+        if pool.page_numel != layout.page_numel or pool.dtype != torch.int8:
+            raise ConfigError(
+                f"host pages of {pool.page_numel} {pool.dtype} cannot hold a block of "
+                f"{layout.page_numel} B"
+            )
+        self.layout = layout
+        self.row_bytes = layout.page_numel
+        engine = CudaCopyEngine if layout.device.type == "cuda" else CpuCopyEngine
+        self.engine: CpuCopyEngine | CudaCopyEngine = engine(layout, pool)
+        self._pool = pool
+        self._store = store
+        self._report_dir = report_dir
+        self._pool_key = pool_key
+        self._pages_claimed = False
+        self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
+        self._by_life: dict[Lifecycle, _WorkerJob] = {}  # the same jobs, by their Lifecycle
+        self._finished: list[TransferResult] = []
+        self._shut = False
+        self.stats: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
+        _LIVE_WORKERS.add(self)
+
+    @property
+    def pool(self) -> HostPagePool:
+        """The host tier this worker copies into and out of."""
+        return self._pool
+
+    @property
+    def inflight(self) -> int:
+        """Jobs submitted whose result was not yet handed to vLLM's ``get_finished``."""
+        return len(self._jobs)
+
+    def _error_once(self, kind: str, message: str) -> None:
+        self.stats[kind] += 1
+        if self.stats[kind] == 1:
+            logger.error("kvlife worker: %s (%s); counted, logged once", kind, message)
+
+    def _unshare(self) -> bool:
+        """Take the pool back from ``_SHARED_POOLS`` if no manager of this process took it."""
+        key = self._pool_key
+        if key is not None and _SHARED_POOLS.get(key) is self._pool:
+            del _SHARED_POOLS[key]
+            return True
+        return False
+
+    def _start(self, job_id: int, load: bool, blocks: int) -> tuple[_WorkerJob, Lifecycle]:
+        if not self._pages_claimed:  # the first job
+            self._pages_claimed = True
+            # No manager here took the pool (vLLM's multiprocess mode; or no pool key): the
+            # scheduler allocates page indices elsewhere and this worker owns every page
+            # (the engine copies only allocated pages).
+            if (self._unshare() or self._pool_key is None) and self._pool.num_free:
+                self._pool.alloc(self._pool.num_free, self)
+        if job_id in self._jobs:  # vLLM reused a job id in flight: both still get results
+            self._error_once("job_id_in_flight", f"job {job_id} submitted while in flight")
+        job = _WorkerJob(job_id, load, blocks, time.perf_counter())
+        lifecycle = Lifecycle(
+            job_id, page_size=1, hasher=_hex_keys, on_release=partial(self._released, job)
+        )
+        self._jobs[job_id] = job
+        self._by_life[lifecycle] = job
+        return job, lifecycle
+
+    def _submit(
+        self, job: _WorkerJob, ticket: Ticket | LoadTicket, device: list[int], host: list[int]
+    ) -> None:
+        """Hand one chunk to the engine; a chunk it refuses is acked here, counted."""
+        engine = self.engine
+        try:
+            try:
+                job.event = engine.submit(ticket, device, host)
+            except PageBusy:  # in use by an earlier copy (after a reset or an abort): wait
+                self.stats["engine_busy_waits"] += 1
+                self._collect(engine.drain())
+                job.event = engine.submit(ticket, device, host)
+        except UnallocatedHostPage as exc:
+            # vLLM reset the offloaded cache (the manager freed the pages) before it
+            # submitted this stale job; its result is ignored, nothing reads the pages.
+            self.stats["stale_jobs_skipped"] += 1
+            logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
+            ticket[0].ack(ticket)
+        except EngineError as exc:
+            self._error_once("copy_refused", repr(exc))
+            self._copy_directly(job, device, host)
+            ticket[0].ack(ticket)
+
+    def _copy_directly(
+        self, job: _WorkerJob, device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> None:
+        """The copy the engine failed or refused, made here, at once; if this fails too,
+        the job's result is a failure (vLLM 0.32 then stops rather than use the blocks)."""
+        pages = torch.tensor(list(device_pages), dtype=torch.int64, device=self.layout.device)
+        runs = host_runs(host_pages)
+        try:
+            if job.load:
+                self.layout.scatter_runs(pages, self._pool.tensor, runs)
+            else:
+                self.layout.gather_runs(pages, self._pool.tensor, runs)
+        except Exception as exc:
+            job.failed = True
+            self._error_once("copy_failed_twice", repr(exc))
+            return
+        self.stats["copies_made_directly"] += 1
+
+    def _released(self, job: _WorkerJob, lifecycle: Lifecycle) -> None:
+        """The job's Lifecycle released: every copy of the job is over. Its one result."""
+        if self._jobs.get(job.job_id) is job:  # not a later job that reused the id
+            del self._jobs[job.job_id]
+        del self._by_life[lifecycle]
+        elapsed = (job.copy_done or time.perf_counter()) - job.started
+        self.stats["loaded_blocks" if job.load else "stored_blocks"] += job.blocks
+        self.seconds["load" if job.load else "store"] += elapsed
+        self._finished.append(
+            TransferResult(job.job_id, not job.failed, job.blocks * self.row_bytes, elapsed)
+        )
+
+    def _collect(self, acks: Iterable[Ack]) -> None:
+        """Ack each engine ack to its job's Lifecycle (never looked up by job id)."""
+        for ack in acks:
+            job = self._by_life.get(ack.lifecycle)
+            if job is None:  # every ticket the engine holds is a job's: never raise in vLLM
+                self._error_once("unknown_acks", repr(ack.ticket))
+                continue
+            job.copy_done = ack.completed_at
+            if ack.error is not None:  # made again directly; a failure only if that fails
+                self._error_once("copy_failures", repr(ack.error))
+                self._copy_directly(job, ack.device_pages, ack.host_pages)
+            if not ack.is_load and self._store is not None and not job.failed:
+                try:  # a private copy: the host pages may be evicted before the write ends
+                    pages = torch.tensor(ack.host_pages, dtype=torch.int64)
+                    rows = self._pool.tensor.index_select(0, pages)
+                    self._store.put(job.job_id, list(ack.keys), rows)
+                except StoreError as exc:
+                    self._error_once("store_put_refused", repr(exc))
+            ack.lifecycle.ack(ack.ticket)
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, **kwargs: Any
+    ) -> bool:
+        spec = cast(HostBlocksSpec, dst_spec)
+        host_pages = list(spec.block_ids)
+        job, lifecycle = self._start(job_id, False, len(host_pages))
+        if host_pages:
+            ticket = _start_store(lifecycle, spec.keys)
+            self._submit(job, ticket, src_spec.block_ids.tolist(), host_pages)
+        lifecycle.finish(FinishReason.FINISHED)
+        return True
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, **kwargs: Any
+    ) -> bool:
+        spec = cast(HostBlocksSpec, src_spec)
+        host_ids = spec.block_ids
+        device_ids: list[int] = dst_spec.block_ids.tolist()
+        job, lifecycle = self._start(job_id, True, len(device_ids))
+        disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
+        if disk:
+            names = [spec.keys[i].hex() for i in disk]
+            ticket = lifecycle.load(names)
+            self._load_from_store(job, names, [device_ids[i] for i in disk])
+            lifecycle.ack(ticket)
+        on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
+        if on_host:
+            ticket = lifecycle.load([spec.keys[i].hex() for i in on_host])
+            self._submit(
+                job, ticket, [device_ids[i] for i in on_host], [host_ids[i] for i in on_host]
+            )
+        lifecycle.finish(FinishReason.FINISHED)
+        return True
+
+    def _load_from_store(self, job: _WorkerJob, names: list[str], blocks: list[int]) -> None:
+        """Read persistent-tier pages (verified) straight into device blocks, here: the
+        engine copies only to and from host pool pages."""
+        for name, block in zip(names, blocks, strict=True):
+            payload = self._store.get(name) if self._store is not None else None
+            self.stats["disk_reads"] += 1
+            if payload is None or len(payload) != self.row_bytes:
+                # Verified at lookup, gone or damaged since: the job fails (never decode on it).
+                self._error_once("disk_load_errors", f"page {name[:16]} unreadable")
+                job.failed = True
+                continue
+            row = torch.frombuffer(bytearray(payload), dtype=torch.int8)
+            self.layout.write_page(block, row.to(self.layout.device))
+
+    def _poll_store(self, results: Iterable[Any]) -> None:
+        for result in results:
+            if result.ok:
+                self.stats["disk_pages_written"] += len(result.keys)
+            else:
+                self._error_once("disk_write_failures", repr(result.error))
+
+    def get_finished(self) -> list[TransferResult]:
+        self._collect(self.engine.poll())
+        if self._store is not None:
+            self._poll_store(self._store.poll())
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the copies of ``job_ids`` are over (results: ``get_finished``)."""
+        jobs = [self._jobs.get(job_id) for job_id in job_ids]
+        events = [job.event for job in jobs if job is not None and job.event is not None]
+        for event in events:
+            event.synchronize()
+        if events:
+            self._collect(self.engine.poll())
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every copy is over and the persistent tier wrote every queued page."""
+        self._collect(self.engine.drain(timeout))
+        if self._store is not None:
+            self._poll_store(self._store.drain(timeout))
+
+    def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self._collect(self.engine.drain(timeout=60.0))
+        except KVLifeError as exc:
+            self._error_once("shutdown_drain", repr(exc))
+        self.engine.close()
+        self._unshare()
+        if self._store is not None:
+            self._store.close()
+            self._poll_store(self._store.drain())
+            self._store = None
+        if self._report_dir is not None:
+            report = {**self.stats, **{f"{k}_seconds": v for k, v in self.seconds.items()}}
+            report["jobs_in_flight"] = len(self._jobs)
+            _write_report(self._report_dir, f"worker-{os.getpid()}.json", report)
