@@ -425,3 +425,182 @@ def test_the_state_says_a_load_is_what_is_left_after_the_store_ack() -> None:
     m.complete_store({key(2)}, ctx)
     lifecycle: Lifecycle = ctx.get_state(Lifecycle)
     assert lifecycle.state is State.LOADING and lifecycle.inflight == 1
+
+
+# ---------------------------------------------------------- nothing raises into vLLM (item 6)
+
+
+def offloading_config(model: str = "m", **extra: Any) -> Any:
+    """vLLM's own ``OffloadingConfig`` for one group of two layers (32 KiB blocks)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
+        worker_kv_bytes_per_block=32768,
+        enable_kv_cache_events=False,
+        extra_config={"host_bytes": 1 << 20, **extra},
+        engine_id="e",
+        model=OffloadingModelConfig(name=model, dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+        kv_cache_layout="LBHNC",
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("store_dir", ""),  # an unset variable: pages went into the working directory
+        ("store_dir", "  "),
+        ("store_dir", 5),  # was a TypeError at start
+        ("report_dir", 3),
+        ("report_dir", ""),
+        ("report_dir", "FILE/reports"),  # under a file: cannot be written
+        ("host_bytes", 2**62),  # was torch's "can't allocate memory"
+        ("host_bytes", True),
+        ("host_bytes", "1G"),
+        ("host_bytes", 0),
+        ("strict", "yes"),
+        ("model_id", ""),
+        ("model_id", 5),
+        ("pending_timeout", -1),
+        ("pending_timeout", float("nan")),
+        ("eviction", "arc"),
+    ],
+)
+def test_every_extra_config_value_is_checked_at_start_naming_key_and_value(
+    key: str, value: Any, tmp_path: Any
+) -> None:
+    from kvlife.errors import ConfigError
+    from kvlife.integrations.vllm import KVLifeOffloadingSpec
+
+    if isinstance(value, str) and value.startswith("FILE/"):
+        (tmp_path / "FILE").write_text("not a directory")
+        value = str(tmp_path / value)
+    with pytest.raises(ConfigError) as caught:
+        KVLifeOffloadingSpec(offloading_config(**{key: value}))
+    assert f"[{key!r}] = {value!r}" in str(caught.value), caught.value
+
+
+def test_good_values_are_taken(tmp_path: Any) -> None:
+    from kvlife.integrations.vllm import KVLifeOffloadingSpec
+
+    spec = KVLifeOffloadingSpec(
+        offloading_config(
+            store_dir=tmp_path / "s", report_dir=str(tmp_path / "r"), pending_timeout=5
+        )
+    )
+    assert (spec.store_dir, spec.report_dir) == (str(tmp_path / "s"), str(tmp_path / "r"))
+    assert spec.settings.pending_timeout == 5.0 and spec.capacity == 32
+    assert (tmp_path / "r").is_dir()  # probed at start
+
+
+def _spoil(directory: Any) -> None:
+    """Make a report directory unwritable after start (a file where it was)."""
+    import shutil
+
+    shutil.rmtree(directory)
+    directory.write_text("a file now")
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_every_shutdown_step_runs_guarded_counted_and_raises_only_when_strict(
+    tmp_path: Any, strict: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scenario: the report directory becomes unwritable while vLLM runs. Before, the
+    worker's shutdown raised out of vLLM at the report (its store never closed, and the
+    scheduler side's shutdown never ran)."""
+    from kvlife.store.directory import LocalDirectoryStore
+
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
+    worker = _worker(views)
+    worker._report_dir, worker._strict = str(reports), strict
+    worker._store = store = LocalDirectoryStore(tmp_path / "pages", "ns")
+    m = manager(report_dir=str(reports), strict=strict)
+    m._disk = disk = LocalDirectoryStore(tmp_path / "pages", "ns")
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    assert m.prepare_store([key(1)], ctx) is not None
+    _spoil(reports)
+    with caplog.at_level(logging.ERROR):
+        for role in (worker, m):
+            if strict:
+                with pytest.raises(OSError):
+                    role.shutdown()
+            else:
+                role.shutdown()
+    assert worker.stats["shutdown_errors"] == 1 and m.counts.shutdown_errors == 1
+    assert store.closed and disk.closed and worker.engine.inflight == 0  # later steps ran
+    lifecycle: Lifecycle = ctx.get_state(Lifecycle)
+    assert lifecycle.state is State.RELEASED  # finished and its store abandoned first
+    assert sum("shutdown step 'report' failed" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_scrapes_never_raise_while_the_scheduler_runs_and_roles_come_and_go() -> None:
+    """Scenario: Prometheus scrapes on its own thread while the scheduler stores, loads,
+    evicts and managers are made and dropped. Before, about 0.4 % of scrapes raised
+    (``OrderedDict mutated during iteration``; a live-role set changed size)."""
+    import threading
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvlife.integrations.vllm import OffloadCollector
+
+    registry = CollectorRegistry()
+    registry.register(OffloadCollector())
+    errors: list[BaseException] = []
+    scrapes = [0]
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                generate_latest(registry)
+                scrapes[0] += 1
+            except BaseException as exc:  # the finding: any exception out of a scrape
+                errors.append(exc)
+
+    thread = threading.Thread(target=scrape)
+    thread.start()
+    try:
+        import sys
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+        for round_ in range(300):
+            m = manager(pages=4)
+            ctx = ReqContext(f"r{round_}")
+            m.on_new_request(ctx)
+            for i in range(12):
+                if m.prepare_store([key(i)], ctx) is not None:
+                    m.complete_store({key(i)}, ctx)
+                if m.lookup(key(i), ctx) is LookupResult.HIT:
+                    m.prepare_load([key(i)], ctx)
+                    m.complete_load({key(i)}, ctx)
+            m.on_request_finished(ctx)
+            del m
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join()
+    assert not errors, f"{len(errors)} of {scrapes[0]} scrapes raised: {errors[0]!r}"
+    assert scrapes[0] > 50

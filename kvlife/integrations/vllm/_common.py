@@ -5,10 +5,11 @@ hands to the manager of the same engine in one process."""
 from __future__ import annotations
 
 import json
+import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
@@ -19,9 +20,14 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 from kvlife import Lifecycle, Ticket
 from kvlife.pool import HostPagePool
 
+logger = logging.getLogger("kvlife.integrations.vllm")
+
+_R = TypeVar("_R")
+
 if TYPE_CHECKING:
     from kvlife.integrations.vllm.scheduler import KVLifeOffloadingManager
     from kvlife.integrations.vllm.worker import KVLifeWorker
+
 
 def _hex_keys(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
     """The backend Lifecycles' hasher: vLLM names each block by its own ``OffloadKey``
@@ -51,24 +57,55 @@ class HostBlocksSpec(LoadStoreSpec):  # type: ignore[misc]
 FROM_STORE = -1
 
 
-_LIVE_MANAGERS: weakref.WeakSet[KVLifeOffloadingManager] = weakref.WeakSet()
-_LIVE_WORKERS: weakref.WeakSet[KVLifeWorker] = weakref.WeakSet()
+class _Live(Generic[_R]):
+    """The roles alive in this process, listed from any thread: the references are copied
+    in one C call (iterating a ``WeakSet`` raises if another thread adds a role meanwhile)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[_R]] = {}
+
+    def add(self, member: _R) -> None:
+        key = id(member)
+        self._refs[key] = weakref.ref(member, lambda _: self._refs.pop(key, None))
+
+    def members(self) -> list[_R]:
+        refs = list(self._refs.values())
+        return [m for m in (ref() for ref in refs) if m is not None]
+
+
+_LIVE_MANAGERS: _Live[KVLifeOffloadingManager] = _Live()
+_LIVE_WORKERS: _Live[KVLifeWorker] = _Live()
 
 
 def live_managers() -> list[KVLifeOffloadingManager]:
     """The managers alive in this process (single-process vLLM: the engine's)."""
-    return list(_LIVE_MANAGERS)
+    return _LIVE_MANAGERS.members()
 
 
 def live_workers() -> list[KVLifeWorker]:
     """The workers alive in this process."""
-    return list(_LIVE_WORKERS)
+    return _LIVE_WORKERS.members()
+
+
+def shut_down(role: str, steps: Sequence[tuple[str, Callable[[], object]]]) -> list[Exception]:
+    """Run every shutdown step, each guarded: a step that raises is logged and the next
+    still runs. Returns the errors, in order (the caller counts them, and raises the first
+    only when ``strict``: vLLM never sees one otherwise)."""
+    errors: list[Exception] = []
+    for name, step in steps:
+        try:
+            step()
+        except Exception as exc:  # one step's failure must not skip the others
+            errors.append(exc)
+            logger.error("kvlife %s: shutdown step %r failed (%r); counted", role, name, exc)
+    return errors
 
 
 def _write_report(directory: str, name: str, report: Mapping[str, Any]) -> None:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     (path / name).write_text(json.dumps(dict(report), sort_keys=True))
+
 
 #: Host pools built by a worker, for the manager of the same engine in the same process.
 _SHARED_POOLS: dict[str, HostPagePool] = {}

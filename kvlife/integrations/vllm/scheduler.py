@@ -35,6 +35,7 @@ from kvlife.integrations.vllm._common import (
     _hex_keys,
     _start_store,
     _write_report,
+    shut_down,
 )
 from kvlife.integrations.vllm.metrics import _COUNTED, _COUNTER_NAMES
 from kvlife.pool import HostPagePool
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _CPU = Medium.CPU  # the medium of the host tier's KV events
-
 
 
 class _Job:
@@ -71,6 +71,7 @@ class _Counts:
     lifecycles_started: int = 0
     lifecycles_released: int = 0
     finished_at_shutdown: int = 0
+    shutdown_errors: int = 0  # shutdown steps that failed (logged, never raised in vLLM)
     preemptions: int = 0  # requests vLLM preempted (seen at the end of each step)
 
 
@@ -344,12 +345,26 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self._shut:
             return
         self._shut = True
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("finish", self._finish_all),
+            ("abandon", self._abandon_jobs),
+        ]
+        disk = self._disk
+        if disk is not None:
+            steps.append(("store_close", disk.close))
+        if self._report_dir is not None:
+            steps.append(("report", self._report))
+        errors = shut_down("manager", steps)
+        self.counts.shutdown_errors += len(errors)
+        if errors and self._strict:
+            raise errors[0]
+
+    def _finish_all(self) -> None:
         for lifecycle in list(self._live):
             if lifecycle.finish_reason is None:
                 self.counts.finished_at_shutdown += 1
                 self._event("finish", lifecycle.finish, FinishReason.ABORTED)
-        self._abandon_jobs()
-        if self._disk is not None:
-            self._disk.close()
-        if self._report_dir is not None:
-            _write_report(self._report_dir, f"manager-{os.getpid()}.json", self.accounting())
+
+    def _report(self) -> None:
+        assert self._report_dir is not None
+        _write_report(self._report_dir, f"manager-{os.getpid()}.json", self.accounting())

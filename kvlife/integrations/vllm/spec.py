@@ -7,6 +7,9 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +52,84 @@ def transfer_config(host_bytes: int, **extra: Any) -> KVTransferConfig:
     )
 
 
+def _bad(key: str, value: object, why: str) -> ConfigError:
+    return ConfigError(f"kvlife: kv_connector_extra_config[{key!r}] = {value!r}: {why}")
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _directory(extra: Mapping[str, Any], key: str, *, probe: bool) -> str | None:
+    """A directory key: None, or a non-empty path (``probe``: created and written now, so an
+    unwritable one fails at start, not at shutdown)."""
+    value = extra.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+        raise _bad(key, value, "must be a path (str or os.PathLike)")
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path.strip():
+        raise _bad(key, value, "must be a non-empty path (an unset variable?)")
+    if probe:
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            raise _bad(key, value, f"cannot be written ({exc.strerror or exc})") from None
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The extra-config keys, each checked at start (``docs/vllm.md`` lists them)."""
+
+    host_bytes: int
+    store_dir: str | None = None
+    report_dir: str | None = None
+    strict: bool = False
+    model_id: str | None = None
+    pending_timeout: float | None = None
+
+    @classmethod
+    def of(cls, extra: Mapping[str, Any]) -> Settings:
+        """Parse vLLM's ``kv_connector_extra_config``; a ``ConfigError`` names the first bad
+        key and its value, before anything is built."""
+        host_bytes = extra.get("host_bytes")
+        if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes <= 0:
+            raise _bad("host_bytes", host_bytes, "must be a positive int (bytes)")
+        memory = _memory_bytes()
+        if memory is not None and host_bytes > memory:
+            raise _bad("host_bytes", host_bytes, f"is more than this machine's {memory} B")
+        eviction = extra.get("eviction", "lru")
+        if eviction != "lru":
+            raise _bad("eviction", eviction, "is not supported (only 'lru')")
+        strict = extra.get("strict", False)
+        if not isinstance(strict, bool):
+            raise _bad("strict", strict, "must be a bool")
+        model_id = extra.get("model_id")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+            raise _bad("model_id", model_id, "must be a non-empty str")
+        timeout = extra.get("pending_timeout")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < float("inf")
+        ):
+            raise _bad("pending_timeout", timeout, "must be a positive number of seconds")
+        return cls(
+            host_bytes=host_bytes,
+            store_dir=_directory(extra, "store_dir", probe=False),
+            report_dir=_directory(extra, "report_dir", probe=True),
+            strict=strict,
+            model_id=model_id,
+            pending_timeout=None if timeout is None else float(timeout),
+        )
 
 
 def store_namespace(config: Any, model_id: str | None = None) -> str:
@@ -82,25 +163,12 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        extra = self.extra_config
-        host_bytes = extra.get("host_bytes")
-        if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes <= 0:
-            raise ConfigError(
-                "kvlife: kv_connector_extra_config['host_bytes'] must be a positive int "
-                f"(bytes), got {host_bytes!r}"
-            )
-        self.host_bytes = host_bytes
-        eviction = extra.get("eviction", "lru")
-        if eviction != "lru":
-            raise ConfigError(f"kvlife: eviction {eviction!r} is not supported (only 'lru')")
-        strict = extra.get("strict", False)
-        if not isinstance(strict, bool):
-            raise ConfigError(f"kvlife: strict must be a bool, got {strict!r}")
-        self.strict = strict
-        store_dir = extra.get("store_dir")
-        self.store_dir: str | None = None if store_dir is None else os.fspath(store_dir)
-        report_dir = extra.get("report_dir")
-        self.report_dir: str | None = None if report_dir is None else os.fspath(report_dir)
+        settings = Settings.of(self.extra_config)
+        self.settings = settings
+        self.host_bytes = settings.host_bytes
+        self.strict = settings.strict
+        self.store_dir = settings.store_dir
+        self.report_dir = settings.report_dir
         if len(config.groups) != 1:
             raise ConfigError(f"kvlife: one KV cache group is supported, got {len(config.groups)}")
         if self.blocks_per_chunk != 1:
@@ -111,8 +179,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             raise ConfigError(
                 f"kvlife: host_bytes {self.host_bytes} hold no block of {self.page_bytes} bytes"
             )
-        model_id = extra.get("model_id")
-        self.namespace = store_namespace(config, None if model_id is None else str(model_id))
+        self.namespace = store_namespace(config, settings.model_id)
         self._pool_key = f"{config.engine_id}/{config.parallel.rank}"
         self._manager: KVLifeOffloadingManager | None = None
         self._worker: KVLifeWorker | None = None
@@ -131,7 +198,11 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             else:  # multiprocess: page indices here, the bytes in the worker process
                 pool = HostPagePool(self.capacity, 1, torch.int8, pin_memory=False)
             self._manager = KVLifeOffloadingManager(
-                pool, strict=self.strict, disk=self._open_store(), report_dir=self.report_dir
+                pool,
+                strict=self.strict,
+                disk=self._open_store(),
+                report_dir=self.report_dir,
+                pending_timeout=self.settings.pending_timeout,
             )
         return self._manager
 
@@ -145,6 +216,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 pool,
                 store=self._open_store(),
                 report_dir=self.report_dir,
+                strict=self.strict,
                 pool_key=self._pool_key,
                 tokens_per_block=self.tokens_per_block[0],
             )

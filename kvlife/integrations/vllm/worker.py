@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -34,7 +34,7 @@ from kvlife.engine import (
     UnallocatedHostPage,
     host_runs,
 )
-from kvlife.errors import ConfigError, KVLifeError, StoreError
+from kvlife.errors import ConfigError, StoreError
 from kvlife.integrations.vllm._common import (
     _LIVE_WORKERS,
     _SHARED_POOLS,
@@ -43,13 +43,13 @@ from kvlife.integrations.vllm._common import (
     _hex_keys,
     _start_store,
     _write_report,
+    shut_down,
 )
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 from kvlife.store.directory import LocalDirectoryStore
 
 logger = logging.getLogger(__name__)
-
 
 
 def _block_views(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
@@ -98,6 +98,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         *,
         store: LocalDirectoryStore | None = None,
         report_dir: str | None = None,
+        strict: bool = False,
         pool_key: str | None = None,
         tokens_per_block: int = 1,
     ) -> None:
@@ -114,6 +115,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self._pool = pool
         self._store = store
         self._report_dir = report_dir
+        self._strict = strict
         self._pool_key = pool_key
         self._pages_claimed = False
         self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
@@ -319,17 +321,27 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         if self._shut:
             return
         self._shut = True
-        try:
-            self._collect(self.engine.drain(timeout=60.0))
-        except KVLifeError as exc:
-            self._error_once("shutdown_drain", repr(exc))
-        self.engine.close()
-        self._unshare()
-        if self._store is not None:
-            self._store.close()
-            self._poll_store(self._store.drain())
-            self._store = None
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("drain", lambda: self._collect(self.engine.drain(timeout=60.0))),
+            ("engine_close", self.engine.close),
+            ("unshare", self._unshare),
+            ("store_close", self._close_store),
+        ]
         if self._report_dir is not None:
-            report = {**self.stats, **{f"{k}_seconds": v for k, v in self.seconds.items()}}
-            report["jobs_in_flight"] = len(self._jobs)
-            _write_report(self._report_dir, f"worker-{os.getpid()}.json", report)
+            steps.append(("report", self._report))
+        errors = shut_down("worker", steps)
+        self.stats["shutdown_errors"] += len(errors)
+        if errors and self._strict:
+            raise errors[0]
+
+    def _close_store(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+            self._poll_store(store.drain())
+
+    def _report(self) -> None:
+        assert self._report_dir is not None
+        report = {**self.stats, **{f"{k}_seconds": v for k, v in self.seconds.items()}}
+        report["jobs_in_flight"] = len(self._jobs)
+        _write_report(self._report_dir, f"worker-{os.getpid()}.json", report)
