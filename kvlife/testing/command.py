@@ -244,6 +244,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--jobs", type=int, default=1, help=f"worker processes (this machine: {os.cpu_count()})"
     )
+    p.add_argument(
+        "--vllm-manager",
+        metavar="MODULE:FACTORY",
+        help="instead, run the property-based kit on a vLLM 0.32 OffloadingManager: "
+        "FACTORY(chunks) returns one with a tier of CHUNKS blocks (kvlife.testing.vllm; "
+        "needs vLLM; --no-failures: no failed stores)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.set_defaults(handler=_check)
 
@@ -262,7 +269,18 @@ def _config(args: argparse.Namespace) -> CheckConfig:
     return CheckConfig(args.requests, args.chunks, args.page_size, options)
 
 
+def _check_vllm_manager(args: argparse.Namespace) -> int:
+    """``--vllm-manager``: kvlife.testing.vllm, imported only here (it imports vLLM)."""
+    try:
+        from kvlife.testing import vllm as manager_kit
+    except ImportError as exc:
+        raise ConfigError(f"--vllm-manager needs vLLM installed ({exc})") from None
+    return manager_kit.check_command(args.vllm_manager, failures=args.failures, json_out=args.json)
+
+
 def _check(args: argparse.Namespace) -> int:
+    if args.vllm_manager:
+        return _check_vllm_manager(args)
     cfg = _config(args)
     factory = load_runtime(args.runtime, timeout=args.runtime_timeout) if args.runtime else None
     report = check_exhaustively(cfg, factory, jobs=max(1, args.jobs))

@@ -15,8 +15,11 @@ This module imports vLLM; ``kvlife.testing`` does not import this module.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +51,7 @@ __all__ = [
     "ManagerKitFailure",
     "ManagerKitOptions",
     "ManagerOracle",
+    "check_command",
     "load_manager_factory",
     "offload_key",
     "replay_manager",
@@ -905,6 +909,56 @@ def run_manager_kit(
         events = oracle.events if oracle else []
         lines = oracle.lines if oracle else []
         raise ManagerKitFailure(rule, detail, events, lines, seed=seed) from exc
+
+
+def check_command(spec: str, *, failures: bool = True, json_out: bool = False) -> int:
+    """``kvlife check --vllm-manager MODULE:FACTORY``: the kit (:data:`KIT_SETTINGS`) on the
+    managers ``FACTORY(chunks)`` builds. Exit status 0, or 1 with the failure; a factory
+    that cannot be loaded, raises or returns no ``OffloadingManager`` is a
+    :class:`ConfigError` (``kvlife`` prints its one line, exit status 2)."""
+    factory = load_manager_factory(spec)
+    options = ManagerKitOptions(failures=failures)
+    try:
+        ManagerOracle(factory, options)
+    except ConfigError as exc:
+        raise ConfigError(f"--vllm-manager {spec}: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(
+            f"--vllm-manager {spec}: the factory({options.chunks}) raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    start = time.monotonic()
+    failure: ManagerKitFailure | None = None
+    try:
+        run_manager_kit(factory, options=options)
+    except ManagerKitFailure as exc:
+        failure = exc
+    elapsed = round(time.monotonic() - start, 2)
+    runs = KIT_SETTINGS.max_examples
+    if json_out:
+        found = failure is not None
+        print(
+            json.dumps(
+                {
+                    "manager": spec,
+                    "ok": not found,
+                    "rule": failure.rule if failure else None,
+                    "message": failure.detail if failure else None,
+                    "trace": failure.trace if failure else [],
+                    "seed": failure.seed if failure else None,
+                    "runs": runs,
+                    "elapsed_s": elapsed,
+                    "options": dataclasses.asdict(options),
+                }
+            )
+        )
+    else:
+        print(
+            f"kvlife check: vLLM manager {spec}, {runs} runs of up to "
+            f"{KIT_SETTINGS.stateful_step_count} actions, a {options.chunks}-chunk tier"
+        )
+        print(f"violation {failure}" if failure else f"OK: every run kept every rule ({elapsed} s)")
+    return 1 if failure else 0
 
 
 def load_manager_factory(spec: str) -> ManagerFactory:
