@@ -27,11 +27,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs each refused store
 
 
-def build_tiny_llama(path: str) -> None:
+def build_tiny_llama(path: str, seed: int = 0) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # another seed: other weights of the same config
     config = LlamaConfig(
         hidden_size=64,
         num_hidden_layers=2,

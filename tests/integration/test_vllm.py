@@ -437,3 +437,78 @@ def test_small_device_cache_preempts_and_tiny_host_tier_backpressures(
         _shutdown(llm)
     acc = assert_clean(manager)
     assert acc["live_lifecycles"] == 0
+
+
+def _build_model(path: Path, seed: int) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "vllm_offload_example", Path(__file__).parents[2] / "examples" / "vllm_offload.py"
+    )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.build_tiny_llama(str(path), seed=seed)
+
+
+def test_a_checkpoint_replaced_at_the_same_path_gets_a_new_namespace_and_loads_nothing(
+    tmp_path: Path,
+) -> None:
+    """Scenario (issue 22): model directory M holds weights A, vLLM with store S serves P;
+    M is overwritten with weights B of the same config, a new vLLM with the same S serves
+    P. Before: 23 blocks of A's KV were loaded and 8 of 8 outputs differed from B's."""
+    model, store = tmp_path / "model", str(tmp_path / "store")
+    prompts = PROMPTS[:8]
+    _build_model(model, seed=0)
+    llm = _llm(str(model), {"host_bytes": 8 << 20, "store_dir": store})
+    manager, worker = _roles()
+    with_a = _generate(llm, prompts)
+    worker.flush(timeout=60)
+    assert worker.stats["disk_pages_written"] >= 16
+    first_namespace = manager._disk.namespace
+    _shutdown(llm)
+    shutil.rmtree(model)
+    _build_model(model, seed=1)  # other weights, same config, same path
+    llm = _llm(str(model), None)
+    with_b = _generate(llm, prompts)
+    _shutdown(llm)
+    assert sum(a != b for a, b in zip(with_a, with_b, strict=True)) >= 6  # B is other weights
+    llm = _llm(str(model), {"host_bytes": 8 << 20, "store_dir": store})
+    try:
+        manager, _ = _roles()
+        assert manager._disk.namespace != first_namespace
+        assert _generate(llm, prompts) == with_b
+        acc = manager.accounting()
+        assert acc["promoted"] == acc["loaded"] == acc["loaded_from_store"] == 0
+    finally:
+        _shutdown(llm)
+
+
+def test_the_cache_directory_cleared_while_vllm_runs_outputs_right_vllm_up(
+    model_dir: str, baseline: Any, tmp_path: Path
+) -> None:
+    """Scenario (issue 22): pages are loaded from the persistent tier, then an operator
+    clears the cache directory to free disk while vLLM runs. Before, a key once found on
+    disk stayed a HIT; its load failed in the worker and vLLM 0.32 stopped
+    (``assert transfer_result.success``). Now a page is a hit only once its verified bytes
+    are in the host tier; a page gone is a miss and vLLM recomputes."""
+    store = tmp_path / "store"
+    # 12 host pages for ~45 blocks: most of the second round comes from the disk.
+    llm = _llm(model_dir, {"host_bytes": 12 * BLOCK_BYTES, "store_dir": str(store)})
+    try:
+        manager, worker = _roles()
+        assert _generate(llm, PROMPTS) == baseline["main"]
+        worker.flush(timeout=60)
+        assert llm.reset_prefix_cache(reset_connector=False)
+        assert _generate(llm, PROMPTS) == baseline["main"]
+        promoted = manager.accounting()["promoted"]
+        assert promoted >= 8, manager.accounting()
+        assert llm.reset_prefix_cache(reset_connector=False)
+        shutil.rmtree(store)  # the cache directory cleared while vLLM runs
+        store.mkdir()
+        assert _generate(llm, PROMPTS) == baseline["main"]
+        assert _generate(llm, _prompts(1, 8)) == baseline["abort"]  # vLLM still serves
+        worker.flush(timeout=60)
+        assert worker.stats["disk_load_errors"] == 0, dict(worker.stats)
+        acc = manager.accounting()
+        assert acc["pending"] == 0 and acc["pinned"] == 0, acc
+    finally:
+        _shutdown(llm)

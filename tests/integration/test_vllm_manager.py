@@ -604,3 +604,126 @@ def test_scrapes_never_raise_while_the_scheduler_runs_and_roles_come_and_go() ->
         thread.join()
     assert not errors, f"{len(errors)} of {scrapes[0]} scrapes raised: {errors[0]!r}"
     assert scrapes[0] > 50
+
+
+# ---------------------------------------------------------- the namespace identifies the weights
+
+
+def _checkpoint(path: Any, seed: int) -> None:
+    """A safetensors checkpoint of one config (fixed shapes), weights drawn from ``seed``."""
+    from safetensors.torch import save_file
+
+    path.mkdir(exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    weights = {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(4)}
+    save_file(weights, str(path / "model.safetensors"))
+    (path / "config.json").write_text('{"hidden_size": 64}')
+
+
+def test_the_namespace_follows_the_weights_and_model_id_overrides_them(tmp_path: Any) -> None:
+    """Scenario: a checkpoint overwritten at the same path with other weights of the same
+    config (the same safetensors header and size). Before, the namespace hashed the path
+    and the second checkpoint was served the first one's KV."""
+    from kvlife.integrations.vllm import KVLifeOffloadingSpec
+
+    model = tmp_path / "model"
+
+    def namespace(**extra: Any) -> str:
+        return str(KVLifeOffloadingSpec(offloading_config(str(model), **extra)).namespace)
+
+    _checkpoint(model, seed=0)
+    first = namespace()
+    shared = namespace(model_id="team/llama-a")
+    _checkpoint(model, seed=1)
+    assert namespace() != first  # other weights, same path, same config
+    assert namespace(model_id="team/llama-a") == shared  # an explicit identity shares
+    _checkpoint(model, seed=0)
+    assert namespace() == first  # the same weights again: the same cache
+    (model / "config.json").write_text('{"hidden_size": 64, "rope_theta": 1.0}')
+    assert namespace() != first  # a changed config invalidates too
+
+
+def _disk_manager(tmp_path: Any, namespace: str, pages: int = 4) -> Any:
+    from kvlife.store.directory import LocalDirectoryStore
+
+    return KVLifeOffloadingManager(
+        HostPagePool(pages, 32, torch.int8), disk=LocalDirectoryStore(tmp_path, namespace)
+    )
+
+
+def _put_page(tmp_path: Any, namespace: str, k: bytes, fill: int) -> Any:
+    """Store one 32-byte page of ``k`` as the worker does (its name in ``namespace``)."""
+    from kvlife.integrations.vllm._common import page_namer
+    from kvlife.store.directory import LocalDirectoryStore
+
+    store = LocalDirectoryStore(tmp_path, namespace)
+    name = page_namer(namespace)(k)
+    store.put(0, [name], torch.full((1, 32), fill, dtype=torch.int8))
+    assert all(r.ok for r in store.drain(10))
+    store.close()
+    return store.path(name)
+
+
+def _settled_lookup(m: Any, k: bytes, ctx: Any) -> Any:
+    """vLLM's view: look up again while the answer is HIT_PENDING (its next steps)."""
+    import time
+
+    for _ in range(500):
+        found = m.lookup(k, ctx)
+        if found is not LookupResult.HIT_PENDING:
+            return found
+        time.sleep(0.002)
+    raise AssertionError("a promotion never finished")
+
+
+def test_a_page_copied_in_from_another_namespace_is_never_served(tmp_path: Any) -> None:
+    import shutil
+
+    from kvlife.integrations.vllm._common import page_namer
+
+    src = _put_page(tmp_path, "vllm-a/rank0", key(1), 7)
+    m = _disk_manager(tmp_path, "vllm-b/rank0")
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    assert _settled_lookup(m, key(1), ctx) is LookupResult.MISS  # another name there
+    target = m._disk.path(page_namer("vllm-b/rank0")(key(1)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, target)  # copied in under this namespace's own name
+    assert _settled_lookup(m, key(1), ctx) is LookupResult.MISS  # its header names another
+    assert m.accounting()["host_keys"] == 0
+
+
+def test_a_hit_from_the_persistent_tier_is_verified_host_bytes_before_it_is_a_hit(
+    tmp_path: Any,
+) -> None:
+    """Scenario: a page found on disk, then the cache directory cleared. Before, ``lookup``
+    answered HIT at once and trusted the key for good; the load then read the gone page in
+    the worker, failed the job, and vLLM 0.32 stopped. Now the page is read and verified
+    into the host tier first (HIT_PENDING meanwhile): the load copies host bytes."""
+    import threading
+
+    from kvlife.integrations.vllm import FROM_STORE
+
+    path = _put_page(tmp_path, "ns/rank0", key(1), 7)
+    m = _disk_manager(tmp_path, "ns/rank0")
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    assert m.lookup(key(1), ctx) is LookupResult.HIT_PENDING  # being read, not yet a hit
+    assert _settled_lookup(m, key(1), ctx) is LookupResult.HIT
+    page = m.tier.entry(key(1)).page
+    assert torch.equal(m.pool.tensor[page], torch.full((32,), 7, dtype=torch.int8))
+    path.unlink()  # the cache directory cleared after the hit
+    spec = m.prepare_load([key(1)], ctx)
+    assert spec.block_ids == [page] and FROM_STORE not in spec.block_ids  # host bytes
+    m.complete_load({key(1)}, ctx)
+    # A page gone between the lookup's check and the read: a counted miss, nothing held.
+    path2 = _put_page(tmp_path, "ns/rank0", key(2), 9)
+    gate = threading.Event()
+    m._reader.submit(gate.wait)  # the reader is busy: the next read waits its turn
+    assert m.lookup(key(2), ctx) is LookupResult.HIT_PENDING
+    path2.unlink()
+    gate.set()
+    assert _settled_lookup(m, key(2), ctx) is LookupResult.MISS
+    acc = m.accounting()
+    assert (acc["promoted"], acc["promote_misses"], acc["host_keys"]) == (1, 1, 1)
+    m.shutdown()

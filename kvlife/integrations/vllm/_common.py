@@ -4,6 +4,7 @@ hands to the manager of the same engine in one process."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import weakref
@@ -85,6 +86,20 @@ def live_managers() -> list[KVLifeOffloadingManager]:
 def live_workers() -> list[KVLifeWorker]:
     """The workers alive in this process."""
     return _LIVE_WORKERS.members()
+
+
+def page_namer(namespace: str) -> Callable[[OffloadKey | str], str]:
+    """The persistent tier's name of a vLLM key (bytes, or its hex) in ``namespace``: a hash
+    of both. A page's header binds its name, so the header binds the namespace: a page
+    file copied or linked in from another namespace is never looked up under its old name
+    and fails its header check under a new one (a miss)."""
+    salt = namespace.encode() + b"\0"
+
+    def name(key: OffloadKey | str) -> str:
+        raw = bytes.fromhex(key) if isinstance(key, str) else bytes(key)
+        return hashlib.blake2b(salt + raw, digest_size=32).hexdigest()
+
+    return name
 
 
 def shut_down(role: str, steps: Sequence[tuple[str, Callable[[], object]]]) -> list[Exception]:

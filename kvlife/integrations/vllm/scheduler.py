@@ -6,8 +6,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, cast
+
+import torch
 
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
@@ -35,6 +38,7 @@ from kvlife.integrations.vllm._common import (
     _hex_keys,
     _start_store,
     _write_report,
+    page_namer,
     shut_down,
 )
 from kvlife.integrations.vllm.metrics import _COUNTED, _COUNTER_NAMES
@@ -65,7 +69,9 @@ class _Counts:
     """The backend's own counts; the host tier's are in ``HostTier.counts``."""
 
     loaded: int = 0
-    loaded_from_store: int = 0
+    loaded_from_store: int = 0  # blocks the worker read from the persistent tier itself
+    promoted: int = 0  # persistent-tier pages read, verified and made host entries
+    promote_misses: int = 0  # pages found at lookup, damaged or gone by the read: misses
     store_failed: int = 0
     abandoned_jobs: int = 0
     lifecycles_started: int = 0
@@ -80,7 +86,11 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     tier holds the keys, pins and recency; each request life is a :class:`~kvlife.Lifecycle`
     whose stores and loads are tickets, settled key by key as vLLM completes them.
     ``pool``: the host tier's pages (the worker's in one process, else an allocator only);
-    ``disk``: the persistent tier, read side, or None."""
+    ``disk``: the persistent tier, read side, or None. ``holds_bytes``: the pool's rows are
+    the host tier's bytes (one process): a page of the persistent tier is then read and
+    verified into a host entry (a reader thread) before ``lookup`` answers HIT for it, so a
+    load copies only verified host bytes; else (the bytes in another process) a load
+    reads the page in the worker."""
 
     def __init__(
         self,
@@ -90,6 +100,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         disk: LocalDirectoryStore | None = None,
         report_dir: str | None = None,
         pending_timeout: float | None = None,
+        holds_bytes: bool = True,
     ) -> None:
         self.refusals = Refusals(strict=strict, logger=logger)
         self.tier: HostTier[OffloadKey] = HostTier(
@@ -99,7 +110,13 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._strict = strict
         self._disk = disk
         self._report_dir = report_dir
-        self._on_disk: set[OffloadKey] = set()  # keys verified in the persistent tier
+        self._names = page_namer(disk.namespace) if disk is not None else None
+        self._promote = disk is not None and holds_bytes
+        self._reads: dict[OffloadKey, Future[bytes | None]] = {}  # promotions in flight
+        self._held: dict[OffloadKey, None] = {}  # hits of this step, pinned to its end
+        self._reader = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvlife-promote") if self._promote else None
+        )
         self._live: set[Lifecycle] = set()  # not yet released (each on its ReqContext)
         # Per key, the jobs in flight that name it, oldest first (two identical loads: two).
         self._stores: dict[OffloadKey, _Job] = {}
@@ -196,16 +213,54 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         found = self.tier.lookup(key)
         if found is Lookup.HIT:
+            if self._promote and key not in self._held:
+                # Held to the step's end: a later promotion in this step never evicts a hit
+                # before its prepare_load (which comes in the same step) pins it.
+                self._held[key] = None
+                self.tier.pin([key])
             return LookupResult.HIT
         if found is Lookup.PENDING:
             return LookupResult.HIT_PENDING
-        if self._disk is not None:
-            if key in self._on_disk:
-                return LookupResult.HIT
-            if self._disk.contains(key.hex()):  # whole and verified, or a miss
-                self._on_disk.add(key)
-                return LookupResult.HIT
-        return LookupResult.MISS
+        disk, names = self._disk, self._names
+        if disk is None or names is None:
+            return LookupResult.MISS
+        if self._reader is None:  # the bytes live in the worker: it reads the page itself
+            return LookupResult.HIT if disk.contains(names(key)) else LookupResult.MISS
+        read = self._reads.get(key)
+        if read is None:
+            if not os.path.exists(disk.path(names(key))):  # a stat: most misses stop here
+                return LookupResult.MISS
+            self._reads[key] = self._reader.submit(disk.get, names(key))
+            return LookupResult.HIT_PENDING  # the next lookup finds it ready
+        if not read.done():
+            return LookupResult.HIT_PENDING
+        del self._reads[key]
+        if not self._promoted(key, read):
+            return LookupResult.MISS
+        self._held[key] = None
+        self.tier.pin([key])
+        return LookupResult.HIT
+
+    def _promoted(self, key: OffloadKey, read: Future[bytes | None]) -> bool:
+        """A finished read of ``key``'s page: a ready host entry if whole and verified."""
+        try:
+            payload = read.result()
+        except Exception:  # an I/O error: a miss like any unreadable page
+            payload = None
+        pool = self._pool
+        if payload is None or len(payload) != pool.page_numel:
+            self.counts.promote_misses += 1  # damaged or gone since the header check
+            return False
+
+        def fill(page: int) -> bool:
+            pool.tensor[page].copy_(torch.frombuffer(bytearray(payload), dtype=torch.int8))
+            return True
+
+        if not self.tier.insert_ready(key, fill):
+            self.counts.promote_misses += 1  # every page pinned or pending: no room now
+            return False
+        self.counts.promoted += 1
+        return True
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         lifecycle = self._life(req_context, "load")
@@ -219,8 +274,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 pages.append(pinned[0] if pinned else FROM_STORE)
                 hit.append(key)
             else:
-                if key not in self._on_disk:  # lookup said HIT: unreachable by design
-                    self._refuse("load:no_source", f"key {key.hex()[:16]} is on no tier")
+                if self._promote:  # promoted at lookup, evicted since: read in the worker
+                    self._refuse("load:evicted_since_lookup", f"key {key.hex()[:16]} left")
                 pages.append(FROM_STORE)
                 self.counts.loaded_from_store += 1
         ticket = self._event("load", lifecycle.load, [key.hex() for key in ordered])
@@ -304,7 +359,13 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def on_schedule_end(self, context: Any) -> None:
         self.counts.preemptions += len(context.preempted_req_ids)
+        self._unhold()
         self.tier.expire()
+
+    def _unhold(self) -> None:
+        held, self._held = self._held, {}
+        if held:
+            self.tier.unpin(list(held))
 
     def _abandon_jobs(self) -> None:
         """Ack every job vLLM will never complete (reset or shutdown); pins and pending go."""
@@ -320,9 +381,10 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def reset_cache(self) -> None:
         """vLLM dropped its offloaded state: no complete_* will come for jobs begun before."""
         self._abandon_jobs()
+        self._unhold()
         self.tier.reset()
         self.tier.abandon()
-        self._on_disk.clear()
+        self._reads.clear()  # a read still running finishes into nothing
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         books = self.accounting()
@@ -348,7 +410,11 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         steps: list[tuple[str, Callable[[], object]]] = [
             ("finish", self._finish_all),
             ("abandon", self._abandon_jobs),
+            ("unhold", self._unhold),
         ]
+        reader = self._reader
+        if reader is not None:
+            steps.append(("reader", lambda: reader.shutdown(wait=True, cancel_futures=True)))
         disk = self._disk
         if disk is not None:
             steps.append(("store_close", disk.close))

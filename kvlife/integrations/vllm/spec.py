@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -132,11 +133,89 @@ class Settings:
         )
 
 
-def store_namespace(config: Any, model_id: str | None = None) -> str:
-    """The persistent tier's namespace for one model, KV cache shape and parallel rank
-    (``model_id`` overrides the model name/path); the rank is a second component."""
+#: Weight files a checkpoint fingerprint reads (besides ``*.json`` indexes and configs).
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+#: Samples of each weight file's data a fingerprint hashes (evenly spaced), and their size.
+_SAMPLES, _SAMPLE_BYTES = 16, 4096
+
+
+def _file_digest(path: str, size: int) -> str:
+    """A cheap digest of one weight file: a safetensors header whole (names, dtypes, shapes,
+    offsets) and 16 samples of 4 KiB spread over the data (two random inits of one config
+    have the same header; their data differs everywhere). No full read."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        start = 0
+        if path.endswith(".safetensors") and size >= 8:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length <= min(size - 8, 100 << 20):
+                h.update(f.read(length))
+                start = 8 + length
+        span = max(size - start - _SAMPLE_BYTES, 0)
+        for i in range(_SAMPLES):
+            f.seek(start + span * i // max(_SAMPLES - 1, 1))
+            h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def checkpoint_fingerprint(model: str, revision: str | None = None) -> dict[str, Any]:
+    """What identifies the weights behind ``model`` without reading them: each weight
+    file's name, size and digest (:func:`_file_digest`), each ``*.json`` index or config
+    hashed whole, and the hub revision vLLM was given. A hub name not on this machine's
+    disk is identified by name and revision only."""
+    found: dict[str, Any] = {"revision": revision}
+    directory = model if os.path.isdir(model) else _hub_snapshot(model, revision)
+    if directory is None:
+        return found
+    files: dict[str, Any] = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        if name.endswith(_WEIGHTS):
+            size = os.path.getsize(path)
+            files[name] = [size, _file_digest(path, size)]
+        elif name.endswith(".json"):
+            with open(path, "rb") as f:
+                files[name] = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+    found["files"] = files
+    found["snapshot"] = os.path.basename(os.path.realpath(directory))  # a hub commit
+    return found
+
+
+def _hub_snapshot(model: str, revision: str | None) -> str | None:
+    """The local snapshot directory of a hub model (its name is the commit), if cached."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model, revision=revision, local_files_only=True)
+    except Exception:  # not a hub name, no hub package, not cached: name and revision only
+        return None
+    return str(path)
+
+
+def _vllm_revision() -> str | None:
+    """The hub revision vLLM was asked for, when its config is current (both roles)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+    except ImportError:
+        return None
+    revision = getattr(getattr(current, "model_config", None), "revision", None)
+    return revision if isinstance(revision, str) else None
+
+
+def store_namespace(
+    config: Any, model_id: str | None = None, weights: Mapping[str, Any] | None = None
+) -> str:
+    """The persistent tier's namespace for one checkpoint, KV cache shape and parallel rank:
+    ``weights`` is the checkpoint's :func:`checkpoint_fingerprint` (None: the model name
+    alone identifies it); ``model_id`` overrides both, for sharing or invalidating a cache
+    on purpose. The rank is a second component."""
     identity = {
         "model": model_id if model_id is not None else config.model.name,
+        "weights": None if model_id is not None else weights,
         "dtype": str(config.model.dtype),
         "kv_bytes_per_block": config.worker_kv_bytes_per_block,
         "tokens_per_block": [g.tokens_per_block for g in config.groups],
@@ -179,7 +258,10 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             raise ConfigError(
                 f"kvlife: host_bytes {self.host_bytes} hold no block of {self.page_bytes} bytes"
             )
-        self.namespace = store_namespace(config, settings.model_id)
+        weights = None
+        if settings.model_id is None:
+            weights = checkpoint_fingerprint(str(config.model.name), _vllm_revision())
+        self.namespace = store_namespace(config, settings.model_id, weights)
         self._pool_key = f"{config.engine_id}/{config.parallel.rank}"
         self._manager: KVLifeOffloadingManager | None = None
         self._worker: KVLifeWorker | None = None
@@ -193,7 +275,8 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         if self._manager is None:
             # Single process: the worker built the pool first; allocate from that same memory.
             pool = _SHARED_POOLS.get(self._pool_key)
-            if pool is not None and pool.capacity == self.capacity:
+            holds_bytes = pool is not None and pool.capacity == self.capacity
+            if pool is not None and holds_bytes:
                 del _SHARED_POOLS[self._pool_key]
             else:  # multiprocess: page indices here, the bytes in the worker process
                 pool = HostPagePool(self.capacity, 1, torch.int8, pin_memory=False)
@@ -203,6 +286,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 disk=self._open_store(),
                 report_dir=self.report_dir,
                 pending_timeout=self.settings.pending_timeout,
+                holds_bytes=holds_bytes,
             )
         return self._manager
 

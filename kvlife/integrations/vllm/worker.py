@@ -43,6 +43,7 @@ from kvlife.integrations.vllm._common import (
     _hex_keys,
     _start_store,
     _write_report,
+    page_namer,
     shut_down,
 )
 from kvlife.layout import KVLayout
@@ -114,6 +115,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self.engine: CpuCopyEngine | CudaCopyEngine = engine(layout, pool)
         self._pool = pool
         self._store = store
+        self._names = page_namer(store.namespace if store is not None else "")
         self._report_dir = report_dir
         self._strict = strict
         self._pool_key = pool_key
@@ -235,7 +237,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 try:  # a private copy: the host pages may be evicted before the write ends
                     pages = torch.tensor(ack.host_pages, dtype=torch.int64)
                     rows = self._pool.tensor.index_select(0, pages)
-                    self._store.put(job.job_id, list(ack.keys), rows)
+                    names = [self._names(k) for k in ack.keys]
+                    self._store.put(job.job_id, names, rows)
                 except StoreError as exc:
                     self._error_once("store_put_refused", repr(exc))
             ack.lifecycle.ack(ack.ticket)
@@ -261,8 +264,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         job, lifecycle = self._start(job_id, True, len(device_ids))
         disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
         if disk:
-            names = [spec.keys[i].hex() for i in disk]
-            ticket = lifecycle.load(names)
+            ticket = lifecycle.load([spec.keys[i].hex() for i in disk])
+            names = [self._names(spec.keys[i]) for i in disk]
             self._load_from_store(job, names, [device_ids[i] for i in disk])
             lifecycle.ack(ticket)
         on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
