@@ -190,6 +190,12 @@ class CpuCacheController:
         self.ack_write_queue: list[CpuAck] = []
         self.ack_backup_queue: queue.Queue[BackupDone] = queue.Queue()
         self.completed: set[int] = set()
+        #: Node ids in the order this rank's engine completed them.
+        self.completion_order: list[int] = []
+        #: Hold each finished backup until :meth:`release_backups` (a slow storage tier: the
+        #: host pages it reads come back late).
+        self.hold_backups = False
+        self._held_backups: list[BackupDone] = []
         self.writes = 0
         self._ops = 0
         self._offsets = torch.arange(page_size, dtype=torch.int64)
@@ -218,6 +224,7 @@ class CpuCacheController:
             if ack.error is not None:
                 raise ack.error
             self.completed.add(ack.ticket[1])
+            self.completion_order.append(ack.ticket[1])
 
     def write_storage(
         self,
@@ -234,8 +241,18 @@ class CpuCacheController:
         for result in self.store.poll():
             if result.error is not None:
                 raise result.error
-        self.ack_backup_queue.put(BackupDone(self._ops))
+        if self.hold_backups:
+            self._held_backups.append(BackupDone(self._ops))
+        else:
+            self.ack_backup_queue.put(BackupDone(self._ops))
         return self._ops
+
+    def release_backups(self) -> int:
+        """The held backups finish now; how many."""
+        held, self._held_backups = self._held_backups, []
+        for done in held:
+            self.ack_backup_queue.put(done)
+        return len(held)
 
 
 class TokenAllocatorStandIn:
@@ -297,8 +314,8 @@ def sglang_own_manager(**parts: object) -> object:
         page_size=ps,
         offload_stride=max(ps, stride // ps * ps),
         request_counter=0,
-        tp_group=None,
-        tp_world_size=1,
+        tp_group=parts.get("tp_group"),
+        tp_world_size=int(parts.get("tp_world_size") or 1),  # type: ignore[call-overload]
         kv_cache=None,
         ongoing_offload={},
         ongoing_backup={},
@@ -316,7 +333,8 @@ class DecodeScheduler:
     ``free`` and ``reset_for_retract()``
     (the same Req object resumes); ``check_offload_progress()`` every iteration.
 
-    ``kvlife=False`` builds SGLang's own manager on the same parts."""
+    ``kvlife=False`` builds SGLang's own manager on the same parts; ``tp_group`` and
+    ``tp_world_size`` are SGLang's (a torch.distributed group of the tensor-parallel ranks)."""
 
     def __init__(
         self,
@@ -327,6 +345,11 @@ class DecodeScheduler:
         host_pages: int = 6,
         device_pages: int = 96,
         copy_delay: float = 0.0,
+        delay_jitter: float = 0.0,
+        workers: int = 1,
+        seed: int = 0,
+        tp_group: object = None,
+        tp_world_size: int = 1,
         strict: bool = True,
     ) -> None:
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -336,7 +359,14 @@ class DecodeScheduler:
         self.page_size = page_size
         self.layout = LayerFirstLayout.zeros(1, device_pages, page_size, 1, 2, dtype=torch.int32)
         self.host = HostPagePool(host_pages, self.layout.page_numel, torch.int32, pin_memory=False)
-        self.engine = CpuCopyEngine(self.layout, self.host, copy_delay=copy_delay)
+        self.engine = CpuCopyEngine(
+            self.layout,
+            self.host,
+            copy_delay=copy_delay,
+            delay_jitter=delay_jitter,
+            workers=workers,
+            seed=seed,
+        )
         self.cc = CpuCacheController(self.engine, self.host, page_size)
         self.device = DevicePages(self.layout)
         self.rows = ReqToTokenPool(
@@ -352,6 +382,8 @@ class DecodeScheduler:
             host_pool=self.cc.mem_pool_host,
             page_size=page_size,
             stride=stride,
+            tp_group=tp_group,
+            tp_world_size=tp_world_size,
         )
         if kvlife:
             self.mgr: Any = decode_manager_class().from_parts(**parts, strict=strict)

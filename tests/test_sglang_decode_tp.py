@@ -1,0 +1,346 @@
+"""kvlife's decode offload manager for SGLang with tensor parallelism: 2 real processes in a real
+gloo group, each driving its own manager through the calls SGLang's scheduler makes (as
+tests/test_sglang_decode.py does at one rank), with kvlife's TorchAgreement in place of
+SGLang's MIN all-reduce.
+
+Rank 1 is the slow rank: its copies are delayed (and its first one held), so the two ranks'
+engines complete copies in different orders, and a retraction comes while rank 1 still copies;
+its storage backups finish late, so its host pages come back later than rank 0's. The ranks
+must still apply the same acks in the same scheduler call, free the same device pages at the
+same call, admit the same chunks, store the same pages and leak nothing. Seeded bugs (a rank
+that admits by its own host pool, a rank that applies its own acks without the agreement, a
+guard that frees on the rank's own completion) each break one of those, and the test sees it.
+
+Runs in .venv-sglang (``.ci/sglang.sh``); skipped where SGLang is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sglang_stubs
+import torch
+import torch.distributed as dist
+
+sglang_stubs.install()
+pytest.importorskip("sglang.srt.disaggregation.decode_kvcache_offload_manager")
+
+from sglang_stubs import DecodeScheduler  # noqa: E402
+
+from kvlife.errors import GroupBroken  # noqa: E402
+from kvlife.sim.distributed import init_rank, spawn_ranks  # noqa: E402
+from kvlife.testing import page_bytes_of  # noqa: E402
+
+WORLD = 2
+PAGE, STRIDE = 2, 4  # a chunk: 4 tokens, 2 pages
+TIMEOUT = 60.0  # the gloo group's timeout (a hang guard; the spawner kills a hung rank)
+
+
+# ---------------------------------------------------------------- seeded bugs (in each rank)
+
+
+def _no_bug(sched: DecodeScheduler) -> None:
+    return None
+
+
+def _local_admission(sched: DecodeScheduler) -> None:
+    """Each rank admits a chunk by its own host pool, not by the agreed budget."""
+    pool = sched.mgr.decode_host_mem_pool
+    sched.mgr.agreement.admit = lambda pages: int(pool.available_size()) >= pages * PAGE
+
+
+def _own_acks(sched: DecodeScheduler) -> None:
+    """Each rank applies its own acks as it drains them (and admits by its own pool): no
+    agreement, as a manager would that dropped SGLang's collective without replacing it."""
+    sched.mgr.agreement = None
+
+
+def _free_on_local_completion(sched: DecodeScheduler) -> None:
+    """The allocator guard lets a free through once this rank's own copy completed, before
+    the ack is agreed."""
+    mgr, cc = sched.mgr, sched.cc
+    guarded = mgr._guarded_free
+
+    def free(indices: torch.Tensor) -> None:
+        cc.collect(block=False)
+        pins = mgr._pins
+        mgr._pins = {i: read for i, read in pins.items() if i not in cc.completed}
+        try:
+            guarded(indices)
+        finally:
+            mgr._pins = pins
+
+    sched.allocator.free = free  # what the scheduler's release calls
+    mgr._guarded_free = free
+
+
+MUTANTS: dict[str, Callable[[DecodeScheduler], None]] = {
+    "none": _no_bug,
+    "local_admission": _local_admission,
+    "own_acks": _own_acks,
+    "free_on_local_completion": _free_on_local_completion,
+}
+
+
+# ---------------------------------------------------------------- one rank's run
+
+
+class Timeline:
+    """What one rank's manager did, by scheduler call: acks applied, device frees, admissions."""
+
+    def __init__(self, sched: DecodeScheduler) -> None:
+        self.sched, self.call = sched, 0
+        self.applied: list[list[Any]] = []  # [call, rid, ack id, tokens]
+        self.frees: list[list[Any]] = []  # [call, rid, device pages]
+        self.admits: list[list[Any]] = []  # [call, pages, answer, this rank's free pages]
+        mgr = sched.mgr
+        apply, admit, device_free = mgr._apply, mgr._admit, sched.device.free
+
+        def applying(ack_id: int) -> None:
+            req, _, tokens = mgr.ongoing_offload[ack_id][:3]
+            self.applied.append([self.call, req.rid, ack_id, len(tokens)])
+            apply(ack_id)
+
+        def admitting(n_tokens: int) -> bool:
+            here = int(mgr.decode_host_mem_pool.available_size()) // PAGE
+            answer = bool(admit(n_tokens))
+            self.admits.append([self.call, n_tokens // PAGE, answer, here])
+            return answer
+
+        def freeing(pages: Any, owner: Any) -> None:
+            self.frees.append([self.call, owner.rid, list(pages)])
+            device_free(pages, owner)
+
+        mgr._apply, mgr._admit, sched.device.free = applying, admitting, freeing
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One scheduler call."""
+        self.call += 1
+        return fn(*args)
+
+
+def wait_local(sched: DecodeScheduler, node_id: int) -> None:
+    """Until this rank's engine completed copy ``node_id`` (nothing applied: no manager call)."""
+    deadline = time.monotonic() + 10
+    while node_id not in sched.cc.completed:
+        assert time.monotonic() < deadline, f"copy {node_id} never completed"
+        sched.cc.collect(block=False)
+        time.sleep(0.001)
+
+
+def workload(rank: int, mutant: str) -> dict[str, Any]:
+    """The same scheduler calls on every rank; rank 1 copies and backs up slowly."""
+    slow = rank == 1
+    sched = DecodeScheduler(
+        page_size=PAGE,
+        stride=STRIDE,
+        host_pages=6,
+        device_pages=160,
+        workers=2,  # a held copy blocks one worker, the next copy runs on the other
+        copy_delay=0.002 if slow else 0.0,
+        delay_jitter=0.004 if slow else 0.0,
+        seed=rank,
+        tp_group=dist.group.WORLD,
+        tp_world_size=WORLD,
+    )
+    mgr, cc = sched.mgr, sched.cc
+    cc.hold_backups = slow  # rank 1's host pages come back only at release_backups()
+    MUTANTS[mutant](sched)
+    tl = Timeline(sched)
+    out: dict[str, Any] = {}
+    lives = 0
+    try:
+        # 1. Rank 1 completes b's copy before a's; a is retracted while rank 1 still copies it.
+        a = tl.run(sched.start, "a", [1, 2, 3])
+        b = tl.run(sched.start, "b", [11, 12, 13])
+        lives += 2
+        gate = sched.engine.hold_next() if slow else None
+        assert tl.run(sched.step, a, [4, 5, 6, 7])  # copy 1: held on rank 1
+        if not slow:
+            wait_local(sched, 1)  # rank 0: a's copy completes first
+        assert tl.run(sched.step, b, [14, 15, 16, 17])  # copy 2
+        wait_local(sched, 2)
+        a_pages = list(a.kit_pages)
+        tl.run(sched.retract, a)  # drain_before_retraction, then the row's free
+        out["at_retraction"] = {
+            "completed_here": sorted(cc.completed),
+            "deferred_frees": mgr.deferred_frees,
+            "frees": len(tl.frees),
+            "inflight": mgr.has_inflight_device_transfer(),
+        }
+        tl.run(sched.resume, a, sched.tokens(a))  # the same Req, new pages
+        lives += 1
+        out["resumed_reuses_held_pages"] = bool(set(a.kit_pages) & set(a_pages))
+        if gate is not None:
+            threading.Timer(0.2, gate.open).start()
+        tl.run(sched.poll)  # rank 1 waits for its copy; both apply both acks, free a's row
+        out["after_poll"] = {"frees": len(tl.frees), "deferred_frees": mgr.deferred_frees}
+
+        # 2. Churn: rids reused, finish-time flushes, a small host pool that rank 1 frees late.
+        rng = random.Random(7)  # the same draws on every rank
+        running = [a, b]
+        token = 100
+        for i in range(40):
+            for req in list(running):
+                token += 2
+                tl.run(sched.step, req, [token, token + 1])
+            if running and rng.random() < 0.3:
+                done = running.pop(rng.randrange(len(running)))
+                tl.run(sched.finish, done)
+            if len(running) < 3 and rng.random() < 0.5:
+                rid = rng.choice("abc")
+                running.append(tl.run(sched.start, rid, [rng.randrange(1000) for _ in range(5)]))
+                lives += 1
+            if slow and i % 4 == 3:
+                cc.release_backups()
+            tl.run(sched.poll)
+        for req in running:
+            tl.run(sched.finish, req)
+        tl.run(sched.poll)  # the last acks; their backups are held on rank 1
+        cc.release_backups()
+        tl.run(sched.poll)  # every host page back
+        tl.run(sched.close)
+    except Exception as exc:
+        out["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        if not isinstance(exc, GroupBroken):
+            out["error"]["traceback"] = traceback.format_exc()
+        with contextlib.suppress(Exception):
+            sched.engine.close()
+    out.update(
+        completion_order=list(cc.completion_order),
+        applied=tl.applied,
+        frees=tl.frees,
+        admits=tl.admits,
+        stored=sorted(cc.store.keys()),
+        stored_ok=all(
+            cc.store.get(k) == page_bytes_of(k, sched.layout.page_nbytes)
+            for k in cc.store.keys()  # noqa: SIM118 (a store, not a dict)
+        ),
+        refusals=dict(mgr.refusals),
+        lives=lives,
+        released=mgr.released,
+        leaks={
+            "device_pages": sched.device.allocated(),
+            "host_pages": sched.host.num_used,
+            "copies": len(mgr.ongoing_offload),
+            "backups": len(mgr.ongoing_backup),
+            "held_frees": len(mgr._held),
+            "lives": len(mgr._lives),
+        },
+    )
+    return out
+
+
+def ranks_main(rank: int, world: int, port: int, out_dir: str, mutants: list[str]) -> None:
+    """One rank: each workload in turn (the clean one, then the seeded bugs), one gloo group."""
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        init_rank(rank, world, port, TIMEOUT)
+        for mutant in mutants:
+            dist.barrier()
+            result[mutant] = workload(rank, mutant)
+    except Exception:
+        result["error"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the comparison (here)
+
+
+AGREED = ("applied", "frees", "stored", "refusals", "released")
+
+
+def divergence(r0: dict[str, Any], r1: dict[str, Any]) -> list[str]:
+    """What the two ranks did differently, of what they must do alike."""
+    diffs = [what for what in AGREED if r0[what] != r1[what]]
+    if [x[:3] for x in r0["admits"]] != [x[:3] for x in r1["admits"]]:
+        diffs.append("admits")
+    return diffs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    out_dir = tmp_path_factory.mktemp("sglang_tp")
+    codes = spawn_ranks(ranks_main, WORLD, str(out_dir), list(MUTANTS), join_timeout=400)
+    results = []
+    for rank in range(WORLD):
+        path = out_dir / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    assert codes == [0] * WORLD, (codes, results)
+    for r in results:
+        assert r is not None and "error" not in r, r
+    return {m: [r[m] for r in results if r is not None] for m in MUTANTS}
+
+
+def test_ranks_apply_the_same_acks_free_the_same_pages_and_leak_nothing(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The copy on rank 1 is delayed and its first one held: the ranks' engines complete in
+    different orders, a retraction comes while rank 1 still copies, rank 1's host pages come
+    back late. Both ranks apply the same acks at the same scheduler call, hold the retracted
+    row's free until the agreed ack and run it at the same call, admit the same chunks (rank 0
+    refuses chunks its own pool had room for, because rank 1's had not), store the same pages
+    and leak nothing."""
+    r0, r1 = runs["none"]
+    for r in (r0, r1):
+        assert "error" not in r, r["error"]
+    # Different completion orders: rank 0 finished a's copy (1) first, rank 1 b's (2).
+    assert r0["completion_order"][:2] == [1, 2] and r1["completion_order"][:2] == [2, 1]
+    assert r0["at_retraction"]["completed_here"] == [1, 2]
+    assert r1["at_retraction"]["completed_here"] == [2]
+    # The retraction: refused on no rank, the row's free held on both, run at the same call.
+    for r in (r0, r1):
+        assert r["at_retraction"]["deferred_frees"] == 1 and r["at_retraction"]["frees"] == 0
+        assert r["at_retraction"]["inflight"]
+        assert not r["resumed_reuses_held_pages"]
+        assert r["after_poll"]["frees"] == 1
+    assert r0["frees"][0] == r1["frees"][0] and r0["frees"][0][1] == "a"
+    assert divergence(r0, r1) == []
+    # Host admission was agreed, and it mattered: rank 0 alone would have admitted more.
+    assert r0["refusals"].get("host_pool_exhausted", 0) > 0
+    assert any(not ok and here >= pages for _, pages, ok, here in r0["admits"])
+    assert len(r0["applied"]) > 15
+    for r in (r0, r1):
+        assert r["stored_ok"] and len(r["stored"]) > 30
+        assert r["leaks"] == {k: 0 for k in r["leaks"]}, r["leaks"]
+        assert r["released"] == r["lives"]  # each life released once, the retracted one too
+        assert set(r["refusals"]) <= {"host_pool_exhausted"}
+
+
+def test_local_admission_is_caught_as_a_divergence_on_every_rank(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Seeded bug: a rank admits by its own host pool. Rank 1's pool is full when rank 0's is
+    not, so the ranks submit different chunks, and the next agreement raises GroupBroken on
+    both ranks, naming the first differing chunk."""
+    for r in runs["local_admission"]:
+        assert r["error"]["type"] == "GroupBroken", r.get("error")
+        assert "different chunk sequences" in r["error"]["message"]
+    assert runs["local_admission"][0]["error"] == runs["local_admission"][1]["error"]
+
+
+@pytest.mark.parametrize("mutant", ["own_acks", "free_on_local_completion"])
+def test_a_rank_that_acts_on_its_own_completions_is_caught(
+    mutant: str, runs: dict[str, list[dict[str, Any]]]
+) -> None:
+    """Seeded bugs: a rank applies its own acks without the agreement (and so admits by its
+    own pool), or lets a held free through on its own copy's completion. The ranks then do
+    different things: the comparison the clean run passes fails."""
+    r0, r1 = runs[mutant]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert divergence(r0, r1) != []
+    if mutant == "free_on_local_completion":  # rank 0 freed a's row at the retraction itself
+        assert r0["at_retraction"]["frees"] == 1 and r1["at_retraction"]["frees"] == 0
+        assert r0["resumed_reuses_held_pages"]
