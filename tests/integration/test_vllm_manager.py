@@ -197,16 +197,49 @@ def test_the_prometheus_collector_reads_the_backend() -> None:
 
     registry = CollectorRegistry()
     registry.register(OffloadCollector())
-    before = sample("kvlife_vllm_stored_total"), sample("kvlife_vllm_pending")
+    before = sample("kvlife_vllm_pages_offloaded_total"), sample("kvlife_vllm_chunks_in_flight")
     m = manager(pages=2)
     ctx = ReqContext("r")
     m.on_new_request(ctx)
     stored(m, ctx, key(1))
     assert m.prepare_store([key(2)], ctx) is not None
-    assert sample("kvlife_vllm_stored_total") == before[0] + 1
-    assert sample("kvlife_vllm_pending") == before[1] + 1
+    assert sample("kvlife_vllm_pages_offloaded_total") == before[0] + 1
+    assert sample("kvlife_vllm_chunks_in_flight") == before[1] + 1
     seconds = registry.get_sample_value("kvlife_vllm_transfer_seconds_total", {"direction": "load"})
     assert seconds is not None and seconds >= 0.0
+
+
+def test_one_metrics_record_and_one_collector_for_the_core_and_the_backend() -> None:
+    """The backend's record is the core's ``ManagerMetrics`` and its collector the core's
+    ``ManagerCollector``: the same families, ``kvlife_vllm_`` for ``kvlife_``."""
+    from prometheus_client import CollectorRegistry
+
+    from kvlife.integrations.vllm import OffloadCollector
+    from kvlife.manager import ManagerMetrics
+    from kvlife.metrics import ManagerCollector
+
+    class Source:
+        def metrics(self) -> ManagerMetrics:
+            return ManagerMetrics()
+
+    def families(collector: Any, prefix: str) -> set[str]:
+        registry = CollectorRegistry()
+        registry.register(collector)
+        return {f.name.removeprefix(prefix) for f in registry.collect()}
+
+    assert isinstance(OffloadCollector(), ManagerCollector)
+    core = families(ManagerCollector(Source()), "kvlife_")
+    backend = families(OffloadCollector(), "kvlife_vllm_")
+    assert backend - core == {"transfer_seconds"} and core <= backend
+    m = manager(pages=2)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    m.prepare_load([key(1)], ctx)
+    record = m.metrics()
+    assert isinstance(record, ManagerMetrics)
+    assert (record.pages_offloaded, record.loads_started, record.host_tier_keys) == (1, 1, 1)
+    assert record.lifecycles_by_state == {"LOADING": 1, "RELEASED": 0}
 
 
 def _worker(views: list[torch.Tensor]) -> Any:

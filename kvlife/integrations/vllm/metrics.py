@@ -6,8 +6,9 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-# vLLM is an optional dependency: mypy runs without it, hence the ignores.
 from kvlife.integrations.vllm._common import live_managers, live_workers
+from kvlife.manager import ManagerMetrics
+from kvlife.metrics import ManagerCollector, summed
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +19,14 @@ METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvlife_loaded_from_store_blocks": (
         "counter",
         "Blocks loaded from the persistent tier (host miss).",
+    ),
+    "vllm:kvlife_promoted_blocks": (
+        "counter",
+        "Persistent-tier pages read and verified into the host tier before a hit.",
+    ),
+    "vllm:kvlife_promote_misses": (
+        "counter",
+        "Persistent-tier pages found, then damaged or gone (or no room) at the read: misses.",
     ),
     "vllm:kvlife_evicted_blocks": ("counter", "Host blocks evicted (LRU) to make room."),
     "vllm:kvlife_dropped_host_full": (
@@ -31,35 +40,44 @@ METRICS: dict[str, tuple[str, str]] = {
 
 #: The counter metrics' names and the manager's counts they report (``_Counts`` fields).
 _COUNTER_NAMES = tuple(name for name, (kind, _) in METRICS.items() if kind == "counter")
-_COUNTED = ("stored", "loaded", "loaded_from_store", "evicted", "dropped_host_full", "refused")
+_COUNTED = (
+    "stored",
+    "loaded",
+    "loaded_from_store",
+    "promoted",
+    "promote_misses",
+    "evicted",
+    "dropped_host_full",
+    "refused",
+)
 
 
-class OffloadCollector:
-    """A ``prometheus_client`` collector of this process's kvlife roles, read at scrape
-    time: ``REGISTRY.register(OffloadCollector())`` (its families: ``docs/vllm.md``)."""
+class _LiveManagers:
+    """The metrics source of this process's vLLM backend: its live managers' records summed."""
 
-    _GAUGES = ("pending", "pinned", "live_lifecycles", "host_pages_used")
+    def metrics(self) -> ManagerMetrics:
+        return summed([m.metrics() for m in live_managers()])
 
-    def describe(self) -> list[Any]:
-        """No up-front description: the registry calls :meth:`collect` instead."""
-        return []
+
+class OffloadCollector(ManagerCollector):
+    """The core's :class:`~kvlife.metrics.ManagerCollector` over this process's kvlife
+    managers (``kvlife_vllm_*``: the fields of ``kvlife_*``), plus the workers' transfer
+    seconds: ``REGISTRY.register(OffloadCollector())`` (families: ``docs/vllm.md``)."""
+
+    def __init__(self, *, labels: dict[str, str] | None = None) -> None:
+        super().__init__(_LiveManagers(), labels=labels, prefix="kvlife_vllm")
 
     def collect(self) -> Iterator[Any]:
-        """One family per figure, summed over this process's live managers and workers."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        """The record's families, then the workers' transfer time by direction."""
+        from prometheus_client.core import CounterMetricFamily
 
-        books = [m.accounting() for m in live_managers()]
-        for family_type, names in (
-            (CounterMetricFamily, _COUNTED),
-            (GaugeMetricFamily, self._GAUGES),
-        ):
-            for name in names:
-                family = family_type(f"kvlife_vllm_{name}", f"kvlife vLLM backend: {name}")
-                family.add_metric([], float(sum(b[name] for b in books)))
-                yield family
+        yield from super().collect()
+        names, values = list(self.labels), list(self.labels.values())
         seconds = CounterMetricFamily(
-            "kvlife_vllm_transfer_seconds", "Worker transfer time", labels=["direction"]
+            "kvlife_vllm_transfer_seconds", "Worker transfer time", labels=[*names, "direction"]
         )
+        workers = live_workers()
         for direction in ("store", "load"):
-            seconds.add_metric([direction], sum(w.seconds[direction] for w in live_workers()))
+            total = sum(w.seconds[direction] for w in workers)
+            seconds.add_metric([*values, direction], total)
         yield seconds

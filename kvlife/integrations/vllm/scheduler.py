@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -28,7 +29,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     RequestOffloadingContext,
 )
 
-from kvlife import FinishReason, Lifecycle, LoadTicket, Ticket
+from kvlife import FinishReason, Lifecycle, LoadTicket, State, Ticket
 from kvlife.errors import KVLifeError, LifecycleError, ManagerError
 from kvlife.host_tier import HostTier, Lookup
 from kvlife.integrations.vllm._common import (
@@ -42,6 +43,7 @@ from kvlife.integrations.vllm._common import (
     shut_down,
 )
 from kvlife.integrations.vllm.metrics import _COUNTED, _COUNTER_NAMES
+from kvlife.manager import ManagerMetrics
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
 from kvlife.store.directory import LocalDirectoryStore
@@ -75,6 +77,8 @@ class _Counts:
     store_failed: int = 0
     abandoned_jobs: int = 0
     lifecycles_started: int = 0
+    loads_started: int = 0  # prepare_load calls (one job each)
+    lookups_pending: int = 0  # lookups answered HIT_PENDING (a store or a promotion in flight)
     lifecycles_released: int = 0
     finished_at_shutdown: int = 0
     shutdown_errors: int = 0  # shutdown steps that failed (logged, never raised in vLLM)
@@ -101,12 +105,14 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         report_dir: str | None = None,
         pending_timeout: float | None = None,
         holds_bytes: bool = True,
+        page_bytes: int | None = None,
     ) -> None:
         self.refusals = Refusals(strict=strict, logger=logger)
         self.tier: HostTier[OffloadKey] = HostTier(
             pool, keep=True, pending_timeout=pending_timeout, refusals=self.refusals
         )
         self._pool = pool
+        self._page_bytes = pool.page_numel if page_bytes is None else page_bytes
         self._strict = strict
         self._disk = disk
         self._report_dir = report_dir
@@ -132,6 +138,35 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def pool(self) -> HostPagePool:
         """The host tier's pool (its allocator; its bytes too in single-process mode)."""
         return self._pool
+
+    def metrics(self) -> ManagerMetrics:
+        """The core's metrics record, read now from any thread (O(1) counts; the live
+        Lifecycles copied in one C call): the fields ``OffloadManager`` has, so one
+        collector (:class:`~kvlife.metrics.ManagerCollector`) exposes both."""
+        c, counts, disk = self.tier.counts, self.counts, self._disk
+        by_state = Counter(lifecycle.state.name for lifecycle in tuple(self._live))
+        by_state[State.RELEASED.name] = counts.lifecycles_released
+        offloaded = c.stored - counts.promoted
+        return ManagerMetrics(
+            lifecycles_started=counts.lifecycles_started,
+            lifecycles_by_state=dict(by_state),
+            chunks_submitted=offloaded + counts.store_failed + c.pending,
+            chunks_in_flight=c.pending,
+            chunks_acked=offloaded + counts.store_failed,
+            pages_offloaded=offloaded,
+            bytes_offloaded=offloaded * self._page_bytes,
+            store_writes_pending=disk.pending if disk is not None else 0,
+            host_pages_used=self._pool.num_used,
+            host_pool_exhausted=c.no_room,
+            store_failures=counts.store_failed,
+            loads_started=counts.loads_started,
+            pages_loaded=counts.loaded,
+            pages_promoted=counts.promoted,
+            lookups_pending=counts.lookups_pending,
+            host_tier_keys=c.entries,
+            host_tier_evicted=c.evicted,
+            refused_events=self.refusals.snapshot(),
+        )
 
     def accounting(self) -> dict[str, int]:
         """Counters and gauges, for tests, metrics and the shutdown report (O(1) reads)."""
@@ -220,6 +255,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 self.tier.pin([key])
             return LookupResult.HIT
         if found is Lookup.PENDING:
+            self.counts.lookups_pending += 1
             return LookupResult.HIT_PENDING
         disk, names = self._disk, self._names
         if disk is None or names is None:
@@ -231,8 +267,10 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if not os.path.exists(disk.path(names(key))):  # a stat: most misses stop here
                 return LookupResult.MISS
             self._reads[key] = self._reader.submit(disk.get, names(key))
+            self.counts.lookups_pending += 1
             return LookupResult.HIT_PENDING  # the next lookup finds it ready
         if not read.done():
+            self.counts.lookups_pending += 1
             return LookupResult.HIT_PENDING
         del self._reads[key]
         if not self._promoted(key, read):
@@ -278,6 +316,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                     self._refuse("load:evicted_since_lookup", f"key {key.hex()[:16]} left")
                 pages.append(FROM_STORE)
                 self.counts.loaded_from_store += 1
+        self.counts.loads_started += 1
         ticket = self._event("load", lifecycle.load, [key.hex() for key in ordered])
         job = _Job(lifecycle, ticket, len(ordered))
         for key in ordered:

@@ -287,6 +287,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 report_dir=self.report_dir,
                 pending_timeout=self.settings.pending_timeout,
                 holds_bytes=holds_bytes,
+                page_bytes=self.page_bytes,
             )
         return self._manager
 
