@@ -247,12 +247,15 @@ class CpuCacheController:
             self.ack_backup_queue.put(BackupDone(self._ops))
         return self._ops
 
-    def release_backups(self) -> int:
-        """The held backups finish now; how many."""
-        held, self._held_backups = self._held_backups, []
-        for done in held:
+    def release_backups(self, only: int | None = None) -> int:
+        """The held backups finish now (``only``: just the one at that index, oldest first);
+        how many."""
+        held = self._held_backups
+        chosen = held if only is None else [held[only]]
+        self._held_backups = [done for done in held if done not in chosen]
+        for done in chosen:
             self.ack_backup_queue.put(done)
-        return len(held)
+        return len(chosen)
 
 
 class TokenAllocatorStandIn:

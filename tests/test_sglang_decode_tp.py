@@ -36,6 +36,7 @@ pytest.importorskip("sglang.srt.disaggregation.decode_kvcache_offload_manager")
 
 from sglang_stubs import DecodeScheduler  # noqa: E402
 
+from kvlife import State  # noqa: E402
 from kvlife.errors import GroupBroken  # noqa: E402
 from kvlife.sim.distributed import init_rank, spawn_ranks  # noqa: E402
 from kvlife.testing import page_bytes_of  # noqa: E402
@@ -126,6 +127,11 @@ class Timeline:
         """One scheduler call."""
         self.call += 1
         return fn(*args)
+
+
+def unreleased(sched: DecodeScheduler) -> int:
+    """Lives the manager still holds that were not released."""
+    return sum(life.lifecycle.state is not State.RELEASED for life in sched.mgr._lives.values())
 
 
 def wait_local(sched: DecodeScheduler, node_id: int) -> None:
@@ -234,14 +240,66 @@ def workload(rank: int, mutant: str) -> dict[str, Any]:
             "copies": len(mgr.ongoing_offload),
             "backups": len(mgr.ongoing_backup),
             "held_frees": len(mgr._held),
-            "lives": len(mgr._lives),
+            "lives": unreleased(sched),
         },
     )
     return out
 
 
+def retraction_after_skew(rank: int, kvlife: bool) -> dict[str, Any]:
+    """SGLang's drain where it refuses: the ranks' host pools skewed, then a retraction.
+
+    Both ranks' backups finish out of order (rank 0 backs up a's 2-page chunk first, rank 1
+    b's 4-page chunk), so after SGLang's MIN-counted backup check rank 0 has 2 free host
+    pages and rank 1 has 4. a's next chunk (4 pages) then goes in flight on rank 1 only, and
+    SGLang's drain refuses the retraction on every rank. kvlife's manager, on the same calls,
+    refuses that chunk on both ranks (the agreed budget) and retracts."""
+    sched = DecodeScheduler(
+        kvlife=kvlife,
+        page_size=PAGE,
+        stride=STRIDE,
+        host_pages=6,
+        tp_group=dist.group.WORLD,
+        tp_world_size=WORLD,
+    )
+    cc, mgr = sched.cc, sched.mgr
+    cc.hold_backups = True
+    out: dict[str, Any] = {"offloaded": []}
+    a = sched.start("a", [1, 2, 3])
+    b = sched.start("b", [11, 12, 13])
+    out["offloaded"].append(sched.step(a, [4, 5, 6, 7]))  # 2 pages
+    out["offloaded"].append(sched.step(b, list(range(14, 22))))  # 4 pages: the pool is full
+    sched.poll()  # both copies applied, their backups held
+    cc.release_backups(only=rank)  # rank 0: a's backup finishes first; rank 1: b's
+    sched.poll()
+    out["host_free"] = sched.host.num_free
+    out["offloaded"].append(sched.step(a, list(range(30, 38))))  # 4 pages
+    sched.poll()
+    try:
+        sched.retract(a)
+        out["refused"] = None
+    except RuntimeError as exc:
+        out["refused"] = str(exc)
+    out["copies_tracked"] = len(mgr.ongoing_offload)
+    cc.release_backups()
+    if kvlife:  # goes on: the retracted life releases, b finishes, nothing leaks
+        sched.poll()
+        sched.finish(b)
+        sched.poll()
+        cc.release_backups()
+        sched.poll()
+        sched.close()
+        out["leaks"] = [sched.device.allocated(), sched.host.num_used, unreleased(sched)]
+        out["released"] = mgr.released
+    else:  # SGLang's scheduler would have to handle the RuntimeError; stop here
+        sched.engine.close()
+    out["stored"] = sorted(cc.store.keys())
+    return out
+
+
 def ranks_main(rank: int, world: int, port: int, out_dir: str, mutants: list[str]) -> None:
-    """One rank: each workload in turn (the clean one, then the seeded bugs), one gloo group."""
+    """One rank: each workload in turn (the clean one, then the seeded bugs), one gloo group;
+    then the retraction after skewed host pools, on SGLang's manager and on kvlife's."""
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank}
     try:
@@ -249,6 +307,9 @@ def ranks_main(rank: int, world: int, port: int, out_dir: str, mutants: list[str
         for mutant in mutants:
             dist.barrier()
             result[mutant] = workload(rank, mutant)
+        for kvlife in (False, True):
+            dist.barrier()
+            result[f"skew_kvlife={kvlife}"] = retraction_after_skew(rank, kvlife)
     except Exception:
         result["error"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -281,7 +342,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     assert codes == [0] * WORLD, (codes, results)
     for r in results:
         assert r is not None and "error" not in r, r
-    return {m: [r[m] for r in results if r is not None] for m in MUTANTS}
+    names = [*MUTANTS, "skew_kvlife=False", "skew_kvlife=True"]
+    return {m: [r[m] for r in results if r is not None] for m in names}
 
 
 def test_ranks_apply_the_same_acks_free_the_same_pages_and_leak_nothing(
@@ -344,3 +406,26 @@ def test_a_rank_that_acts_on_its_own_completions_is_caught(
     if mutant == "free_on_local_completion":  # rank 0 freed a's row at the retraction itself
         assert r0["at_retraction"]["frees"] == 1 and r1["at_retraction"]["frees"] == 0
         assert r0["resumed_reuses_held_pages"]
+
+
+def test_sglangs_drain_refuses_after_skewed_host_pools_and_kvlifes_retracts(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Where SGLang's drain really refuses (at one rank it waits, and is safe): its ranks
+    decide host exhaustion each for itself. Backups finishing in another order on each rank
+    leave rank 0 with 2 free host pages and rank 1 with 4; a 4-page chunk then goes in flight
+    on rank 1 only, SGLang's MIN-counted progress check leaves it there, and its drain raises
+    ``refusing to retract`` on both ranks. kvlife's manager on the same calls refuses that
+    chunk on both ranks alike and retracts; nothing leaks."""
+    s0, s1 = runs["skew_kvlife=False"]
+    assert [s0["host_free"], s1["host_free"]] == [2, 4]
+    assert s0["offloaded"] == [True, True, False] and s1["offloaded"] == [True, True, True]
+    for s in (s0, s1):
+        assert s["refused"] is not None and "refusing to retract" in s["refused"]
+    assert [s0["copies_tracked"], s1["copies_tracked"]] == [0, 1]
+    k0, k1 = runs["skew_kvlife=True"]
+    for k in (k0, k1):
+        assert k["offloaded"] == [True, True, False]  # the agreed budget: 2 pages, not 4
+        assert k["refused"] is None and k["leaks"] == [0, 0, 0]
+        assert k["released"] == 2  # b, and a's retracted life, though a never came back
+    assert k0["stored"] == k1["stored"] and len(k0["stored"]) == 6

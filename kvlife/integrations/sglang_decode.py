@@ -158,6 +158,7 @@ class _KVLifeDecodeOffload:
         self.drained_copies = 0
         #: Frees held back because a copy in flight still read one of their pages.
         self.deferred_frees = 0
+        self._retracting = False  # a drain ran: the next progress check ends retracted lives
         self._lives: weakref.WeakKeyDictionary[Any, _Life] = weakref.WeakKeyDictionary()
         self._tickets: dict[int, Ticket] = {}
         self._pins: dict[int, torch.Tensor] = {}  # ack id -> device indices its copy reads
@@ -224,7 +225,10 @@ class _KVLifeDecodeOffload:
 
     def check_offload_progress(self) -> None:
         """Wait for the device -> host copies queued on this rank (as SGLang's check does),
-        agree with the other ranks, apply the acks; then free host pages already backed up."""
+        agree with the other ranks, apply the acks; then free host pages already backed up.
+        After a retraction, first end the lives of the requests it retracted."""
+        if self._retracting:
+            self._end_retracted_lives()
         cc = self.cache_controller
         queue = cc.ack_write_queue
         done: list[int] = []
@@ -255,6 +259,7 @@ class _KVLifeDecodeOffload:
         request's pages until its copies' acks, so there is nothing to wait for. (Without
         an allocator to guard, it waits for every copy on this rank and agrees, instead.)"""
         self.retractions_drained += 1
+        self._retracting = True
         if self._raw_free is not None:
             return
         self.drained_copies += len(self.ongoing_offload)
@@ -346,6 +351,14 @@ class _KVLifeDecodeOffload:
 
         return namespaced
 
+    def _end_retracted_lives(self) -> None:
+        """Each life whose request SGLang retracted since (``reset_for_retract`` counts it) ends
+        ``RETRACTED`` now, released at its last ack, though the request may never come back."""
+        self._retracting = False
+        for req, life in list(self._lives.items()):
+            if not life.retracted and life.generation != req.retraction_count:
+                self._end_retracted(req, life)
+
     def _end_retracted(self, req: Any, life: _Life) -> None:
         """A retracted request came back (or finished): its old life ends RETRACTED."""
         lc = life.lifecycle
@@ -401,11 +414,11 @@ class _KVLifeDecodeOffload:
         req = life.req()
         if req is None:
             return
-        if self._lives.get(req) is life:
-            del self._lives[req]
         self.released += 1
         if life.retracted or life.generation != req.retraction_count:
-            return  # a retracted life's device pages went back with the retraction
+            return  # its device pages went back with the retraction; kept for the chain's tail
+        if self._lives.get(req) is life:
+            del self._lives[req]
         self._release_finished_req(req)
 
     def _refused(self, kind: str, exc: KVLifeError) -> bool:
