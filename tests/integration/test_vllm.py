@@ -62,17 +62,22 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
 PROMPTS = _prompts(0, 16)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The example's tiny random-init Llama (head_dim 32), built here: no downloads."""
+def _build_model(path: Path, seed: int) -> None:
+    """The example's tiny random-init Llama, its weights drawn from ``seed``."""
     spec = importlib.util.spec_from_file_location(
         "vllm_offload_example", Path(__file__).parents[2] / "examples" / "vllm_offload.py"
     )
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    example.build_tiny_llama(str(path), seed=seed)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The example's tiny random-init Llama (head_dim 32), built here: no downloads."""
     path = tmp_path_factory.mktemp("tinyllama")
-    example.build_tiny_llama(str(path))
+    _build_model(path, seed=0)
     return str(path)
 
 
@@ -437,16 +442,6 @@ def test_small_device_cache_preempts_and_tiny_host_tier_backpressures(
         _shutdown(llm)
     acc = assert_clean(manager)
     assert acc["live_lifecycles"] == 0
-
-
-def _build_model(path: Path, seed: int) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "vllm_offload_example", Path(__file__).parents[2] / "examples" / "vllm_offload.py"
-    )
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    example.build_tiny_llama(str(path), seed=seed)
 
 
 def test_a_checkpoint_replaced_at_the_same_path_gets_a_new_namespace_and_loads_nothing(

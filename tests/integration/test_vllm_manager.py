@@ -242,6 +242,28 @@ def test_one_metrics_record_and_one_collector_for_the_core_and_the_backend() -> 
     assert record.lifecycles_by_state == {"LOADING": 1, "RELEASED": 0}
 
 
+def test_get_stats_reports_each_counter_under_its_name_as_deltas() -> None:
+    m = manager(pages=1)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    stored(m, ctx, key(2))  # evicts key 1
+    m.prepare_load([key(2)], ctx)
+    m.complete_load({key(2)}, ctx)
+    m.complete_store({key(9)}, ctx)  # refused
+    assert m.prepare_store([key(3)], ReqContext("x")) is not None  # pending; evicts key 2
+    stats = {k: v[()] for k, v in m.get_stats().data["data"].items()}
+    assert stats == {
+        "vllm:kvlife_stored_blocks": 2,
+        "vllm:kvlife_loaded_blocks": 1,
+        "vllm:kvlife_evicted_blocks": 2,
+        "vllm:kvlife_refused": 2,  # the unknown key and the untracked request
+        "vllm:kvlife_pending_blocks": 1,
+        "vllm:kvlife_host_usage_perc": 1.0,
+    }  # a counter whose delta is 0 (promoted, dropped, ...) is not reported
+    assert m.get_stats() is None  # nothing changed since
+
+
 def _worker(views: list[torch.Tensor]) -> Any:
     """A KVLifeWorker over ``views`` (int8 ``[blocks, 16]``, one per layer) as vLLM's own
     cache description, with a host pool of 4 pages of 32 bytes."""

@@ -38,18 +38,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
 }
 
-#: The counter metrics' names and the manager's counts they report (``_Counts`` fields).
+#: The counter metrics' names, in the order ``get_stats`` reads its counts.
 _COUNTER_NAMES = tuple(name for name, (kind, _) in METRICS.items() if kind == "counter")
-_COUNTED = (
-    "stored",
-    "loaded",
-    "loaded_from_store",
-    "promoted",
-    "promote_misses",
-    "evicted",
-    "dropped_host_full",
-    "refused",
-)
 
 
 class _LiveManagers:

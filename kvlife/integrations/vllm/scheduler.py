@@ -8,7 +8,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar, cast
 
 import torch
@@ -42,7 +42,7 @@ from kvlife.integrations.vllm._common import (
     page_namer,
     shut_down,
 )
-from kvlife.integrations.vllm.metrics import _COUNTED, _COUNTER_NAMES
+from kvlife.integrations.vllm.metrics import _COUNTER_NAMES
 from kvlife.manager import ManagerMetrics
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
@@ -83,6 +83,9 @@ class _Counts:
     finished_at_shutdown: int = 0
     shutdown_errors: int = 0  # shutdown steps that failed (logged, never raised in vLLM)
     preemptions: int = 0  # requests vLLM preempted (seen at the end of each step)
+
+
+_COUNT_FIELDS = tuple(f.name for f in fields(_Counts))
 
 
 class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
@@ -184,7 +187,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "evicted": c.evicted,
             "dropped_host_full": c.no_room,
             "refused": self.refusals.total,
-            **asdict(self.counts),
+            **{name: getattr(self.counts, name) for name in _COUNT_FIELDS},
         }
 
     def _refuse(self, kind: str, message: str, exc: KVLifeError | None = None) -> None:
@@ -426,8 +429,19 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._reads.clear()  # a read still running finishes into nothing
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        books = self.accounting()
-        now = (*(books[name] for name in _COUNTED), books["pending"], self._pool.num_used)
+        c, counts = self.tier.counts, self.counts
+        now = (  # in METRICS' counter order, then the gauges: no dict per step
+            c.stored,
+            counts.loaded,
+            counts.loaded_from_store,
+            counts.promoted,
+            counts.promote_misses,
+            c.evicted,
+            c.no_room,
+            self.refusals.total,
+            c.pending,
+            self._pool.num_used,
+        )
         last = self._last_stats
         if now == last:
             return None
