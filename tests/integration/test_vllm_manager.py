@@ -485,7 +485,7 @@ def test_the_state_says_a_load_is_what_is_left_after_the_store_ack() -> None:
 # ---------------------------------------------------------- nothing raises into vLLM (item 6)
 
 
-def offloading_config(model: str = "m", **extra: Any) -> Any:
+def offloading_config(model: str = "m", tp: int = 1, **extra: Any) -> Any:
     """vLLM's own ``OffloadingConfig`` for one group of two layers (32 KiB blocks)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
@@ -505,8 +505,8 @@ def offloading_config(model: str = "m", **extra: Any) -> Any:
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0,
-            world_size=1,
-            tp_size=1,
+            world_size=tp,
+            tp_size=tp,
             pp_size=1,
             pcp_size=1,
             dcp_size=1,
@@ -781,4 +781,28 @@ def test_a_hit_from_the_persistent_tier_is_verified_host_bytes_before_it_is_a_hi
     assert _settled_lookup(m, key(2), ctx) is LookupResult.MISS
     acc = m.accounting()
     assert (acc["promoted"], acc["promote_misses"], acc["host_keys"]) == (1, 1, 1)
+    m.shutdown()
+
+
+def test_with_tensor_parallelism_a_hit_means_every_rank_has_its_page(tmp_path: Any) -> None:
+    """Scenario (TP=2, vLLM's own config types): rank 1's write of a block failed (a full
+    disk) or it was killed before writing. Before, the scheduler read rank 0's namespace
+    only: the block was a HIT, rank 1's load failed and vLLM 0.32 stopped."""
+    from kvlife.integrations.vllm import KVLifeOffloadingSpec
+
+    spec = KVLifeOffloadingSpec(offloading_config(tp=2, store_dir=str(tmp_path)))
+    rank0, rank1 = spec.rank_namespaces
+    assert spec.namespace == rank0 and rank1.endswith("/rank1")
+    m = spec.get_manager()  # no worker in this process: vLLM's multiprocess layout
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    _put_page(tmp_path, rank0, key(1), 1)  # rank 0 wrote block 1, rank 1 did not
+    _put_page(tmp_path, rank0, key(2), 2)
+    _put_page(tmp_path, rank1, key(2), 2)  # both ranks wrote block 2
+    assert m.lookup(key(1), ctx) is LookupResult.MISS, "one rank lacks it: a miss for all"
+    assert m.lookup(key(2), ctx) is LookupResult.HIT
+    path = _put_page(tmp_path, rank1, key(1), 1)
+    assert m.lookup(key(1), ctx) is LookupResult.HIT
+    path.write_bytes(path.read_bytes()[:-1] + b"x")  # rank 1's page damaged
+    assert m.lookup(key(1), ctx) is LookupResult.MISS
     m.shutdown()

@@ -109,6 +109,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         pending_timeout: float | None = None,
         holds_bytes: bool = True,
         page_bytes: int | None = None,
+        other_ranks: Sequence[LocalDirectoryStore] = (),
     ) -> None:
         self.refusals = Refusals(strict=strict, logger=logger)
         self.tier: HostTier[OffloadKey] = HostTier(
@@ -120,6 +121,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._disk = disk
         self._report_dir = report_dir
         self._names = page_namer(disk.namespace) if disk is not None else None
+        # Tensor parallelism: every rank's namespace, read side; a hit needs each one's page.
+        self._ranks = [(d, page_namer(d.namespace)) for d in (disk, *other_ranks) if d]
         self._promote = disk is not None and holds_bytes
         self._reads: dict[OffloadKey, Future[bytes | None]] = {}  # promotions in flight
         self._held: dict[OffloadKey, None] = {}  # hits of this step, pinned to its end
@@ -263,8 +266,9 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         disk, names = self._disk, self._names
         if disk is None or names is None:
             return LookupResult.MISS
-        if self._reader is None:  # the bytes live in the worker: it reads the page itself
-            return LookupResult.HIT if disk.contains(names(key)) else LookupResult.MISS
+        if self._reader is None:  # the bytes live in the workers: each reads its rank's page
+            every = all(rank.contains(name(key)) for rank, name in self._ranks)
+            return LookupResult.HIT if every else LookupResult.MISS
         read = self._reads.get(key)
         if read is None:
             if not os.path.exists(disk.path(names(key))):  # a stat: most misses stop here
@@ -468,9 +472,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         reader = self._reader
         if reader is not None:
             steps.append(("reader", lambda: reader.shutdown(wait=True, cancel_futures=True)))
-        disk = self._disk
-        if disk is not None:
-            steps.append(("store_close", disk.close))
+        for rank, _ in self._ranks:
+            steps.append(("store_close", rank.close))
         if self._report_dir is not None:
             steps.append(("report", self._report))
         errors = shut_down("manager", steps)

@@ -262,14 +262,17 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         if settings.model_id is None:
             weights = checkpoint_fingerprint(str(config.model.name), _vllm_revision())
         self.namespace = store_namespace(config, settings.model_id, weights)
+        base, _ = self.namespace.rsplit("/", 1)
+        #: Every rank's namespace (the scheduler side checks each one's page before a hit).
+        self.rank_namespaces = [f"{base}/rank{r}" for r in range(config.parallel.world_size)]
         self._pool_key = f"{config.engine_id}/{config.parallel.rank}"
         self._manager: KVLifeOffloadingManager | None = None
         self._worker: KVLifeWorker | None = None
 
-    def _open_store(self) -> LocalDirectoryStore | None:
+    def _open_store(self, namespace: str | None = None) -> LocalDirectoryStore | None:
         if self.store_dir is None:
             return None
-        return LocalDirectoryStore(self.store_dir, self.namespace)
+        return LocalDirectoryStore(self.store_dir, namespace or self.namespace)
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -287,6 +290,11 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 report_dir=self.report_dir,
                 pending_timeout=self.settings.pending_timeout,
                 holds_bytes=holds_bytes,
+                other_ranks=[
+                    store
+                    for ns in self.rank_namespaces
+                    if ns != self.namespace and (store := self._open_store(ns)) is not None
+                ],
                 page_bytes=self.page_bytes,
             )
         return self._manager
