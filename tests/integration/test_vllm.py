@@ -507,3 +507,75 @@ def test_the_cache_directory_cleared_while_vllm_runs_outputs_right_vllm_up(
         assert acc["pending"] == 0 and acc["pinned"] == 0, acc
     finally:
         _shutdown(llm)
+
+
+@pytest.fixture
+def mooncake(tmp_path: Path) -> Iterator[Any]:
+    """A real Mooncake master and memory pool on loopback ports, stopped by PID after."""
+    pytest.importorskip("mooncake.store", reason="Mooncake is not installed (kvlife[mooncake])")
+    from kvlife.store.mooncake_local import LocalMooncake
+
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # loopback only
+    bin_dir = str(Path(sys.executable).parent)  # the server binaries beside this interpreter
+    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    (tmp_path / "mooncake-logs").mkdir()
+    cluster = LocalMooncake(pool_size="256MB", log_dir=tmp_path / "mooncake-logs").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_two_vllm_processes_share_pages_through_mooncake_and_a_dead_master_is_a_miss(
+    model_dir: str, baseline: Any, tmp_path: Path, mooncake: Any
+) -> None:
+    """Scenario (issue 22): two vLLM instances share prefix KV through one Mooncake
+    cluster (``store="mooncake"``): the second loads what the first stored, outputs
+    identical. Then the master is killed mid-run: every kvlife lookup of the persistent
+    tier is a miss (counted) and vLLM keeps serving by recomputing."""
+    extra = {
+        "store": "mooncake",
+        "mooncake_master": mooncake.master,
+        "mooncake_metadata": mooncake.metadata,
+    }
+    prompts = PROMPTS[:8]
+    args = {
+        "model_dir": model_dir,
+        "store_dir": None,
+        "extra": extra,
+        "single_process": True,
+        "report_dir": str(tmp_path / "report"),
+        "prompts": prompts,
+        "fresh": [],
+        "max_tokens": MAX_TOKENS,
+        "out": str(tmp_path / "out.json"),
+    }
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    child = Path(__file__).with_name("vllm_child.py")
+    run = subprocess.run(
+        [sys.executable, str(child), str(tmp_path / "args.json")],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads((tmp_path / "out.json").read_text())["prompts"] == baseline["main"][:8]
+    (report,) = (tmp_path / "report").glob("worker-*.json")
+    written = json.loads(report.read_text())["disk_pages_written"]
+    assert written >= 16  # the first instance's pages are in the cluster
+    llm = _llm(model_dir, {"host_bytes": 8 << 20, **extra})
+    try:
+        manager, worker = _roles()
+        assert _generate(llm, prompts) == baseline["main"][:8]
+        acc = manager.accounting()
+        assert acc["promoted"] >= 16 and acc["loaded"] >= 16, acc  # the first one's pages
+        mooncake.kill_master()
+        assert llm.reset_prefix_cache(reset_connector=True)  # the host tier too
+        assert _generate(llm, prompts) == baseline["main"][:8]  # recomputed
+        acc = manager.accounting()
+        assert acc["store_unavailable"] >= 1, acc
+        assert _generate(llm, _prompts(1, 8)) == baseline["abort"]  # still serving
+        assert worker.stats["disk_load_errors"] == 0
+    finally:
+        _shutdown(llm)

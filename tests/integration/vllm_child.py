@@ -7,18 +7,24 @@ once (their blocks come from the persistent tier), then ``fresh`` twice with vLL
 own prefix cache dropped in between (stored to the host tier by the worker's copy
 engine in the worker process, then loaded back), writes the outputs to ``out`` as
 JSON, and shuts the engine down (each role writes its accounting to report_dir).
+Optional: ``extra`` (extra-config keys instead of store_dir: e.g. a Mooncake cluster)
+and ``single_process`` (vLLM's single-process mode, faster to start).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 
 
 def main() -> None:
     with open(sys.argv[1]) as f:
         args = json.load(f)
+    single = bool(args.get("single_process"))
+    if single:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -34,8 +40,11 @@ def main() -> None:
         seed=0,
         gpu_memory_utilization=0.5,  # of CPU memory on vLLM's CPU build: a shared machine
         kv_transfer_config=transfer_config(
-            8 << 20, store_dir=args["store_dir"], report_dir=args["report_dir"]
+            8 << 20,
+            report_dir=args["report_dir"],
+            **(args.get("extra") or {"store_dir": args["store_dir"]}),
         ),
+        **({"distributed_executor_backend": "uni"} if single else {}),
     )
     params = SamplingParams(
         temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, detokenize=False
@@ -45,7 +54,7 @@ def main() -> None:
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     fresh = [TokensPrompt(prompt_token_ids=p) for p in args["fresh"]]
     rounds = []
-    for _ in range(2):
+    for _ in range(2 if args["fresh"] else 0):
         done = llm.generate(fresh, params, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in done])
         assert llm.reset_prefix_cache()

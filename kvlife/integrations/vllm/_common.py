@@ -10,7 +10,7 @@ import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 
 from kvlife import Lifecycle, Ticket
 from kvlife.pool import HostPagePool
+from kvlife.store.base import Store
 
 logger = logging.getLogger("kvlife.integrations.vllm")
 
@@ -86,6 +87,14 @@ def live_managers() -> list[KVLifeOffloadingManager]:
 def live_workers() -> list[KVLifeWorker]:
     """The workers alive in this process."""
     return _LIVE_WORKERS.members()
+
+
+class PersistentTier(Store, Protocol):
+    """The persistent tier behind the host tier: a ``LocalDirectoryStore`` (``store_dir``)
+    or a ``MooncakeStore`` (``store="mooncake"``), named by its namespace."""
+
+    @property
+    def namespace(self) -> str: ...
 
 
 def page_namer(namespace: str) -> Callable[[OffloadKey | str], str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,12 +31,13 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife import FinishReason, Lifecycle, LoadTicket, State, Ticket
-from kvlife.errors import KVLifeError, LifecycleError, ManagerError
+from kvlife.errors import KVLifeError, LifecycleError, ManagerError, StoreError
 from kvlife.host_tier import HostTier, Lookup
 from kvlife.integrations.vllm._common import (
     _LIVE_MANAGERS,
     FROM_STORE,
     HostBlocksSpec,
+    PersistentTier,
     _hex_keys,
     _start_store,
     _write_report,
@@ -73,6 +75,7 @@ class _Counts:
     loaded: int = 0
     loaded_from_store: int = 0  # blocks the worker read from the persistent tier itself
     promoted: int = 0  # persistent-tier pages read, verified and made host entries
+    store_unavailable: int = 0  # persistent-tier reads the store could not answer
     promote_misses: int = 0  # pages found at lookup, damaged or gone by the read: misses
     store_failed: int = 0
     abandoned_jobs: int = 0
@@ -85,6 +88,8 @@ class _Counts:
     preemptions: int = 0  # requests vLLM preempted (seen at the end of each step)
 
 
+#: Seconds every lookup misses after the persistent tier failed to answer.
+_DOWN_SECONDS = 5.0
 _COUNT_FIELDS = tuple(f.name for f in fields(_Counts))
 
 
@@ -104,12 +109,12 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         pool: HostPagePool,
         *,
         strict: bool = False,
-        disk: LocalDirectoryStore | None = None,
+        disk: PersistentTier | None = None,
         report_dir: str | None = None,
         pending_timeout: float | None = None,
         holds_bytes: bool = True,
         page_bytes: int | None = None,
-        other_ranks: Sequence[LocalDirectoryStore] = (),
+        other_ranks: Sequence[PersistentTier] = (),
     ) -> None:
         self.refusals = Refusals(strict=strict, logger=logger)
         self.tier: HostTier[OffloadKey] = HostTier(
@@ -125,6 +130,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._ranks = [(d, page_namer(d.namespace)) for d in (disk, *other_ranks) if d]
         self._promote = disk is not None and holds_bytes
         self._reads: dict[OffloadKey, Future[bytes | None]] = {}  # promotions in flight
+        self._down_until = 0.0  # the persistent tier failed: every lookup misses until then
         self._held: dict[OffloadKey, None] = {}  # hits of this step, pinned to its end
         self._reader = (
             ThreadPoolExecutor(1, thread_name_prefix="kvlife-promote") if self._promote else None
@@ -266,12 +272,20 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         disk, names = self._disk, self._names
         if disk is None or names is None:
             return LookupResult.MISS
+        if self._down_until and time.monotonic() < self._down_until:
+            return LookupResult.MISS  # the persistent tier is down: recompute, ask later
         if self._reader is None:  # the bytes live in the workers: each reads its rank's page
-            every = all(rank.contains(name(key)) for rank, name in self._ranks)
+            try:
+                every = all(rank.contains(name(key)) for rank, name in self._ranks)
+            except StoreError as exc:
+                self._tier_down(exc)
+                return LookupResult.MISS
             return LookupResult.HIT if every else LookupResult.MISS
         read = self._reads.get(key)
         if read is None:
-            if not os.path.exists(disk.path(names(key))):  # a stat: most misses stop here
+            if isinstance(disk, LocalDirectoryStore) and not os.path.exists(
+                disk.path(names(key))
+            ):  # a stat: most misses stop here (another store: the read tells)
                 return LookupResult.MISS
             self._reads[key] = self._reader.submit(disk.get, names(key))
             self.counts.lookups_pending += 1
@@ -286,10 +300,21 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.tier.pin([key])
         return LookupResult.HIT
 
+    def _tier_down(self, exc: StoreError) -> None:
+        """The persistent tier failed to answer: every lookup is a miss for a while (vLLM
+        recomputes) rather than each one waiting for the cluster's timeout."""
+        self.counts.store_unavailable += 1
+        self._down_until = time.monotonic() + _DOWN_SECONDS
+        if self.counts.store_unavailable == 1:
+            logger.warning("kvlife: persistent tier unavailable (%r); lookups miss", exc)
+
     def _promoted(self, key: OffloadKey, read: Future[bytes | None]) -> bool:
         """A finished read of ``key``'s page: a ready host entry if whole and verified."""
         try:
             payload = read.result()
+        except StoreError as exc:  # the cluster did not answer: a miss, and a pause
+            self._tier_down(exc)
+            payload = None
         except Exception:  # an I/O error: a miss like any unreadable page
             payload = None
         pool = self._pool

@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife.errors import ConfigError
-from kvlife.integrations.vllm._common import _SHARED_POOLS
+from kvlife.integrations.vllm._common import _SHARED_POOLS, PersistentTier
 from kvlife.integrations.vllm.metrics import METRICS
 from kvlife.integrations.vllm.scheduler import KVLifeOffloadingManager
 from kvlife.integrations.vllm.worker import KVLifeWorker, _block_views
@@ -96,6 +96,9 @@ class Settings:
     strict: bool = False
     model_id: str | None = None
     pending_timeout: float | None = None
+    store: str = "directory"
+    mooncake_master: str | None = None
+    mooncake_metadata: str | None = None
 
     @classmethod
     def of(cls, extra: Mapping[str, Any]) -> Settings:
@@ -123,7 +126,23 @@ class Settings:
             or not 0 < timeout < float("inf")
         ):
             raise _bad("pending_timeout", timeout, "must be a positive number of seconds")
+        store = extra.get("store", "directory")
+        if store not in ("directory", "mooncake"):
+            raise _bad("store", store, "must be 'directory' (store_dir) or 'mooncake'")
+        mooncake: dict[str, str | None] = {}
+        for key in ("mooncake_master", "mooncake_metadata"):
+            value = extra.get(key)
+            if store == "mooncake" and (not isinstance(value, str) or not value.strip()):
+                raise _bad(key, value, "is required with store='mooncake' (a non-empty str)")
+            if store != "mooncake" and value is not None:
+                raise _bad(key, value, "is only read with store='mooncake'")
+            mooncake[key] = value
+        if store == "mooncake" and extra.get("store_dir") is not None:
+            raise _bad("store_dir", extra["store_dir"], "is not read with store='mooncake'")
         return cls(
+            store=store,
+            mooncake_master=mooncake["mooncake_master"],
+            mooncake_metadata=mooncake["mooncake_metadata"],
             host_bytes=host_bytes,
             store_dir=_directory(extra, "store_dir", probe=False),
             report_dir=_directory(extra, "report_dir", probe=True),
@@ -269,7 +288,15 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         self._manager: KVLifeOffloadingManager | None = None
         self._worker: KVLifeWorker | None = None
 
-    def _open_store(self, namespace: str | None = None) -> LocalDirectoryStore | None:
+    def _open_store(self, namespace: str | None = None) -> PersistentTier | None:
+        settings = self.settings
+        if settings.store == "mooncake":
+            from kvlife.store.mooncake import MooncakeStore
+
+            assert settings.mooncake_master and settings.mooncake_metadata  # checked at start
+            return MooncakeStore(
+                settings.mooncake_master, settings.mooncake_metadata, namespace or self.namespace
+            )
         if self.store_dir is None:
             return None
         return LocalDirectoryStore(self.store_dir, namespace or self.namespace)

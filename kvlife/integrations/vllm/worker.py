@@ -40,6 +40,7 @@ from kvlife.integrations.vllm._common import (
     _SHARED_POOLS,
     FROM_STORE,
     HostBlocksSpec,
+    PersistentTier,
     _hex_keys,
     _start_store,
     _write_report,
@@ -48,7 +49,6 @@ from kvlife.integrations.vllm._common import (
 )
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
-from kvlife.store.directory import LocalDirectoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         kv_caches: CanonicalKVCaches,
         pool: HostPagePool,
         *,
-        store: LocalDirectoryStore | None = None,
+        store: PersistentTier | None = None,
         report_dir: str | None = None,
         strict: bool = False,
         pool_key: str | None = None,
