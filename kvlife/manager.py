@@ -513,6 +513,8 @@ class OffloadManager:
         self._check_owned(req)
         if not req._decoding:
             raise self._invalid_step(req, "decoding has ended; nothing to load into")
+        if self.agreement is not None:
+            raise self._refuse("loads are not agreed across ranks yet: no load with an agreement")
         keys = req.prompt_keys
         limit = len(keys) if pages is None else _count("pages", pages, 0)
         try:
@@ -540,7 +542,7 @@ class OffloadManager:
             return None
         device = list(_slice(device_pages, 0, len(ready)))
         try:
-            self.engine.check(device, host_pages)
+            self.engine.check(device, host_pages, load=True)
             ticket = req._lifecycle.load(ready)
         except BaseException as exc:
             tier.complete_load(ready)
@@ -548,6 +550,7 @@ class OffloadManager:
                 self._refused[type(exc).__name__] += 1
             raise
         self._metrics.loads_started += 1
+        req.device_pages = device_pages  # the page table the release hands back, as offload's
         try:
             self.engine.submit(ticket, device, host_pages)
         except BaseException as exc:
@@ -715,9 +718,12 @@ class OffloadManager:
         pending.extend(results)
         while pending:
             result = pending.popleft()
+            token = result.token
+            if type(token) is not tuple or not isinstance(token[0], OffloadRequest):
+                continue  # another writer's put to a shared store (a prefill side): not ours
             owner: OffloadRequest
             host_pages: tuple[int, ...]
-            owner, host_pages = result.token  # type: ignore[misc]
+            owner, host_pages = token
             if owner.manager is not self:  # a store shared with another manager
                 owner.manager._results.append(result)
                 continue

@@ -617,3 +617,137 @@ sglang_resume_reuses_record = _sglang(ResumeReusesRecord)
 sglang_shared_staging = _sglang(SharedStaging)
 sglang_unchained_keys = _sglang(UnchainedKeys)
 sglang_slot_counter = _sglang(SlotCounter)
+
+
+# ----------------------------------------------------------------------------- the load half
+#
+# Each is kvlife's manager with one patch that puts back a load-side bug a serving engine
+# shipped; the kit's Return event (a conversation coming back, its prefix restored by a load)
+# drives them.
+
+
+class ReleaseUnderLoad(OffloadManager):
+    """(J) Device blocks handed back at finish while a load still writes them (LMCache #4939,
+    vLLM #46951): the runtime frees a finished request's blocks without waiting for its load."""
+
+    def finish(self, req: OffloadRequest, *args: Any, **kwargs: Any) -> None:
+        handler = req.release_handler
+        if req.loading and handler is not None:
+            req.release_handler = None
+            handler(req, req.device_pages)  # the bug: the load is still writing these
+        super().finish(req, *args, **kwargs)
+
+
+class DropLateLoadAck(OffloadManager):
+    """(K) A load's completion after its request ended is filtered out (vllm-ascend #16662):
+    the life never drains and the blocks and the pinned host pages leak for good."""
+
+    def _apply_ack(self, ack: Ack) -> None:
+        if ack.is_load and ack.lifecycle.finish_reason is not None:
+            return  # the bug: "the request is gone, ignore its load"
+        super()._apply_ack(ack)
+
+
+class TransferDoneByRid(OffloadManager):
+    """(L) A preempted request re-admitted while its store is in flight (vLLM #46014): one
+    "transfers done" flag per rid, so the new life's load ack also settles the old life's
+    store, and the old life is released with its copy still reading its blocks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lives: dict[object, list[OffloadRequest]] = {}
+
+    def start(self, rid: object, *args: Any, **kwargs: Any) -> OffloadRequest:
+        req = super().start(rid, *args, **kwargs)
+        self._lives.setdefault(rid, []).append(req)
+        return req
+
+    def _settle_load(self, req: OffloadRequest, ack: Ack) -> None:
+        super()._settle_load(req, ack)
+        for other in self._lives[req.rid]:  # the bug: settled by rid
+            for ticket in other._lifecycle.chunks_in_flight():
+                other._lifecycle.ack(ticket)
+
+
+class PendingServed(OffloadManager):
+    """(M) A key served while its store is still in flight: a miss on every tier is
+    "found" in the host page an in-flight copy is writing, before that copy completed."""
+
+    def _promote(self, key: str) -> bool:
+        if super()._promote(key):
+            return True
+        for copy in self.engine.in_flight():  # type: ignore[attr-defined]
+            if type(copy.ticket) is tuple and key in copy.ticket[2]:  # the bug: not written yet
+                source = copy.host_pages[copy.ticket[2].index(key)]
+
+                def fill(page: int, source: int = source) -> bool:
+                    self.host.tensor[page].copy_(self.host.tensor[source])
+                    return True
+
+                return self.tier.insert_ready(key, fill, pin=True)
+        return False
+
+
+class _UnguardedEngine(ScriptedEngine):
+    """An engine that does not refuse a copy into a host page a load still reads (kvlife's
+    engines do): so the runtime's own mistake shows as the bytes it loads."""
+
+    def _claim(self, *args: Any) -> None:
+        pass
+
+    def _unclaim(self, *args: Any) -> None:
+        pass
+
+
+class UnpinnedLoad(OffloadManager):
+    """(N) A pinned page evicted under a load: the load's pins are dropped as soon as it is
+    submitted, so its host pages are free for the next store while the load still reads them."""
+
+    def load(self, req: OffloadRequest, *args: Any, **kwargs: Any) -> Any:
+        ticket = super().load(req, *args, **kwargs)
+        if ticket is not None:
+            self.tier.complete_load(ticket.keys)  # the bug: unpinned under the copy
+        return ticket
+
+    def _settle_load(self, req: OffloadRequest, ack: Ack) -> None:
+        self.tier.pin(())  # the pins are gone already; keep the rest of the settle
+        keys = ack.ticket[2]
+        if ack.ok:
+            req.loaded_pages += len(keys)
+        else:
+            req.load_failures += 1
+
+
+class AliasedLoads(OffloadManager):
+    """(O) Two identical loads alias one job (kvlife's own vLLM backend, found this turn): a
+    load of keys another load in flight already reads returns that load's ticket, so the
+    second request's blocks are never written and it decodes on whatever they held."""
+
+    def load(self, req: OffloadRequest, *args: Any, **kwargs: Any) -> Any:
+        for other in self._live:
+            for ticket in other._lifecycle.loads_in_flight():
+                if ticket.keys == req.prompt_keys[: len(ticket.keys)]:
+                    return ticket  # the bug: one job for both
+        return super().load(req, *args, **kwargs)
+
+
+def _unguarded(manager: Callable[..., OffloadManager]) -> Callable[[], ManagerAdapter]:
+    class Adapter(ManagerAdapter):
+        engine_class = _UnguardedEngine
+
+    def factory() -> ManagerAdapter:
+        return Adapter(manager_factory=manager)
+
+    factory.__name__ = f"unguarded_adapter_of_{manager.__name__}"
+    return factory
+
+
+LOAD_MUTANTS: dict[str, tuple[str, Callable[[], ManagerAdapter]]] = {
+    "load-release-under-load": ("J", _adapter(ReleaseUnderLoad)),
+    "load-late-ack-dropped": ("K", _adapter(DropLateLoadAck)),
+    "load-transfer-done-by-rid": ("L", _adapter(TransferDoneByRid)),
+    "load-pending-served": ("M", _adapter(PendingServed)),
+    "load-unpinned": ("N", _unguarded(UnpinnedLoad)),
+    "load-aliased": ("O", _adapter(AliasedLoads)),
+}
+SHAPED.update(LOAD_MUTANTS)

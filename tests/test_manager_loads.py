@@ -216,3 +216,24 @@ def test_a_full_host_pool_evicts_cached_pages_for_a_due_chunk() -> None:
     assert m.host_tier_evicted == 2 and rig.host.num_used == 8
     rig.close()
     store.close()
+
+
+def test_scenario_two_requests_load_one_host_page_at_once() -> None:
+    """Scenario (found by the kit's Return event): two returning conversations load the same
+    prefix page while the first load is still in flight. Two reads of one host page do not
+    conflict; the manager checked the load as if it were a store (the engine refused it,
+    PageBusy, and the runtime saw an exception)."""
+    store = MemoryStore()
+    rig = Rig(store, keep_on_host=True, delay=0.2)
+    first = rig.first_life([], 8)
+    returning = [*range(1000, 1008), 5]
+    a = rig.manager.start("a", returning, None)
+    b = rig.manager.start("b", returning, None)
+    assert rig.manager.load(a, [30, 31]) is not None
+    assert rig.manager.load(b, [28, 29]) is not None  # the same host pages, read twice
+    assert rig.manager.tier.counts.pinned == 4
+    rig.manager.close()
+    assert a.loaded_pages == b.loaded_pages == 2 and rig.manager.tier.counts.pinned == 0
+    assert torch.equal(rig.layout.read_page(28), first[0])
+    rig.close()
+    store.close()

@@ -49,6 +49,7 @@ MANAGER = KitOptions(stuck_after=2.0)
 
 START = "start rid=r prompt=3 tokens"
 STEP0, STEP1 = "step life 0 +2 tokens", "step life 1 +2 tokens"
+RETURN0 = "return life 0 (a new life, its tokens as the prompt, restored)"
 
 #: name -> (bounds, options, the shortest trace kvlife check prints, rules the kit may report)
 EXPECTED: dict[str, tuple[CheckConfig, list[str], set[str]]] = {
@@ -147,6 +148,60 @@ EXPECTED: dict[str, tuple[CheckConfig, list[str], set[str]]] = {
             "PoolError: is owned by",
         },
     ),
+    # The load half: a conversation returns (a new life on the rid, its prefix loaded).
+    "load-release-under-load": (
+        CheckConfig(1, 0, options=MANAGER, returns=1),
+        [START, "finish life 0 finished", RETURN0, "finish life 1 finished"],
+        {"release-in-flight"},
+    ),
+    "load-late-ack-dropped": (
+        CheckConfig(1, 0, options=MANAGER, returns=1),
+        [
+            START,
+            "finish life 0 finished",
+            RETURN0,
+            "finish life 1 finished",
+            "complete life 1 chunk 0 ok, poll",
+            "close",
+        ],
+        {"unreleased", "host-leak", "stuck-copy"},
+    ),
+    "load-transfer-done-by-rid": (
+        CheckConfig(1, 1, options=MANAGER, returns=1),
+        [START, STEP0, "finish life 0 finished", RETURN0, "complete life 1 chunk 0 ok, poll"],
+        {"release-in-flight", "DuplicateAck", "PoolError", "unreleased", "host-leak"},
+    ),
+    "load-pending-served": (
+        CheckConfig(1, 1, options=MANAGER, returns=1),
+        [START, STEP0, "finish life 0 finished", RETURN0],
+        {"pending-load"},
+    ),
+    "load-unpinned": (
+        CheckConfig(2, 1, options=MANAGER, returns=1),
+        [
+            START,
+            "finish life 0 finished",
+            RETURN0,
+            "finish life 1 finished",
+            START,
+            "step life 2 +2 tokens",
+            "complete life 2 chunk 0 ok, poll",
+            "complete life 1 chunk 0 ok, poll",
+        ],
+        {"load-bytes", "misfiled-page"},
+    ),
+    "load-aliased": (
+        CheckConfig(1, 0, options=MANAGER, returns=2),
+        [
+            START,
+            "finish life 0 finished",
+            RETURN0,
+            "finish life 1 finished",
+            "return life 1 (a new life, its tokens as the prompt, restored)",
+            "complete life 2 chunk 0 ok, poll",
+        ],
+        {"copy-owner", "restore-bytes", "unreleased"},
+    ),
 }
 
 
@@ -160,7 +215,7 @@ def same_refusal(rules: set[str], message: str, replayed: BaseException) -> bool
 
 def test_every_shape_is_seeded() -> None:
     shapes = {shape for shape, _ in SHAPED.values()}
-    assert shapes >= set("ABCDEFGI") and len(SHAPED) >= 9
+    assert shapes >= set("ABCDEFGIJKLMNO") and len(SHAPED) >= 15
     assert set(EXPECTED) == set(SHAPED) and set(MUTANTS) <= set(SHAPED)
 
 
@@ -181,7 +236,7 @@ def test_checker_finds_each_seeded_bug_with_its_shortest_trace(name: str) -> Non
 
 #: Bugs that need a rarer interleaving (a resume while the retracted life's flush is in
 #: flight) get more examples.
-EXAMPLES = {"sglang-resume-reuses-record": 300}
+EXAMPLES = {"sglang-resume-reuses-record": 300, "load-transfer-done-by-rid": 400}
 
 
 def _kit_failure(name: str) -> KitFailure:

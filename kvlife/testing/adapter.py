@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from kvlife._lifecycle import FinishReason
+from kvlife._lifecycle import FinishReason, LoadTicket
 from kvlife.errors import KVLifeError
 from kvlife.hashing import page_hashes
 from kvlife.layout import LayerFirstLayout
@@ -57,8 +57,9 @@ class Release:
 @runtime_checkable
 class RuntimeAdapter(Protocol):
     """All the kit needs from a decode runtime's offload bookkeeping. Optional members, read
-    with ``getattr``: ``progress`` (default ``"poll"``), ``device_pages_allocated()`` and
-    ``host_pages_free()`` (docs/testing-kit.md)."""
+    with ``getattr``: ``progress`` (default ``"poll"``), ``device_pages_allocated()``,
+    ``host_pages_free()``, and the load half: ``restore(request)``, ``copy_is_load(copy)``,
+    ``copy_keys(copy)`` and ``device_page(request, index)`` (docs/testing-kit.md)."""
 
     #: Tokens per page.
     page_size: int
@@ -122,6 +123,10 @@ class RuntimeRequest:
     keys: list[str] = field(default_factory=list)
     written: int = 0
     handle: Any = None
+    #: A failed load's pages were computed again.
+    recomputed: bool = False
+    #: Its prompt pages are still to be stored as the prefill side would.
+    prefill_pending: bool = False
 
     def __repr__(self) -> str:
         return f"<request rid={self.rid!r} tokens={len(self.tokens)} id=0x{id(self):x}>"
@@ -139,6 +144,8 @@ class ManagerAdapter:
     namespace: str | None = None
     #: kvlife's poll never blocks: it applies the acks of copies that completed.
     progress: Progress = "poll"
+    #: The copy engine the adapter builds (a subclass may use another).
+    engine_class: type[ScriptedEngine] = ScriptedEngine
 
     def __init__(
         self,
@@ -149,16 +156,20 @@ class ManagerAdapter:
         device_pages: int = 128,
         manager_factory: ManagerFactory = OffloadManager,
         store: Store | None = None,
+        prefill_store: bool = True,
     ) -> None:
         self.page_size = page_size
         self.layout = LayerFirstLayout.zeros(1, device_pages, page_size, 1, 2, dtype=torch.int32)
         self.host = HostPagePool(host_pages, self.layout.page_numel, torch.int32, pin_memory=False)
-        self.engine = ScriptedEngine(self.layout, self.host)
+        self.engine = self.engine_class(self.layout, self.host)
         self.store: Store = InlineStore() if store is None else store
         self.manager = manager_factory(
             self.engine, self.host, self.store, page_size=page_size, stride=stride
         )
         self.device = DevicePages(self.layout)
+        #: Store each life's whole prompt pages as the prefill side would (so a returning
+        #: conversation finds its prefix); the puts are not the manager's.
+        self.prefill_store = prefill_store
         self._requests: dict[OffloadRequest, RuntimeRequest] = {}
         self._releases: list[Release] = []
         self._closed = False
@@ -168,7 +179,43 @@ class ManagerAdapter:
         self._grow(req)
         req.handle = self.manager.start(rid, req.tokens, self._on_release)
         self._requests[req.handle] = req
+        req.prefill_pending = self.prefill_store
         return req
+
+    def _prefill(self, req: RuntimeRequest) -> None:
+        """Store the prompt pages the prefill side computed, once, before the life goes on
+        (a restored life's prompt was loaded, not prefilled: it stores none)."""
+        if not req.prefill_pending:
+            return
+        req.prefill_pending = False
+        computed = min(len(req.keys), (len(req.handle.prompt_keys)))  # prompt pages with KV
+        if computed:
+            pages = torch.stack([self.layout.read_page(p) for p in req.pages[:computed]])
+            self.store.put(("prefill", req.rid), req.keys[:computed], pages)
+
+    def restore(self, request: object) -> None:
+        """Load the request's prompt prefix: the pages the load covers hold poison until its
+        copy completes; the rest are recomputed (written) at once."""
+        req = self._request(request)
+        req.prefill_pending = False
+        computed = min(len(req.keys), len(req.pages))
+        for page in req.pages[:computed]:
+            self.device.poison(page)
+        ticket = self.manager.load(req.handle, req.pages)
+        loaded = 0 if ticket is None else len(ticket.keys)
+        for i in range(loaded, computed):
+            self.device.write(req.pages[i], req.keys[i])
+
+    def copy_is_load(self, copy: object) -> bool:
+        return type(self._copy(copy).ticket) is LoadTicket
+
+    def copy_keys(self, copy: object) -> tuple[str, ...]:
+        return self._copy(copy).ticket[2]
+
+    def device_page(self, request: object, index: int) -> bytes:
+        req = self._request(request)
+        page = self.layout.read_page(req.pages[index]).contiguous()
+        return page.view(-1).view(torch.uint8).numpy().tobytes()
 
     def resume(self, request: object, tokens: Sequence[int]) -> RuntimeRequest:
         """kvlife gives a resumed request a new life (a new Lifecycle)."""
@@ -176,12 +223,19 @@ class ManagerAdapter:
 
     def step(self, request: object, tokens: Sequence[int]) -> None:
         req = self._request(request)
+        self._prefill(req)
+        if req.handle.load_failures and not req.recomputed:  # a failed load: recompute
+            req.recomputed = True
+            for i in range(min(len(req.keys), len(req.pages))):
+                self.device.write(req.pages[i], req.keys[i])
         req.tokens.extend(tokens)
         self._grow(req)
         self.manager.offload(req.handle, req.tokens, req.pages)
 
     def finish(self, request: object, reason: FinishReason) -> None:
-        self.manager.finish(self._request(request).handle, reason)
+        req = self._request(request)
+        self._prefill(req)
+        self.manager.finish(req.handle, reason)
 
     def copies_in_flight(self) -> list[ScriptedCopy]:
         return self.engine.in_flight()
@@ -316,6 +370,10 @@ class DevicePages:
         inflight = self._in_flight(owner) if self._in_flight is not None else 0
         self.releases.append(Release(owner, tuple(pages), inflight))
         self._reclaim(pages)
+
+    def poison(self, page: int) -> None:
+        """Overwrite ``page`` with poison (a page whose KV is not computed yet)."""
+        self.layout.write_page(page, self._poison)
 
     def _reclaim(self, pages: Sequence[int]) -> None:
         """Poison ``pages`` and put them back to be reused first (no release recorded)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvlife._lifecycle import FinishReason
 
-__all__ = ["Close", "Complete", "Finish", "KitEvent", "Poll", "Resume", "Start", "Step"]
+__all__ = ["Close", "Complete", "Finish", "KitEvent", "Poll", "Resume", "Return", "Start", "Step"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,17 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class Return:
+    """A conversation returns: a new life on life ``life``'s rid whose prompt is that life's
+    tokens and one page more, and the runtime restores what it can of that prefix (a load)."""
+
+    life: int
+
+    def __str__(self) -> str:
+        return f"return life {self.life} (a new life, its tokens as the prompt, restored)"
+
+
+@dataclass(frozen=True)
 class Complete:
     """Complete the ``chunk``-th copy life ``life`` submitted (``ok`` or failed), then poll."""
 
@@ -84,4 +95,4 @@ class Close(_Bare):
 
 
 #: One event of a run.
-KitEvent = Start | Step | Finish | Resume | Complete | Poll | Close
+KitEvent = Start | Step | Finish | Resume | Return | Complete | Poll | Close

@@ -20,7 +20,17 @@ import torch
 from kvlife._lifecycle import FinishReason
 from kvlife.errors import ConfigError
 from kvlife.testing.adapter import ManagerAdapter, RuntimeAdapter
-from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
+from kvlife.testing.events import (
+    Close,
+    Complete,
+    Finish,
+    KitEvent,
+    Poll,
+    Resume,
+    Return,
+    Start,
+    Step,
+)
 from kvlife.testing.options import KitOptions, Progress, progress_of
 from kvlife.testing.oracle import InvariantViolation, Oracle
 from kvlife.testing.report import format_trace, rule_of
@@ -43,10 +53,22 @@ class CheckConfig:
     page_size: int = 2
     #: Failures, aborts, retractions, resumes, the stuck-copy deadline.
     options: KitOptions = field(default_factory=KitOptions)
+    #: Lives that are a conversation returning on the same rid, right after the first life
+    #: (life 1 returns life 0, life 2 returns life 1, ...; the other requests follow): a
+    #: new life whose prompt extends the earlier one's tokens, restored by one load (its
+    #: copy 0), then up to ``return_chunks`` chunks. Only for adapters with ``restore``.
+    returns: int = 0
+    #: Most chunks a returning life offloads after its load.
+    return_chunks: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.requests <= 4 or not 0 <= self.chunks <= 6:
             raise ConfigError("requests must be in [1, 4] and chunks in [0, 6]")
+        if not 0 <= self.returns <= 2 or not 0 <= self.return_chunks <= self.chunks:
+            raise ConfigError(
+                f"returns must be in [0, 2] and return_chunks in [0, chunks], got "
+                f"{self.returns} and {self.return_chunks}"
+            )
         if self.page_size < 1:
             raise ConfigError(f"page_size must be positive, got {self.page_size}")
         if not isinstance(self.options, KitOptions):
@@ -56,13 +78,21 @@ class CheckConfig:
     def host_pages_needed(self) -> int:
         """Host pages with which a runtime that submits each due chunk at once never defers
         one: every chunk of every life in flight, plus a page a store write still holds."""
-        return self.requests * self.chunks + 1
+        returned = self.returns * (self.chunks + self.return_chunks + 3)  # loads promote pages
+        return self.requests * self.chunks + 1 + returned
+
+    @property
+    def lives(self) -> int:
+        """Every life of the configuration: the requests, then the returns."""
+        return self.requests + self.returns
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict, for JSON."""
         return {
             "requests": self.requests,
             "chunks": self.chunks,
+            "returns": self.returns,
+            "return_chunks": self.return_chunks,
             "reasons": [r.value for r in self.options.reasons],
             "page_size": self.page_size,
             **self.options.as_dict(),
@@ -148,16 +178,24 @@ def _moves(
         def now(life: _Life, i: int = i) -> _State:
             return (*state[:i], life, *state[i + 1 :])
 
+        returning = 1 <= i <= cfg.returns
         if not started:
             before = state[i - 1][2] if i else 1
+            if returning:
+                if before:  # the load is copy 0, in flight from the start
+                    yield Return(i - 1), now((True, 1, 0, 0))
+                continue
             if before:
                 yield Start(RID, prompt), now((True, 0, 0, 0))
             if before == 2 and opts.resumes:
                 yield Resume(i - 1), now((True, 0, 0, 0))
             continue
         if not finished:
-            if k < cfg.chunks:
-                first = 100 * (i + 1) + k * cfg.page_size
+            # A returning life decodes only once its load (copy 0) completed.
+            if k < (cfg.return_chunks + 1 if returning else cfg.chunks) and (
+                not returning or done & 1
+            ):
+                first = 100 * (i + 1) + (k - returning) * cfg.page_size
                 tokens = tuple(range(first, first + cfg.page_size))
                 yield Step(i, tokens), now((True, k + 1, 0, done))
             for reason in opts.reasons:
@@ -178,7 +216,7 @@ def _moves(
 
 
 def _initial(cfg: CheckConfig) -> _State:
-    return tuple((False, 0, 0, 0) for _ in range(cfg.requests))
+    return tuple((False, 0, 0, 0) for _ in range(cfg.lives))
 
 
 def count_interleavings(cfg: CheckConfig, progress: Progress = "poll") -> int:
@@ -335,12 +373,13 @@ def check_exhaustively(
         ManagerAdapter,
         page_size=cfg.page_size,
         host_pages=cfg.host_pages_needed,
-        device_pages=cfg.requests * (cfg.requests * cfg.chunks + 2),  # resumes grow
+        device_pages=cfg.lives * (cfg.lives * (cfg.chunks + 1) + 3),  # resumes, returns grow
     )
     probe = factory()
     try:
         model = progress_of(probe)
-        cfg = replace(cfg, page_size=probe.page_size)
+        returns = cfg.returns if getattr(probe, "restore", None) is not None else 0
+        cfg = replace(cfg, page_size=probe.page_size, returns=returns)
     finally:
         with contextlib.suppress(Exception):
             probe.close()

@@ -33,6 +33,9 @@ class KitOptions:
     retractions: bool = True
     #: A retracted life may be resumed (:meth:`RuntimeAdapter.resume`).
     resumes: bool = True
+    #: Conversations may return: a new life whose prompt extends an earlier life's tokens,
+    #: its prefix restored by a load (``RuntimeAdapter.restore``, where the adapter has it).
+    returns: bool = True
     #: Seconds a runtime call may block, or a completed copy stay listed, before
     #: ``stuck-copy``; ``None``: wait forever.
     stuck_after: float | None = 10.0

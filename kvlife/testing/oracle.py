@@ -17,7 +17,7 @@ from typing import Any
 from kvlife._lifecycle import FinishReason
 from kvlife.errors import KVLifeError
 from kvlife.testing.adapter import RuntimeAdapter, extend_page_keys
-from kvlife.testing.events import Close, Complete, Finish, KitEvent, Resume, Start, Step
+from kvlife.testing.events import Close, Complete, Finish, KitEvent, Resume, Return, Start, Step
 from kvlife.testing.options import KitOptions, Progress, progress_of
 
 __all__ = ["InvariantViolation", "Life", "Oracle"]
@@ -45,6 +45,12 @@ class Life:
     resumed: bool = False
     #: Copies this life submitted, in submit order.
     copies: list[object] = field(default_factory=list)
+    #: A returning conversation's life: its prompt pages and how many its loads cover.
+    returned: bool = False
+    prompt_pages: int = 0
+    loaded_pages: int = 0
+    #: Its restored pages were checked (before its first decode step).
+    restore_checked: bool = False
 
     @property
     def running(self) -> bool:
@@ -109,6 +115,12 @@ class Oracle:
         self._verified: set[str] = set()
         self._releases_seen = 0
         self._flushing: Life | None = None
+        # The load half (adapters with copy_is_load / copy_keys): keys some store copy wrote
+        # whole, and each load copy's keys until its bytes were checked.
+        self._is_load = getattr(adapter, "copy_is_load", None)
+        self._copy_keys = getattr(adapter, "copy_keys", None)
+        self._written: set[str] = set()
+        self._loads: dict[int, tuple[Life, object, tuple[str, ...]]] = {}
         #: A call did not return within the deadline: the adapter is left as it is.
         self.stuck = False
 
@@ -117,13 +129,25 @@ class Oracle:
         return [life for life in self.lives if life.running]
 
     def growing(self, max_tokens: int) -> list[Life]:
-        """Running lives with fewer than ``max_tokens`` tokens."""
-        return [life for life in self.running() if len(life.tokens) < max_tokens]
+        """Running lives with fewer than ``max_tokens`` tokens and no load in flight (a
+        request waits for its prefix before it decodes)."""
+        loading = {id(life) for life, _, _ in self._loads.values()}
+        return [
+            life
+            for life in self.running()
+            if len(life.tokens) < max_tokens and id(life) not in loading
+        ]
 
     def idle(self, rids: Iterable[str]) -> list[str]:
         """Those of ``rids`` no running life uses."""
         busy = {life.rid for life in self.running()}
         return [rid for rid in rids if rid not in busy]
+
+    def returnable(self, max_tokens: int) -> list[Life]:
+        """Lives whose conversation may return now: its rid idle, its tokens under
+        ``max_tokens``."""
+        idle = set(self.idle(life.rid for life in self.lives))
+        return [lf for lf in self.lives if lf.rid in idle and len(lf.tokens) < max_tokens]
 
     def resumable(self) -> list[Life]:
         """Retracted lives not yet resumed whose rid no running life uses."""
@@ -171,8 +195,19 @@ class Oracle:
             life = self.lives[event.life]
             life.resumed = True
             self._start(life.rid, tuple(life.tokens), life)
+        elif isinstance(event, Return):
+            old = self.lives[event.life]
+            self._start(old.rid, (*old.tokens, *(0,) * self.adapter.page_size))
+            new = self.lives[-1]
+            new.returned, new.prompt_pages = True, len(new.keys)
+            restore = getattr(self.adapter, "restore", None)
+            if restore is not None:
+                self._call(str(event), restore, self.lives[-1].handle)
         elif isinstance(event, Step):
             life = self.lives[event.life]
+            if life.returned and not life.restore_checked:
+                self.check()  # registers the copies submitted so far
+                self._check_restored(life)
             life.tokens.extend(event.tokens)
             self._extend_keys(life)
             self._call(str(event), self.adapter.step, life.handle, event.tokens)
@@ -198,6 +233,7 @@ class Oracle:
             copy = life.copies[event.chunk]
             self._completed.add(id(copy))
             self._call(str(event), self.adapter.complete, copy, event.ok)
+            self._copied(copy, event.ok)
             if event.poll:
                 self._poll()
         else:
@@ -211,6 +247,30 @@ class Oracle:
             queued = self.in_flight()
         self._call("poll", self.adapter.poll)
         self._completed.update(id(c) for c in queued)  # a draining poll waited for each
+        for copy in queued:
+            self._copied(copy, True)
+
+    def _copied(self, copy: object, ok: bool) -> None:
+        """A copy the kit completed: a store's keys are written; a load's bytes are checked
+        (the load-bytes rule), unless the copy failed or its life is gone."""
+        if self._copy_keys is None:
+            return
+        load = self._loads.pop(id(copy), None)
+        if load is None:
+            if ok and id(copy) in self._owner:
+                self._written.update(self._copy_keys(copy))
+            return
+        life, handle, keys = load
+        device_page = getattr(self.adapter, "device_page", None)
+        if not ok or life.released or device_page is None:
+            return
+        for i, key in enumerate(keys):
+            if device_page(handle, i) != self.adapter.page_bytes(key):
+                raise InvariantViolation(
+                    "load-bytes",
+                    f"{life}'s page {i} after its load holds other bytes than the page stored "
+                    f"under {key[:12]}.. (a host page evicted or rewritten under the load?)",
+                )
 
     def complete(self, copy: object, ok: bool, poll: bool) -> None:
         """Complete one copy the adapter lists as in flight (the stateful machine's event)."""
@@ -251,6 +311,7 @@ class Oracle:
             for copy in self.in_flight():
                 self._completed.add(id(copy))
                 self._call(f"complete {copy!r}", self.adapter.complete, copy, True)
+                self._copied(copy, True)
         self._poll()
         self.check()
         # A copy the kit completed may take a moment to leave a threaded engine's list.
@@ -330,6 +391,38 @@ class Oracle:
                 )
             self._owner[key] = life
             life.copies.append(copy)
+            if self._is_load is not None and self._is_load(copy):
+                self._check_load(copy, life)
+
+    def _check_restored(self, life: Life) -> None:
+        """Before a returning life decodes: every prompt page no load covered holds its KV
+        (the restore-bytes rule; loaded pages were checked when their copy completed)."""
+        life.restore_checked = True
+        device_page = getattr(self.adapter, "device_page", None)
+        if device_page is None:
+            return
+        for i in range(life.loaded_pages, life.prompt_pages):
+            if device_page(life.handle, i) != self.adapter.page_bytes(life.keys[i]):
+                raise InvariantViolation(
+                    "restore-bytes",
+                    f"{life} decodes while its prompt page {i} holds neither a load's bytes nor "
+                    f"its computed KV ({life.loaded_pages} of {life.prompt_pages} pages loaded)",
+                )
+
+    def _check_load(self, copy: object, life: Life) -> None:
+        """A new load: every key it reads was written whole by a store copy, or is stored
+        (the pending-load rule: a key whose store is still in flight is never loaded)."""
+        keys = tuple(self._copy_keys(copy)) if self._copy_keys is not None else ()
+        stored = set(self.adapter.stored_keys())
+        for key in keys:
+            if key not in self._written and key not in stored:
+                raise InvariantViolation(
+                    "pending-load",
+                    f"{life} loads key {key[:12]}.., which no completed copy wrote and the "
+                    "store does not hold (its store still in flight?)",
+                )
+        self._loads[id(copy)] = (life, life.handle, keys)
+        life.loaded_pages = max(life.loaded_pages, len(keys))
 
     def _check_releases(self) -> None:
         releases = self.adapter.releases()

@@ -20,7 +20,7 @@ from hypothesis.stateful import (
 
 from kvlife._lifecycle import FinishReason
 from kvlife.testing.adapter import RuntimeAdapter
-from kvlife.testing.events import Close, Finish, Poll, Resume, Start, Step
+from kvlife.testing.events import Close, Finish, Poll, Resume, Return, Start, Step
 from kvlife.testing.options import KitOptions
 from kvlife.testing.oracle import Oracle
 from kvlife.testing.report import KitFailure, rule_of
@@ -110,6 +110,20 @@ class RuntimeMachine(RuleBasedStateMachine):
         """A retracted request resumes as a new life (same rid, its tokens as the prompt)."""
         life = data.draw(st.sampled_from(self.oracle.resumable()), label="retracted")
         self._run(self.oracle.apply, Resume(life.index))
+
+    @precondition(
+        lambda self: (
+            self.options.returns
+            and bool(self.oracle.returnable(self.max_tokens))
+            and self.oracle.unreleased() < self.max_unreleased
+        )
+    )
+    @rule(data=st.data())
+    def return_(self, data: st.DataObject) -> None:
+        """A conversation returns (often while its earlier life still drains): a new life on
+        its rid whose prompt extends its tokens; the runtime loads what it holds of it."""
+        life = data.draw(st.sampled_from(self.oracle.returnable(self.max_tokens)), label="life")
+        self._run(self.oracle.apply, Return(life.index))
 
     @precondition(lambda self: self.oracle.progress == "poll" and bool(self.oracle.in_flight()))
     @rule(data=st.data(), poll=st.booleans())

@@ -14,7 +14,17 @@ from hypothesis import strategies as st
 
 from kvlife._lifecycle import FinishReason
 from kvlife.testing.adapter import RuntimeAdapter
-from kvlife.testing.events import Close, Complete, Finish, KitEvent, Poll, Resume, Start, Step
+from kvlife.testing.events import (
+    Close,
+    Complete,
+    Finish,
+    KitEvent,
+    Poll,
+    Resume,
+    Return,
+    Start,
+    Step,
+)
 from kvlife.testing.oracle import Oracle
 
 __all__ = [
@@ -66,6 +76,7 @@ def events(max_events: int = 40) -> st.SearchStrategy[list[KitEvent]]:
         st.builds(Step, pick, decode_tokens()),
         st.builds(Finish, pick, finish_reasons()),
         st.builds(Resume, pick),
+        st.builds(Return, pick),
         st.builds(Complete, pick, pick, copy_outcomes(), st.booleans()),
         st.builds(Complete, pick, pick, copy_outcomes(), st.booleans()),
         st.just(Poll()),
@@ -109,6 +120,9 @@ def _concrete(
     if isinstance(event, Resume):
         ready = oracle.resumable()
         return Resume(ready[event.life % len(ready)].index) if ready and room else None
+    if isinstance(event, Return):
+        back = oracle.returnable(max_tokens)
+        return Return(back[event.life % len(back)].index) if back and room else None
     if isinstance(event, Complete):
         oracle.check()  # registers the copies submitted so far
         waiting = oracle.in_flight()
