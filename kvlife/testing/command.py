@@ -201,6 +201,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--requests", type=int, default=d.requests, help="lives sharing one rid")
     p.add_argument("--chunks", type=int, default=d.chunks, help="most chunks per life")
     p.add_argument(
+        "--returns",
+        type=int,
+        default=d.returns,
+        help="lives that are the first life's conversation returning on its rid, its prefix "
+        "restored by a load (runtimes with restore; default: 0)",
+    )
+    p.add_argument(
+        "--return-chunks",
+        type=int,
+        default=d.return_chunks,
+        help="most chunks a returning life offloads after its load",
+    )
+    p.add_argument(
         "--runtime",
         metavar="MODULE:FACTORY",
         help="a zero-argument callable returning your RuntimeAdapter (default: kvlife's manager)",
@@ -242,7 +255,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
     p.add_argument(
-        "--jobs", type=int, default=1, help=f"worker processes (this machine: {os.cpu_count()})"
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help=f"worker processes splitting the walk (default: this machine's {os.cpu_count()} "
+        "cores)",
     )
     p.add_argument(
         "--vllm-manager",
@@ -266,7 +283,14 @@ def _config(args: argparse.Namespace) -> CheckConfig:
         resumes=args.resumes,
         stuck_after=args.stuck_after,
     )
-    return CheckConfig(args.requests, args.chunks, args.page_size, options)
+    return CheckConfig(
+        args.requests,
+        args.chunks,
+        args.page_size,
+        options,
+        returns=args.returns,
+        return_chunks=args.return_chunks,
+    )
 
 
 def _check_vllm_manager(args: argparse.Namespace) -> int:
@@ -283,12 +307,44 @@ def _check(args: argparse.Namespace) -> int:
         return _check_vllm_manager(args)
     cfg = _config(args)
     factory = load_runtime(args.runtime, timeout=args.runtime_timeout) if args.runtime else None
-    report = check_exhaustively(cfg, factory, jobs=max(1, args.jobs))
+    jobs = max(1, args.jobs)
+    if args.json or not sys.stderr.isatty():
+        report = check_exhaustively(cfg, factory, jobs=jobs)
+    else:  # long walks show how far they are (on stderr: stdout stays the summary)
+        report = _with_progress_bar(cfg, factory, jobs)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
         _print_summary(report, args.runtime)
     return 0 if report.ok else 1
+
+
+def _with_progress_bar(
+    cfg: CheckConfig, factory: Callable[[], RuntimeAdapter] | None, jobs: int
+) -> CheckReport:
+    """:func:`check_exhaustively` under a progress bar: interleavings done of the total,
+    the rate and the time so far."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        Task,
+        TimeElapsedColumn,
+    )
+    from rich.text import Text
+
+    from kvlife.testing.exhaustive import count_interleavings
+
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            return Text(f"{task.speed or 0:,.0f}/s")
+
+    columns = (BarColumn(), MofNCompleteColumn(), Rate(), TimeElapsedColumn())
+    with Progress("interleavings", *columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task("check", total=count_interleavings(cfg))
+        return check_exhaustively(cfg, factory, jobs=jobs, progress=lambda n: bar.advance(task, n))
 
 
 def _print_summary(report: CheckReport, runtime: str | None) -> None:
@@ -301,7 +357,12 @@ def _print_summary(report: CheckReport, runtime: str | None) -> None:
     print(
         f"kvlife check: {runtime or 'kvlife OffloadManager'} ({report.progress} progress), "
         f"{cfg.requests} lives sharing a rid, up to {cfg.chunks} chunks each, "
-        f"reasons {reasons}{switches}"
+        + (
+            f"{cfg.returns} returning (a load, then up to {cfg.return_chunks} chunks), "
+            if cfg.returns
+            else ""
+        )
+        + f"reasons {reasons}{switches}"
     )
     print(
         f"  {report.interleavings} interleavings run (of {report.total}) in "
