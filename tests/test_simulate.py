@@ -182,3 +182,28 @@ def test_issue23_an_unreachable_mooncake_is_refused_before_any_rank_is_spawned(
     )
     with pytest.raises(KVLifeError, match=r"(?i)mooncake"):
         distributed.run_distributed(cfg, 2)
+
+
+def test_returning_conversations_are_restored_and_checked_bit_for_bit() -> None:
+    """Conversations return (a new request, often on a reused rid, whose prompt extends a
+    finished one's tokens): their prefix is loaded from the host tier or the store and every
+    restored page is compared with its key's values before the request decodes."""
+    for keep in (True, False):
+        report = run_simulation(SimConfig(**SMALL, seed=4, return_rate=0.5, keep_on_host=keep))
+        assert report.ok, report.violations
+        assert report.returns > 0 and report.restores > 0 and report.pages_restored > 0
+        assert report.corrupted_restores == 0 and report.leaked_device_pages == 0
+
+
+class _LoadsIntoTheNextPage(OffloadManager):
+    """Seeded bug: a load writes each page one device page too far (the page table read
+    from the wrong offset), so the restored prefix holds other KV."""
+
+    def load(self, req: OffloadRequest, device_pages: Any, pages: int | None = None) -> Any:
+        return super().load(req, list(device_pages)[1:], pages)
+
+
+def test_a_load_that_writes_the_wrong_pages_fails_the_run() -> None:
+    cfg = SimConfig(**SMALL, seed=4, return_rate=0.5)
+    report = run_simulation(cfg, make_manager=_LoadsIntoTheNextPage)
+    assert not report.ok and report.corrupted_restores > 0

@@ -100,6 +100,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--store-fail-rate", type=_rate)
     p.add_argument("--abort-rate", type=_rate, help="per request")
     p.add_argument("--retract-rate", type=_rate, help="per request")
+    p.add_argument(
+        "--return-rate",
+        type=_rate,
+        help="chance an admitted request is a conversation returning: its prefix is restored",
+    )
+    p.add_argument(
+        "--keep-on-host",
+        action=argparse.BooleanOptionalAction,
+        help="written pages stay on the host tier as a cache (default: on)",
+    )
     p.add_argument("--prompt-len", type=_pair, metavar="LOW,HIGH")
     p.add_argument("--output-len", type=_pair, metavar="LOW,HIGH")
     p.add_argument(

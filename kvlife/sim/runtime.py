@@ -83,6 +83,12 @@ class SimConfig:
     store_fail_rate: float = 0.0
     abort_rate: float = 0.05
     retract_rate: float = 0.05
+    #: Chance that an admitted request is a conversation returning (often on a reused rid):
+    #: its prompt extends a finished request's tokens, and its prefix is loaded, not recomputed.
+    return_rate: float = 0.3
+    #: Written pages stay on the host tier as a cache (kvlife's manager), so a returning
+    #: prefix may load from host memory instead of the store.
+    keep_on_host: bool = True
     prompt_len: tuple[int, int] = (4, 48)
     output_len: tuple[int, int] = (8, 96)
     host_pages: int = 1024
@@ -188,6 +194,15 @@ class SimReport:
     copy_failures: int = 0
     store_failures: int = 0
     host_pool_exhausted: int = 0
+    #: Returning conversations, the prefix pages loaded back (each checked bit for bit before
+    #: the request decodes), lookups that stopped at a page still being written, loads that
+    #: failed (recomputed), and restored pages that held other bytes (a failure).
+    returns: int = 0
+    restores: int = 0
+    pages_restored: int = 0
+    lookups_pending: int = 0
+    load_failures: int = 0
+    corrupted_restores: int = 0
     offload_gbps: float = 0.0
     elapsed_s: float = 0.0
     violations: list[str] = field(default_factory=list)
@@ -198,6 +213,7 @@ class SimReport:
         "leaked_host_pages",
         "leaked_device_pages",
         "invariant_violations",
+        "corrupted_restores",
     )
 
     @property
@@ -252,6 +268,7 @@ class _Request:
     keys: list[str] = field(default_factory=list)  # the chain over every whole page with KV
     written: int = 0  # pages whose values are on the device
     handle: Any = None
+    loading: int = 0  # pages a load in flight writes (the request waits for them)
 
 
 class Simulation:
@@ -305,8 +322,11 @@ class Simulation:
             seed=cfg.seed,
             fail_rate=cfg.copy_fail_rate,
         )
+        tier = {}  # only kvlife's own manager has a host tier to keep pages on
+        if isinstance(make_manager, type) and issubclass(make_manager, OffloadManager):
+            tier = {"keep_on_host": cfg.keep_on_host}
         self.manager = make_manager(
-            self.engine, self.host, self.store, page_size=cfg.page_size, stride=cfg.stride
+            self.engine, self.host, self.store, page_size=cfg.page_size, stride=cfg.stride, **tier
         )
         self.progress = progress
         self.report = SimReport(requests=cfg.requests)
@@ -316,6 +336,12 @@ class Simulation:
             for i in range(cfg.prompt_pool)
         ]
         self.waiting: deque[_Request] = deque()  # retracted, to resume
+        #: Finished conversations that may return: (prompt id, their tokens).
+        self.history: deque[tuple[int, list[int]]] = deque(maxlen=256)
+        # A manager with a load half; not across ranks yet (loads are not agreed).
+        solo = getattr(self.manager, "agreement", None) is None
+        self._load = getattr(self.manager, "load", None) if solo else None
+        self._lookup = getattr(self.manager, "lookup", None)
         self.active: list[_Request] = []
         self.unreleased: set[int] = set()  # lives started and not yet released
         #: Every release's life, numbered in start order: the same on every rank of a group.
@@ -365,10 +391,16 @@ class Simulation:
             if self.waiting:
                 req = self.waiting.popleft()
             elif self.admitted < cfg.requests:
-                prompt_id = self.rng.randrange(cfg.prompt_pool)
                 rid = f"rid-{self.rng.randrange(cfg.rid_pool)}"
-                target = len(self.prompts[prompt_id]) + self.rng.randint(*cfg.output_len)
-                req = _Request(rid, prompt_id, list(self.prompts[prompt_id]), target)
+                if self.history and self._load and self.rng.random() < cfg.return_rate:
+                    prompt_id, before = self.history[self.rng.randrange(len(self.history))]
+                    tokens = list(before)  # the conversation so far: its prefix is stored
+                    self.report.returns += 1
+                else:
+                    prompt_id = self.rng.randrange(cfg.prompt_pool)
+                    tokens = list(self.prompts[prompt_id])
+                target = len(tokens) + self.rng.randint(*cfg.output_len)
+                req = _Request(rid, prompt_id, tokens, target)
                 self.admitted += 1
             else:
                 return
@@ -390,8 +422,50 @@ class Simulation:
         req.handle = self.manager.start(
             req.rid, req.tokens, lambda handle, pages: self._released(req, life, handle, pages)
         )
-        self._write_pages(req, len(req.tokens))  # prefill computed the prompt's KV
+        req.loading = self._restore(req) if self._load is not None else 0
+        computed = req.written
+        self._write_pages(req, len(req.tokens))  # prefill computed the rest of the prompt's KV
+        if req.written > computed and self._load is not None:  # the prefill side stored them
+            rows = torch.stack(
+                [self.layout.read_page(p) for p in req.pages[computed : req.written]]
+            )
+            self.store.put(("prefill", life), req.keys[computed : req.written], rows)
         return True
+
+    def _restore(self, req: _Request) -> int:
+        """Load what the tiers hold of the prompt's prefix (its pages stay poison until the
+        load's copy writes them); the pages loading, which prefill does not compute."""
+        assert self._lookup is not None and self._load is not None
+        found = self._lookup(req.tokens)
+        if found.pending:
+            self.report.lookups_pending += 1
+        if not found.ready:
+            return 0
+        for page in req.pages[: found.ready]:
+            self.layout.write_page(page, self.poison)
+        ticket = self._load(req.handle, req.pages)
+        if ticket is None:
+            return 0
+        n = len(ticket.keys)
+        req.keys = list(ticket.keys)  # the chain of those pages (equal to what prefill makes)
+        req.written = n
+        self.report.restores += 1
+        return n
+
+    def _restored(self, req: _Request) -> None:
+        """The load ended: check every restored page bit for bit (or recompute after a
+        failed load), before the request decodes."""
+        n, req.loading = req.loading, 0
+        if req.handle.load_failures:
+            self.report.load_failures += 1
+            req.written = 0
+            self._write_pages(req, len(req.tokens))  # recompute what the load did not bring
+            return
+        for i in range(n):
+            if not torch.equal(self.layout.read_page(req.pages[i]), self._values(req.keys[i])):
+                self.report.corrupted_restores += 1
+                self._violation(f"rid {req.rid}: restored page {i} holds other KV")
+        self.report.pages_restored += n
 
     def _write_pages(self, req: _Request, kv_len: int) -> None:
         """Put the values of every page that is whole within ``kv_len`` tokens on the device."""
@@ -411,6 +485,17 @@ class Simulation:
         per_step = 1.0 / cfg.output_len[1]  # abort and retract rates are per request
         still: list[_Request] = []
         for req in self.active:
+            if req.loading:
+                if req.handle.loading:  # waits for its prefix; may be aborted meanwhile
+                    roll = self.rng.random()
+                    if roll < cfg.abort_rate * per_step:
+                        self._end(req, FinishReason.ABORTED)
+                    elif roll < (cfg.abort_rate + cfg.retract_rate) * per_step:
+                        self._end(req, FinishReason.RETRACTED)
+                    else:
+                        still.append(req)
+                    continue
+                self._restored(req)
             req.tokens.append(next_token(req.prompt_id, len(req.tokens)))
             if len(req.tokens) > len(req.pages) * cfg.page_size:
                 if not self.free:  # device full: retract, as a real scheduler would
@@ -437,9 +522,12 @@ class Simulation:
         counted = reason.value  # "finished", "aborted" or "retracted": a report field
         setattr(self.report, counted, getattr(self.report, counted) + 1)
         self.manager.finish(req.handle, reason)
+        req.loading = 0  # a retracted request resumes by recomputing (or loading again)
         if reason is FinishReason.RETRACTED:
             self.waiting.append(req)  # resumes later with a new life
         else:
+            if reason is FinishReason.FINISHED:
+                self.history.append((req.prompt_id, list(req.tokens)))
             self.done += 1
             if self.progress is not None:
                 self.progress(1)
@@ -468,7 +556,9 @@ class Simulation:
 
     def _account(self) -> None:
         rep = self.report
-        rep.leaked_host_pages = self.host.num_used
+        tier = getattr(self.manager, "tier", None)  # pages kept on the host tier are held
+        held_on_host = 0 if tier is None else tier.counts.entries + tier.counts.orphans
+        rep.leaked_host_pages = self.host.num_used - held_on_host
         held = sum(len(r.pages) for r in self.active)  # only after a stall
         rep.leaked_device_pages = self.layout.num_pages - len(self.free) - held
         if self.unreleased:
