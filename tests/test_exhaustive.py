@@ -245,3 +245,37 @@ def test_issue23_adapter_problem_names_every_missing_member() -> None:
         poll = 3  # type: ignore[assignment]
 
     assert adapter_problem(NotAMethod()) == "not a RuntimeAdapter: missing poll"
+
+
+@pytest.mark.parametrize(
+    ("requests", "chunks", "returns", "return_chunks", "count"),
+    [(1, 0, 1, 0, 36), (1, 1, 1, 0, 396), (2, 1, 1, 0, 37152), (2, 1, 1, 1, 127584)],
+)
+def test_interleaving_counts_with_a_returning_conversation(
+    requests: int, chunks: int, returns: int, return_chunks: int, count: int
+) -> None:
+    cfg = CheckConfig(requests, chunks, returns=returns, return_chunks=return_chunks)
+    assert count_interleavings(cfg) == count
+
+
+def test_kvlife_keeps_every_rule_with_loads_in_every_interleaving() -> None:
+    """A returning conversation's load among every completion order, abort and
+    retraction of a small configuration (issue 25): kvlife's manager keeps every rule."""
+    cfg = CheckConfig(requests=1, chunks=1, returns=1)
+    report = check_exhaustively(cfg)
+    assert report.ok, report.violations
+    assert report.interleavings == report.total == 396 and report.deferred == 0
+
+
+def test_an_adapter_without_restore_is_checked_without_returns() -> None:
+    from mutant_runtimes import sglang_runtime
+
+    cfg = CheckConfig(requests=1, chunks=1, returns=1, options=_options(3, False))
+    report = check_exhaustively(cfg, sglang_runtime)
+    assert report.ok and report.config.returns == 0
+
+
+def test_returns_are_bounded() -> None:
+    for bad in ({"returns": 3}, {"returns": -1}, {"chunks": 1, "return_chunks": 2}):
+        with pytest.raises(ConfigError):
+            CheckConfig(**bad)  # type: ignore[arg-type]
