@@ -280,6 +280,7 @@ class ManagerOracle:
         # take_events bookkeeping: what became ready / was evicted and is not yet announced.
         self._to_store: dict[bytes, deque[int | None]] = {}
         self._to_remove: dict[bytes, int] = {}
+        self._cleared: set[bytes] = set()  # announced, then cleared by a reset
         self.announced: dict[bytes, int | None] = {}
         self._saw_events = False
         self._preempted: list[str] = []
@@ -584,6 +585,9 @@ class ManagerOracle:
             shown.append(("removed " if removed else "stored ") + self._names(keys))
             for key in keys:
                 name = self.name(key)
+                if removed and key in self._cleared:  # a reset's removal, announced late
+                    self._cleared.discard(key)
+                    continue
                 if removed:
                     if not self._to_remove.get(key) or key not in self.announced:
                         self._fail(
@@ -595,6 +599,7 @@ class ManagerOracle:
                     slot = self.announced.pop(key)
                     holder.pop(slot, None) if slot is not None else None
                     continue
+                self._cleared.discard(key)  # a reset's removal comes before a new store
                 queue = self._to_store.get(key)
                 if not queue or key in self.announced:
                     self._fail(
@@ -630,6 +635,8 @@ class ManagerOracle:
         for key in self.entries:
             self.gone[key] = "cleared by reset_cache"
         self.entries.clear()
+        # A manager may announce the keys a reset cleared as removed (vLLM's does not).
+        self._cleared |= set(self.announced)
         self.announced.clear()
         self._to_store.clear()
         self._to_remove.clear()

@@ -25,11 +25,6 @@ def arc(chunks: int) -> CPUOffloadingManager:
     return CPUOffloadingManager(num_chunks=chunks, cache_policy="arc", enable_events=True)
 
 
-def kvlife_manager(chunks: int) -> KVLifeOffloadingManager:
-    """kvlife's vLLM manager on a host pool of ``chunks`` pages (refusals counted)."""
-    return KVLifeOffloadingManager(HostPagePool(chunks, 8, torch.int8))
-
-
 def kvlife_strict(chunks: int) -> KVLifeOffloadingManager:
     """kvlife's vLLM manager with ``strict``: a refusal raises."""
     return KVLifeOffloadingManager(HostPagePool(chunks, 8, torch.int8), strict=True)
@@ -118,3 +113,8 @@ MUTANTS: dict[str, tuple[Any, frozenset[str]]] = {
     "stored-before-removed": (StoredBeforeRemoved, frozenset({"events"})),
     "off-by-one-tier": (off_by_one, frozenset({"capacity"})),
 }
+
+
+def kvlife_lenient(chunks: int) -> KVLifeOffloadingManager:
+    """kvlife's vLLM manager as vLLM builds it (refusals counted and logged, not raised)."""
+    return KVLifeOffloadingManager(HostPagePool(chunks, 8, torch.int8))

