@@ -28,7 +28,7 @@ from typing import Protocol
 
 from kvlife.errors import HashingError
 
-__all__ = ["PageHasher", "given_keys", "namespace_prior", "page_hashes", "sglang_page_hashes"]
+__all__ = ["PageHasher", "namespace_prior", "page_hashes", "sglang_page_hashes"]
 
 
 class PageHasher(Protocol):
@@ -97,14 +97,3 @@ def page_hashes(
         prior = namespace_prior(namespace)
     return scheme(tokens, page_size, prior)
 
-
-def given_keys(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
-    """For a runtime that names its own pages (vLLM's block hashes): each "token" is one
-    page's key, already made, so a Lifecycle with ``page_size=1`` records the keys it is given."""
-    if page_size != 1:
-        raise HashingError(f"given keys are one per page: page_size must be 1, got {page_size}")
-    keys = list(tokens)
-    for key in keys:
-        if type(key) is not str or not key:
-            raise HashingError(f"a given key must be a non-empty str, got {key!r}")
-    return keys  # type: ignore[return-value]

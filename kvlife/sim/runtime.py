@@ -581,11 +581,10 @@ class Simulation:
         """Count each page this run stored: verified, corrupted (or missing), or misfiled."""
         rep = self.report
         self.stored_keys = sorted(set(self.store.keys()) - self.keys_before)
-        get_batch = getattr(self.store, "get_batch", None)  # one round trip per 256 pages
-        for start in range(0, len(self.stored_keys), 256):
+        for start in range(0, len(self.stored_keys), 256):  # one round trip per 256 pages
             batch = self.stored_keys[start : start + 256]
             try:
-                found = get_batch(batch) if get_batch else [self.store.get(k) for k in batch]
+                found = self.store.get_batch(batch)
             except StoreError:
                 if not self._may_lose:
                     raise

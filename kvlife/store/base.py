@@ -114,6 +114,9 @@ class Store(Protocol):
     def get(self, key: str) -> bytes | None:
         """The stored payload bytes of a page, or None when no whole page is stored under it."""
 
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """:meth:`get` of each key, in order (one round trip where the tier has batches)."""
+
     def contains(self, key: str) -> bool:
         """Whether a whole, verified page is stored under ``key``."""
 

@@ -137,6 +137,10 @@ class InlineStore:
         """The stored bytes under ``key``."""
         return self._pages.get(check_key(key))
 
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """:meth:`get` of each key, in order."""
+        return [self.get(key) for key in keys]
+
     def contains(self, key: str) -> bool:
         """Whether ``key`` is stored."""
         return check_key(key) in self._pages
