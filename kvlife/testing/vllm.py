@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, cast
 
+from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
@@ -895,21 +896,20 @@ def run_manager_kit(
     ManagerOracle(factory, kit_options)  # a bad factory is refused here, not as a finding
     if seed is None and not chosen.derandomize:
         seed = random.getrandbits(32)
-    last: list[_ManagerMachine] = []
+    made: list[ManagerOracle] = []  # the last run's oracle: the shrunk run, replayed last
 
     def machine() -> _ManagerMachine:
-        made = _ManagerMachine(factory, kit_options)
-        last[:] = [made]
-        return made
+        run = _ManagerMachine(factory, kit_options)
+        made[:] = [run.oracle]
+        return run
 
-    if seed is not None:
-        machine._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]  # as @seed does
     try:
-        run_state_machine_as_test(machine, settings=chosen)  # type: ignore[arg-type]
+        driven = machine if seed is None else hypothesis_seed(seed)(machine)
+        run_state_machine_as_test(driven, settings=chosen)  # type: ignore[arg-type]
     except HypothesisException:
         raise
     except Exception as exc:
-        oracle = last[0].oracle if last else None
+        oracle = made[0] if made else None
         rule = rule_of(exc)
         text = str(exc)
         detail = text[len(rule) + 3 :] if text.startswith(f"[{rule}] ") else f"{rule}: {text}"
