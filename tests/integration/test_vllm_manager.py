@@ -197,6 +197,9 @@ def test_the_prometheus_collector_reads_the_backend() -> None:
 
     registry = CollectorRegistry()
     registry.register(OffloadCollector())
+    import gc
+
+    gc.collect()  # managers of earlier tests go now, not between the two samples
     before = sample("kvlife_vllm_pages_offloaded_total"), sample("kvlife_vllm_chunks_in_flight")
     m = manager(pages=2)
     ctx = ReqContext("r")
@@ -590,8 +593,8 @@ def test_every_shutdown_step_runs_guarded_counted_and_raises_only_when_strict(
     worker = _worker(views)
     worker._report_dir, worker._strict = str(reports), strict
     worker._store = store = LocalDirectoryStore(tmp_path / "pages", "ns")
-    m = manager(report_dir=str(reports), strict=strict)
-    m._disk = disk = LocalDirectoryStore(tmp_path / "pages", "ns")
+    disk = LocalDirectoryStore(tmp_path / "pages", "ns")
+    m = manager(report_dir=str(reports), strict=strict, disk=disk)
     ctx = ReqContext("r")
     m.on_new_request(ctx)
     assert m.prepare_store([key(1)], ctx) is not None
@@ -641,7 +644,12 @@ def test_scrapes_never_raise_while_the_scheduler_runs_and_roles_come_and_go() ->
 
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
-        for round_ in range(300):
+        import time
+
+        deadline = time.monotonic() + 60  # a busy machine scrapes slowly: go on until 200
+        round_ = 0
+        while scrapes[0] < 200 and time.monotonic() < deadline:
+            round_ += 1
             m = manager(pages=4)
             ctx = ReqContext(f"r{round_}")
             m.on_new_request(ctx)
@@ -658,7 +666,7 @@ def test_scrapes_never_raise_while_the_scheduler_runs_and_roles_come_and_go() ->
         stop.set()
         thread.join()
     assert not errors, f"{len(errors)} of {scrapes[0]} scrapes raised: {errors[0]!r}"
-    assert scrapes[0] > 50
+    assert scrapes[0] >= 200
 
 
 # ---------------------------------------------------------- the namespace identifies the weights
