@@ -96,4 +96,3 @@ def page_hashes(
     if prior is None and namespace is not None:
         prior = namespace_prior(namespace)
     return scheme(tokens, page_size, prior)
-
