@@ -489,7 +489,7 @@ class OffloadManager:
         tier, ready = self.tier, 0
         for key in keys:
             found = tier.lookup(key)
-            if found is Lookup.PENDING or (found is Lookup.MISS and not self.store.contains(key)):
+            if found is Lookup.PENDING or (found is Lookup.MISS and not self._in_store(key)):
                 break
             ready += 1
         pending = ready < len(keys) and keys[ready] in self._in_flight_keys()
@@ -580,6 +580,14 @@ class OffloadManager:
             self._metrics.pages_promoted += 1
             return True
         return False
+
+    def _in_store(self, key: str) -> bool:
+        """Whether the store holds a whole page under ``key``; a store that cannot answer
+        now (a cluster busy or down, a read error) holds nothing a load could use."""
+        try:
+            return self.store.contains(key)
+        except (StoreError, OSError):
+            return False
 
     def _in_flight_keys(self) -> set[str]:
         """Keys whose copy to the host or write to the store is in flight (lookups only)."""

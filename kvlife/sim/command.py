@@ -106,6 +106,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="chance an admitted request is a conversation returning: its prefix is restored",
     )
     p.add_argument(
+        "--restores",
+        action=argparse.BooleanOptionalAction,
+        help="load prefixes (returning conversations, resumed requests) instead of "
+        "recomputing them (default: on)",
+    )
+    p.add_argument(
         "--keep-on-host",
         action=argparse.BooleanOptionalAction,
         help="written pages stay on the host tier as a cache (default: on)",

@@ -86,6 +86,9 @@ class SimConfig:
     #: Chance that an admitted request is a conversation returning (often on a reused rid):
     #: its prompt extends a finished request's tokens, and its prefix is loaded, not recomputed.
     return_rate: float = 0.3
+    #: Load prefixes (returning conversations, resumed requests) instead of recomputing
+    #: them; off, the run is the store half only (and prompt pages are not stored).
+    restores: bool = True
     #: Written pages stay on the host tier as a cache (kvlife's manager), so a returning
     #: prefix may load from host memory instead of the store.
     keep_on_host: bool = True
@@ -340,7 +343,7 @@ class Simulation:
         self.history: deque[tuple[int, list[int]]] = deque(maxlen=256)
         # A manager with a load half; not across ranks yet (loads are not agreed).
         solo = getattr(self.manager, "agreement", None) is None
-        self._load = getattr(self.manager, "load", None) if solo else None
+        self._load = getattr(self.manager, "load", None) if solo and cfg.restores else None
         self._lookup = getattr(self.manager, "lookup", None)
         self.active: list[_Request] = []
         self.unreleased: set[int] = set()  # lives started and not yet released
