@@ -176,8 +176,10 @@ EXPECTED: dict[str, tuple[CheckConfig, list[str], set[str]]] = {
         [START, STEP0, "finish life 0 finished", RETURN0],
         {"pending-load"},
     ),
-    "load-unpinned": (
-        CheckConfig(2, 1, options=MANAGER, returns=1),
+    "load-unpinned": (  # no failures or resumes: the same shortest trace, a tenth of the walk
+        CheckConfig(
+            2, 1, options=KitOptions(failures=False, resumes=False, stuck_after=2.0), returns=1
+        ),
         [
             START,
             "finish life 0 finished",
