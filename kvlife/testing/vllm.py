@@ -363,7 +363,11 @@ class ManagerOracle:
             req.state, req.computed = "waiting", 0
             self._preempted.append(req.rid)
         elif isinstance(event, Complete):
-            self._complete(self.jobs[event.job], event.how)
+            job = self.jobs.get(event.job)
+            if job is None:  # a trace replayed on another manager, which never made this job
+                self._note.append("no such job here: skipped")
+                return
+            self._complete(job, event.how)
         elif isinstance(event, Touch):
             req = self.requests[event.req]
             keys = self.keys_of(req)[: max(1, req.computed)]
