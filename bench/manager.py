@@ -11,6 +11,13 @@ the median of the rounds is the figure.
 
     python bench/manager.py            # 1k, 4k, 16k concurrent requests
     python bench/manager.py --quick    # smaller, for a smoke run
+    python bench/manager.py --loads    # the load half in the loop too (both variants)
+
+With ``--loads`` every request that finishes comes back as a returning conversation: its
+first four pages are its prompt, looked up and loaded back from the host tier (kvlife:
+``keep_on_host``, ``lookup`` and ``load``; the dict baseline: a key -> host page dict
+with pin counts, the hand-written host cache), and prompts start under a page so that
+every page is offloaded.
 
 The last line is one JSON object: ratio_vs_dict_baseline (at 4k),
 scaling_16k_over_1k (kvlife per-step time at 16k / at 1k; linear is 16), and
@@ -26,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from rid_keyed_manager import RidKeyedManager
 
 from kvlife.engine.base import Ack
+from kvlife.hashing import sglang_page_hashes
 from kvlife.manager import OffloadManager
 from kvlife.pool import HostPagePool
 from kvlife.store.base import StoreResult
@@ -51,7 +60,7 @@ class NullEngine:
     def __init__(self) -> None:
         self.submitted: list[Ack] = []
 
-    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+    def check(self, device_pages: Sequence[int], host_pages: Sequence[int], **_: Any) -> None:
         pass
 
     def submit(self, ticket: Any, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
@@ -70,7 +79,13 @@ class NullEngine:
 
 
 class NullStore:
-    """Completes every put at the next poll; keeps nothing."""
+    """Completes every put at the next poll; keeps nothing (a host tier serves the loads)."""
+
+    def contains(self, key: str) -> bool:
+        return False
+
+    def get(self, key: str) -> bytes | None:
+        return None
 
     def __init__(self) -> None:
         self.puts: list[StoreResult] = []
@@ -90,9 +105,74 @@ class NullStore:
         return len(self.puts)
 
 
-def run(kind: str, n_requests: int, steps: int) -> float:
+class DictLoadManager(RidKeyedManager):
+    """The dict baseline with a load half: written pages kept in a key -> host page dict
+    (least recently used first, evicted for room), a pin count per key while a load reads
+    it, loads of the leading cached pages of a prompt."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache: OrderedDict[str, int] = OrderedDict()
+        self.pins: dict[str, int] = {}
+        self.loading: dict[int, list[str]] = {}
+
+    def offload(self, rid: object, tokens: Sequence[int], device_pages: Sequence[int]) -> object:
+        if not self.host.num_free:  # room for a chunk: evict the oldest unpinned cached page
+            for key in self.cache:
+                if not self.pins.get(key):
+                    self.host.free([self.cache.pop(key)], owner=self)
+                    break
+        return super().offload(rid, tokens, device_pages)
+
+    def load(self, prompt: Sequence[int], device_pages: Sequence[int]) -> object:
+        full = len(prompt) // self.page_size * self.page_size
+        keys = sglang_page_hashes(prompt[:full], self.page_size, None) if full else []
+        ready: list[str] = []
+        for key in keys:
+            if key not in self.cache:
+                break
+            self.cache.move_to_end(key)
+            self.pins[key] = self.pins.get(key, 0) + 1
+            ready.append(key)
+        if not ready:
+            return None
+        job = self.next_job
+        self.next_job += 1
+        self.loading[job] = ready
+        pages = [self.cache[k] for k in ready]
+        self.engine.submit((_LOAD, job, tuple(ready), 0), device_pages[: len(ready)], pages)
+        return job
+
+    def poll(self) -> None:
+        for ack in self.engine.poll():
+            ready = self.loading.pop(ack.seq, None) if ack.ticket[0] is _LOAD else None
+            if ready is None:
+                self._apply(ack)
+                continue
+            for key in ready:
+                left = self.pins[key] - 1
+                if left:
+                    self.pins[key] = left
+                else:
+                    del self.pins[key]
+        for result in self.store.poll():
+            pages = result.token
+            for key, page in zip(result.keys, pages, strict=True):
+                if key in self.cache:
+                    self.host.free([page], owner=self)
+                else:
+                    self.cache[key] = page
+
+
+_LOAD = object()  # the dict baseline's load tickets carry this instead of a Lifecycle
+
+
+def run(kind: str, n_requests: int, steps: int, loads: bool = False) -> float:
     """Seconds per decode step (median-free: one measured run of ``steps``)."""
-    host = HostPagePool(max(64, n_requests // 4), 8, torch.float32, pin_memory=False)
+    # With loads the host tier holds every request's pages, so a conversation's prefix is
+    # still there when it returns (the loads are the point); else a small pool.
+    pages = n_requests * (MAX_LEN // PAGE + 2) if loads else max(64, n_requests // 4)
+    host = HostPagePool(pages, 8, torch.float32, pin_memory=False)
     engine, store = NullEngine(), NullStore()
     released = [0]
 
@@ -101,18 +181,22 @@ def run(kind: str, n_requests: int, steps: int) -> float:
 
     mgr: Any
     if kind == "kvlife":
-        mgr = OffloadManager(engine, host, store, page_size=PAGE)  # type: ignore[arg-type]
+        mgr = OffloadManager(engine, host, store, page_size=PAGE, keep_on_host=loads)  # type: ignore[arg-type]
     else:
-        mgr = RidKeyedManager(engine, host, store, page_size=PAGE)
+        mgr = (DictLoadManager if loads else RidKeyedManager)(engine, host, store, page_size=PAGE)
     device_pages = list(range(MAX_LEN // PAGE + 1))
     handles: list[Any] = []
     tokens: list[list[int]] = []
     for i in range(n_requests):
         rid = f"rid{i % 97}" if kind == "kvlife" else f"rid{i}"  # the dict baseline cannot reuse
-        prompt = [(i + j) % 30_000 for j in range(PAGE + (i % PAGE))]
+        length = 1 + i % (PAGE - 1) if loads else PAGE + (i % PAGE)  # loads: all offloaded
+        prompt = [(i + j) % 30_000 for j in range(length)]
         lc = mgr.start(rid, prompt, on_release)
         handles.append(lc if kind == "kvlife" else rid)
-        tokens.append([*prompt, 1])
+        # With loads, lives start at staggered lengths, so that some finish (and return) at
+        # every step of the measured window, not only after MAX_LEN steps.
+        decoded = [1] * (i * 7 % (MAX_LEN - 4 * PAGE)) if loads else []
+        tokens.append([*prompt, *decoded, 1])
     next_rid = n_requests
     # Warm up so every request is mid-life and submissions spread evenly over steps.
     t0 = 0.0
@@ -134,21 +218,27 @@ def run(kind: str, n_requests: int, steps: int) -> float:
                 mgr.finish(handles[i])
                 rid = f"rid{next_rid}"
                 next_rid += 1
-                prompt = toks[:PAGE]
+                prompt = toks[: 4 * PAGE] if loads else toks[:PAGE]  # loads: a returning one
                 lc = mgr.start(rid, prompt, on_release)
                 handles[i] = lc if kind == "kvlife" else rid
                 tokens[i] = [*prompt, 1]
+                if loads:
+                    if kind == "kvlife":
+                        mgr.lookup(prompt)
+                        mgr.load(lc, device_pages)
+                    else:
+                        mgr.load(prompt, device_pages)
         mgr.poll()
     elapsed = time.perf_counter() - t0
     gc.unfreeze()
     return elapsed / steps
 
 
-def measure(n_requests: int, steps: int, rounds: int) -> dict[str, list[float]]:
+def measure(n_requests: int, steps: int, rounds: int, loads: bool) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"kvlife": [], "dict": []}
     for _ in range(rounds):
         for kind in ("kvlife", "dict"):
-            times[kind].append(run(kind, n_requests, steps))
+            times[kind].append(run(kind, n_requests, steps, loads))
     return times
 
 
@@ -156,6 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--loads", action="store_true", help="returning conversations loaded")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = (256, 1024, 4096) if args.quick else (1024, 4096, 16384)
@@ -163,7 +254,7 @@ def main() -> None:
     medians: dict[int, dict[str, float]] = {}
     print(f"{'requests':>9} {'variant':>8} {'median us/step':>15} {'min':>10} {'max':>10}")
     for n in sizes:
-        times = measure(n, steps, args.rounds)
+        times = measure(n, steps, args.rounds, args.loads)
         medians[n] = {}
         for kind, ts in times.items():
             med = statistics.median(ts)
@@ -187,6 +278,7 @@ def main() -> None:
                 "scaling_sizes": [small, large],
                 "us_per_step": {str(n): round(m["kvlife"] * 1e6, 1) for n, m in medians.items()},
                 "rounds": args.rounds,
+                "loads": args.loads,
             }
         )
     )
