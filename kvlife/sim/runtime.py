@@ -490,12 +490,7 @@ class Simulation:
         for req in self.active:
             if req.loading:
                 if req.handle.loading:  # waits for its prefix; may be aborted meanwhile
-                    roll = self.rng.random()
-                    if roll < cfg.abort_rate * per_step:
-                        self._end(req, FinishReason.ABORTED)
-                    elif roll < (cfg.abort_rate + cfg.retract_rate) * per_step:
-                        self._end(req, FinishReason.RETRACTED)
-                    else:
+                    if not self._cut_short(req, self.rng.random(), per_step):
                         still.append(req)
                     continue
                 self._restored(req)
@@ -513,13 +508,21 @@ class Simulation:
             roll = self.rng.random()
             if len(req.tokens) >= req.target:
                 self._end(req, FinishReason.FINISHED)
-            elif roll < cfg.abort_rate * per_step:
-                self._end(req, FinishReason.ABORTED)
-            elif roll < (cfg.abort_rate + cfg.retract_rate) * per_step:
-                self._end(req, FinishReason.RETRACTED)
-            else:
+            elif not self._cut_short(req, roll, per_step):
                 still.append(req)
         self.active = still
+
+    def _cut_short(self, req: _Request, roll: float, per_step: float) -> bool:
+        """Abort or retract ``req`` on this step's ``roll`` (rates are per request); whether
+        it ended."""
+        cfg = self.cfg
+        if roll < cfg.abort_rate * per_step:
+            self._end(req, FinishReason.ABORTED)
+        elif roll < (cfg.abort_rate + cfg.retract_rate) * per_step:
+            self._end(req, FinishReason.RETRACTED)
+        else:
+            return False
+        return True
 
     def _end(self, req: _Request, reason: FinishReason) -> None:
         counted = reason.value  # "finished", "aborted" or "retracted": a report field
