@@ -221,19 +221,10 @@ class HostTier(Generic[K]):
                 new.append(key)
         if not new:
             return StorePlan([], [], [])
-        need = len(new) - self.pool.num_free
-        evicted: list[K] = []
-        if need > 0:
-            guard = seen.union(protected)
-            # O(1) when nothing is evictable; else the first idle, unprotected entries.
-            if need > len(self._evictable) - sum(1 for k in guard if k in self._evictable):
-                self.counts.no_room += 1
-                return None
-            for key in self._evictable:
-                if key not in guard:
-                    evicted.append(key)
-                    if len(evicted) == need:
-                        break
+        evicted = self._victims(len(new) - self.pool.num_free, seen.union(protected))
+        if evicted is None:
+            self.counts.no_room += 1
+            return None
         self._evict(evicted)
         pages = self.pool.alloc(len(new), self)
         assert pages is not None  # the room was made above
@@ -317,16 +308,9 @@ class HostTier(Generic[K]):
         if not taken:
             return []
         self.pool.transfer(kept, owner, self)
-        c = self.counts
-        for key, page in zip(taken, kept, strict=True):
-            entry = index[key] = HostEntry(page, float("inf"), self.keep)
-            entry.pending = False
-        c.entries += len(taken)
-        c.stored += len(taken)
-        self._events.append(TierEvent(tuple(taken), False))
         freed: list[int] = []
-        for key in taken:
-            self._settled(key, index[key], freed)
+        for key, entry in zip(taken, self._add_ready(taken, kept), strict=True):
+            self._settled(key, entry, freed)
         if freed:
             self.pool.free(freed, self)
         return taken
@@ -335,19 +319,9 @@ class HostTier(Generic[K]):
         """Evict idle entries (least recent first, never a ``protected`` key) until ``n``
         pages of the pool are free. ``False``, with nothing evicted, when that cannot be done;
         O(1) when nothing is evictable."""
-        need = n - self.pool.num_free
-        if need <= 0:
-            return True
-        guard = set(protected)
-        evictable = self._evictable
-        if need > len(evictable) - sum(1 for k in guard if k in evictable):
+        victims = self._victims(n - self.pool.num_free, set(protected))
+        if victims is None:
             return False
-        victims: list[K] = []
-        for key in evictable:
-            if key not in guard:
-                victims.append(key)
-                if len(victims) == need:
-                    break
         self._evict(victims)
         return True
 
@@ -368,16 +342,11 @@ class HostTier(Generic[K]):
         if not filled:
             self.pool.free(pages, self)
             return False
-        entry = self._index[key] = HostEntry(pages[0], float("inf"), self.keep)
-        entry.pending = False
-        c = self.counts
-        c.entries += 1
-        c.stored += 1
-        self._events.append(TierEvent((key,), False))
+        (entry,) = self._add_ready([key], pages)
         if pin:
             entry.pins = 1
-            c.pinned += 1
-            c.loads += 1
+            self.counts.pinned += 1
+            self.counts.loads += 1
             return True
         freed: list[int] = []
         self._settled(key, entry, freed)
@@ -527,6 +496,35 @@ class HostTier(Generic[K]):
         return len(pages)
 
     # ---------------------------------------------------------------- internals
+
+    def _victims(self, need: int, guard: set[K]) -> list[K] | None:
+        """The ``need`` least recent idle entries not in ``guard`` (none when ``need`` <= 0),
+        or ``None`` when there are fewer: O(1) when nothing is evictable."""
+        if need <= 0:
+            return []
+        evictable = self._evictable
+        if need > len(evictable) - sum(1 for k in guard if k in evictable):
+            return None
+        victims: list[K] = []
+        for key in evictable:
+            if key not in guard:
+                victims.append(key)
+                if len(victims) == need:
+                    break
+        return victims
+
+    def _add_ready(self, keys: list[K], pages: Sequence[int]) -> list[HostEntry]:
+        """Index ``keys`` as ready entries on ``pages`` (already the tier's), announced
+        stored; their entries, not yet settled (idle ones go to the caller's ``_settled``)."""
+        entries = []
+        for key, page in zip(keys, pages, strict=True):
+            entry = self._index[key] = HostEntry(page, float("inf"), self.keep)
+            entry.pending = False
+            entries.append(entry)
+        self.counts.entries += len(keys)
+        self.counts.stored += len(keys)
+        self._events.append(TierEvent(tuple(keys), False))
+        return entries
 
     def _deadline(self) -> float:
         timeout = self.pending_timeout
