@@ -29,8 +29,6 @@ from itertools import islice
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import torch
-
 from kvlife._lifecycle import (
     FinishReason,
     Lifecycle,
@@ -492,7 +490,7 @@ class OffloadManager:
             if found is Lookup.PENDING or (found is Lookup.MISS and not self._in_store(key)):
                 break
             ready += 1
-        pending = ready < len(keys) and keys[ready] in self._in_flight_keys()
+        pending = ready < len(keys) and self._in_flight(keys[ready])
         if pending:
             self._metrics.lookups_pending += 1
         return PrefixLookup(keys, ready, pending)
@@ -562,19 +560,13 @@ class OffloadManager:
     def _promote(self, key: str) -> bool:
         """Read ``key``'s page from the store into the host tier (verified) and pin it for a
         load; whether it is there now. A page damaged, gone or of the wrong size is a miss."""
-        row = self.host.tensor[0]
-        nbytes = row.numel() * row.element_size()
 
         def fill(page: int) -> bool:
             try:
                 payload = self.store.get(key)
             except (StoreError, OSError):
                 return False
-            if payload is None or len(payload) != nbytes:
-                return False
-            target = self.host.tensor[page].view(-1).view(torch.uint8)
-            target.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-            return True
+            return payload is not None and self.host.write_bytes(page, payload)
 
         if self.tier.insert_ready(key, fill, pin=True):
             self._metrics.pages_promoted += 1
@@ -589,13 +581,15 @@ class OffloadManager:
         except (StoreError, OSError):
             return False
 
-    def _in_flight_keys(self) -> set[str]:
-        """Keys whose copy to the host or write to the store is in flight (lookups only)."""
-        keys = {key for written in self._writing.values() for key in written}
-        for req in tuple(self._live):
-            for ticket in req._lifecycle.chunks_in_flight():
-                keys.update(ticket[2])
-        return keys
+    def _in_flight(self, key: str) -> bool:
+        """Whether ``key``'s copy to the host or write to the store is in flight (lookups)."""
+        if any(key in written for written in self._writing.values()):
+            return True
+        return any(
+            key in ticket[2]
+            for req in tuple(self._live)
+            for ticket in req._lifecycle.chunks_in_flight()
+        )
 
     def _prompt_keys(self, prompt: Sequence[int], full: int) -> tuple[str, ...]:
         return tuple(self.hasher(_slice(prompt, 0, full), self.page_size, self._seed))

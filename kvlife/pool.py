@@ -140,6 +140,17 @@ class HostPagePool:
         if not held:
             del self._owned[id(owner)]
 
+    def write_bytes(self, page: int, payload: bytes) -> bool:
+        """Copy ``payload`` into host page ``page`` if it is exactly one page's bytes (a
+        page read back from a store); whether it was."""
+        row = self.tensor[self._check(page)]
+        if len(payload) != row.numel() * row.element_size():
+            return False
+        row.view(-1).view(torch.uint8).copy_(
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        )
+        return True
+
     def transfer(self, pages: Sequence[int], owner: object, new_owner: object) -> None:
         """Hand ``pages`` (all owned by ``owner``) to ``new_owner`` without freeing them (a
         chunk's staged pages kept by the host tier); every page is checked first."""

@@ -710,8 +710,7 @@ class UnpinnedLoad(OffloadManager):
         return ticket
 
     def _settle_load(self, req: OffloadRequest, ack: Ack) -> None:
-        self.tier.pin(())  # the pins are gone already; keep the rest of the settle
-        keys = ack.ticket[2]
+        keys = ack.ticket[2]  # the pins are gone already: the rest of the settle only
         if ack.ok:
             req.loaded_pages += len(keys)
         else:

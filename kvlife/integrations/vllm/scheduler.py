@@ -12,8 +12,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar, cast
 
-import torch
-
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
     OffloadingConnectorStats,
@@ -323,8 +321,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return False
 
         def fill(page: int) -> bool:
-            pool.tensor[page].copy_(torch.frombuffer(bytearray(payload), dtype=torch.int8))
-            return True
+            return pool.write_bytes(page, payload)
 
         if not self.tier.insert_ready(key, fill):
             self.counts.promote_misses += 1  # every page pinned or pending: no room now
