@@ -188,7 +188,7 @@ class ManagerAdapter:
         if not req.prefill_pending:
             return
         req.prefill_pending = False
-        computed = min(len(req.keys), (len(req.handle.prompt_keys)))  # prompt pages with KV
+        computed = min(len(req.keys), len(req.handle.prompt_keys))  # prompt pages with KV
         if computed:
             pages = torch.stack([self.layout.read_page(p) for p in req.pages[:computed]])
             self.store.put(("prefill", req.rid), req.keys[:computed], pages)

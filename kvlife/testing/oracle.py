@@ -120,7 +120,7 @@ class Oracle:
         self._is_load = getattr(adapter, "copy_is_load", None)
         self._copy_keys = getattr(adapter, "copy_keys", None)
         self._written: set[str] = set()
-        self._loads: dict[int, tuple[Life, object, tuple[str, ...]]] = {}
+        self._loads: dict[int, tuple[Life, tuple[str, ...]]] = {}
         #: A call did not return within the deadline: the adapter is left as it is.
         self.stuck = False
 
@@ -131,7 +131,7 @@ class Oracle:
     def growing(self, max_tokens: int) -> list[Life]:
         """Running lives with fewer than ``max_tokens`` tokens and no load in flight (a
         request waits for its prefix before it decodes)."""
-        loading = {id(life) for life, _, _ in self._loads.values()}
+        loading = {id(life) for life, _ in self._loads.values()}
         return [
             life
             for life in self.running()
@@ -260,12 +260,11 @@ class Oracle:
             if ok and id(copy) in self._owner:
                 self._written.update(self._copy_keys(copy))
             return
-        life, handle, keys = load
-        device_page = getattr(self.adapter, "device_page", None)
-        if not ok or life.released or device_page is None:
+        life, keys = load
+        if not ok or life.released:
             return
         for i, key in enumerate(keys):
-            if device_page(handle, i) != self.adapter.page_bytes(key):
+            if not self._page_holds(life, i, key):
                 raise InvariantViolation(
                     "load-bytes",
                     f"{life}'s page {i} after its load holds other bytes than the page stored "
@@ -398,16 +397,21 @@ class Oracle:
         """Before a returning life decodes: every prompt page no load covered holds its KV
         (the restore-bytes rule; loaded pages were checked when their copy completed)."""
         life.restore_checked = True
-        device_page = getattr(self.adapter, "device_page", None)
-        if device_page is None:
-            return
         for i in range(life.loaded_pages, life.prompt_pages):
-            if device_page(life.handle, i) != self.adapter.page_bytes(life.keys[i]):
+            if not self._page_holds(life, i, life.keys[i]):
                 raise InvariantViolation(
                     "restore-bytes",
                     f"{life} decodes while its prompt page {i} holds neither a load's bytes nor "
                     f"its computed KV ({life.loaded_pages} of {life.prompt_pages} pages loaded)",
                 )
+
+    def _page_holds(self, life: Life, index: int, key: str) -> bool:
+        """Whether the life's ``index``-th device page holds the bytes of ``key`` (true when
+        the adapter cannot show its device pages: nothing to compare)."""
+        device_page = getattr(self.adapter, "device_page", None)
+        return device_page is None or device_page(life.handle, index) == self.adapter.page_bytes(
+            key
+        )
 
     def _check_load(self, copy: object, life: Life) -> None:
         """A new load: every key it reads was written whole by a store copy, or is stored
@@ -421,7 +425,7 @@ class Oracle:
                     f"{life} loads key {key[:12]}.., which no completed copy wrote and the "
                     "store does not hold (its store still in flight?)",
                 )
-        self._loads[id(copy)] = (life, life.handle, keys)
+        self._loads[id(copy)] = (life, keys)
         life.loaded_pages = max(life.loaded_pages, len(keys))
 
     def _check_releases(self) -> None:
