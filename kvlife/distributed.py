@@ -7,8 +7,10 @@ prefix, submission counts and fingerprints, the first failure, free host
 pages): acks complete everywhere are applied in submission order, a copy failed
 on any rank fails on every rank, different submission sequences raise
 :class:`~kvlife.errors.GroupBroken` naming the first differing chunk, and a
-crashed or silent peer raises it within ``timeout``. The word table, the host
-budget and the failure cases are in docs/distributed.md.
+crashed or silent peer raises it within ``timeout``. Loads are submissions
+too, and :meth:`TorchAgreement.least` (the same seven words, marked) lets a
+lookup or a load agree on the prefix every rank holds. The word table, the host
+budget, loads and the failure cases are in docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _MOD = (1 << 61) - 1  # a Mersenne prime: the running fingerprint lives in [0, 2
 _MULT = 0x9E3779B97F4A7C15 % _MOD
 _NONE = (1 << 62) - 1  # "no failure" / "no host pool" in a MIN word
 _WORDS = 7
+_LOAD_MARK = 1 << 24  # added to a load's page count in its fingerprint word
 
 
 def chunk_fingerprint(fp: int, n_pages: int, last_key: str) -> int:
@@ -48,7 +51,25 @@ def chunk_fingerprint(fp: int, n_pages: int, last_key: str) -> int:
 def _describe(ticket: Ticket | LoadTicket) -> str:
     lifecycle, seq, keys = ticket[:3]
     key = keys[-1] if keys else ""
-    return f"rid={lifecycle.rid!r} seq={seq} pages={len(keys)} last key {key[:16]}"
+    what = "load" if type(ticket) is LoadTicket else "chunk"
+    return f"{what} rid={lifecycle.rid!r} seq={seq} pages={len(keys)} last key {key[:16]}"
+
+
+def _index_key(ticket: Ticket | LoadTicket) -> tuple[object, ...]:
+    """A submission's key: ``(lifecycle, seq)`` for a chunk, ``(lifecycle, seq, "load")``
+    for a load (a Lifecycle numbers its loads apart from its chunks, from 0 too)."""
+    key = ticket[:2]
+    return (*key, "load") if type(ticket) is LoadTicket else key
+
+
+def _is_load_ticket(obj: object) -> bool:
+    return (
+        type(obj) is LoadTicket
+        and isinstance(obj[0], Lifecycle)
+        and type(obj[1]) is int
+        and type(obj[2]) is tuple
+        and len(obj[2]) > 0
+    )
 
 
 class TorchAgreement:
@@ -97,7 +118,7 @@ class TorchAgreement:
         self._count = 0  # submitted
         self._applied = 0  # returned by agree, on every rank alike
         self._done = 0  # local completed prefix
-        self._index: dict[tuple[Lifecycle, int], int] = {}  # pending (lifecycle, seq) -> index
+        self._index: dict[tuple[object, ...], int] = {}  # pending submission -> its index
         self._acks: dict[int, Ack] = {}  # completed locally, not yet applied
         self._failed: list[int] = []  # heap of indices in _acks whose copy failed
         self._dups: dict[int, list[Ack]] = {}  # duplicate acks, returned after the original
@@ -105,7 +126,8 @@ class TorchAgreement:
         # Divergence check.
         self._fp = 0
         self._checked = 0  # submissions whose fingerprints all ranks agreed on
-        self._history: list[tuple[int, Ticket]] = []  # (fp after, ticket) since _checked
+        # (fp after, ticket) since _checked
+        self._history: list[tuple[int, Ticket | LoadTicket]] = []
         # Host budget.
         self._host = host
         self._budget = 0
@@ -130,19 +152,20 @@ class TorchAgreement:
         """Submissions not yet returned by :meth:`agree` (the same on every rank)."""
         return self._count - self._applied
 
-    def submitted(self, ticket: Ticket) -> None:
-        """Record one submission: its index, and the running fingerprint."""
+    def submitted(self, ticket: Ticket | LoadTicket) -> None:
+        """Record one submission (a chunk or a load): its index, and the running fingerprint."""
         self._check_usable()
-        if not is_ticket(ticket):
-            raise AgreementError(f"expected a Ticket, got {ticket!r:.80}")
-        lifecycle, seq, keys, _ = ticket
-        key = (lifecycle, seq)
+        load = _is_load_ticket(ticket)
+        if not (load or is_ticket(ticket)):
+            raise AgreementError(f"expected a Ticket or a LoadTicket, got {ticket!r:.80}")
+        keys = ticket[2]
+        key = _index_key(ticket)
         if key in self._index:
-            raise AgreementError(f"chunk {_describe(ticket)} was already submitted")
-        try:  # before anything changes
-            fp = chunk_fingerprint(self._fp, len(keys), keys[-1])
+            raise AgreementError(f"{_describe(ticket)} was already submitted")
+        try:  # before anything changes; a load's page count is marked apart from a chunk's
+            fp = chunk_fingerprint(self._fp, len(keys) + (_LOAD_MARK if load else 0), keys[-1])
         except (AttributeError, TypeError):
-            raise AgreementError(f"chunk {_describe(ticket)} has a key that is not a str") from None
+            raise AgreementError(f"{_describe(ticket)} has a key that is not a str") from None
         self._index[key] = self._count
         self._count += 1
         self._fp = fp
@@ -157,6 +180,21 @@ class TorchAgreement:
         self._budget -= n_pages
         return True
 
+    def least(self, value: int) -> int:
+        """The smallest of every rank's ``value``: one MIN all-reduce of the same seven words
+        as :meth:`agree` (two of them mark this call, so ranks that call different
+        collectives at one point raise :class:`~kvlife.errors.GroupBroken`, not a wrong
+        answer). Every rank calls it at the same point."""
+        self._check_usable()
+        if type(value) is not int or not 0 <= value < _NONE:
+            raise AgreementError(f"least() takes an int in [0, 2**62 - 1), got {value!r:.40}")
+        self._words[:] = [value, -1, 1] + [_NONE] * (_WORDS - 3)
+        self._all_reduce("least")
+        agreed, mark, counter, *_ = self._words.tolist()
+        if mark != -1 or counter != 1:
+            self._mismatched("least")
+        return int(agreed)
+
     def agree(self, acks: list[Ack]) -> list[Ack]:
         """Take this rank's newly completed acks; run the collective; return the agreed ones.
 
@@ -170,7 +208,7 @@ class TorchAgreement:
                 raise AgreementError(f"expected an Ack, got {type(ack).__name__}")
         index, store = self._index, self._acks
         for ack in acks:
-            i = index.get(ack.ticket[:2])
+            i = index.get(_index_key(ack.ticket))
             if i is None:
                 self._strays.append(ack)
             elif i in store:
@@ -191,6 +229,8 @@ class TorchAgreement:
         words[:] = [done, count, -count, fp, -fp, first_failed, free_here]  # docs/distributed.md
         self._all_reduce("poll")
         agreed_done, fewest, most, low, high, first_failure, free = words.tolist()
+        if fewest < 0:  # a peer ran least() at this point: its -1 is the smallest count
+            self._mismatched("poll")
         if fewest != -most or low != -high:
             self._diverged(fewest, -most)
         self._checked = count
@@ -211,7 +251,7 @@ class TorchAgreement:
                     ),
                 )
                 self.peer_failures += 1
-            del index[ack.ticket[:2]]
+            del index[_index_key(ack.ticket)]
             out.append(ack)
             extra = self._dups.pop(i, None)
             if extra:
@@ -253,6 +293,15 @@ class TorchAgreement:
         )
         self._broken = error
         raise error from exc
+
+    def _mismatched(self, what: str) -> NoReturn:
+        error = GroupBroken(
+            f"rank {self.rank} of {self.world_size} ran the agreement's {what} collective "
+            "while a peer ran another (a poll against a lookup's or load's): the ranks' "
+            "calls diverged"
+        )
+        self._broken = error
+        raise error
 
     def _diverged(self, fewest: int, most: int) -> NoReturn:
         """Gather every rank's fingerprints since the last agreed poll; raise at the first diff."""

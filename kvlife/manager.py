@@ -80,14 +80,19 @@ class Agreement(Protocol):
     submission order.
     """
 
-    def submitted(self, ticket: Ticket) -> None:
-        """Record one submission (every rank must submit the same sequence)."""
+    def submitted(self, ticket: Ticket | LoadTicket) -> None:
+        """Record one submission, a chunk or a load (every rank submits the same sequence)."""
 
     def agree(self, acks: list[Ack]) -> list[Ack]:
         """Take this rank's newly completed acks; return those every rank completed."""
 
     def admit(self, n_pages: int) -> bool:
-        """Whether to take ``n_pages`` host pages for a chunk now: the same answer on every rank."""
+        """Whether to take ``n_pages`` host pages now (a chunk, or a page a load promotes
+        from the store): the same answer on every rank."""
+
+    def least(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (a collective: every rank calls it at the
+        same point). Lookups and loads agree on how many pages every rank can load."""
 
     @property
     def pending(self) -> int:
@@ -484,13 +489,12 @@ class OffloadManager:
             keys = self._prompt_keys(prompt, full) if full else ()
         except (HashingError, TypeError) as exc:
             raise self._refuse(f"cannot look up a prompt: {exc}") from None
-        tier, ready = self.tier, 0
-        for key in keys:
-            found = tier.lookup(key)
-            if found is Lookup.PENDING or (found is Lookup.MISS and not self._in_store(key)):
-                break
-            ready += 1
+        ready = self._loadable(keys)
         pending = ready < len(keys) and self._in_flight(keys[ready])
+        if self.agreement is not None:  # every rank's answer: the shortest prefix, and
+            # "pending" where a rank with that prefix waits on the next page
+            agreed = self.agreement.least(2 * ready + (not pending))
+            ready, pending = agreed >> 1, not agreed & 1
         if pending:
             self._metrics.lookups_pending += 1
         return PrefixLookup(keys, ready, pending)
@@ -505,14 +509,13 @@ class OffloadManager:
         Pages the store holds are read and verified into the host tier first (a page that
         is damaged or gone is a miss: the load stops before it). The host pages stay
         pinned until the load's ack; the request does not release before it either. A
-        refusal raises before anything changes.
+        refusal raises before anything changes. With an :class:`Agreement` every rank loads
+        the same pages: the prefix every rank holds (one or two collectives, in every call).
         """
         self._check_thread()
         self._check_owned(req)
         if not req._decoding:
             raise self._invalid_step(req, "decoding has ended; nothing to load into")
-        if self.agreement is not None:
-            raise self._refuse("loads are not agreed across ranks yet: no load with an agreement")
         keys = req.prompt_keys
         limit = len(keys) if pages is None else _count("pages", pages, 0)
         try:
@@ -522,20 +525,31 @@ class OffloadManager:
                 )
         except TypeError:
             raise self._invalid_step(req, "device_pages must be a sequence") from None
-        tier = self.tier
+        tier, agreement = self.tier, self.agreement
+        wanted = keys[:limit]
+        if agreement is not None:  # promote only what every rank can: the same on each
+            wanted = wanted[: agreement.least(self._loadable(wanted))]
         ready: list[str] = []
         host_pages: list[int] = []
-        for key in keys[:limit]:  # pinned one by one: making room never evicts them
+        for key in wanted:  # pinned one by one: making room never evicts them
             found = tier.lookup(key)
             if found is Lookup.HIT:
                 host_pages += tier.prepare_load([key]) or ()
-            elif found is not Lookup.MISS or not self._promote(key):
+            elif (
+                found is not Lookup.MISS
+                or (agreement is not None and not agreement.admit(1))
+                or not self._promote(key)
+            ):
                 break
             else:
                 entry = tier.entry(key)
                 assert entry is not None  # promoted and pinned just now
                 host_pages.append(entry.page)
             ready.append(key)
+        if agreement is not None and wanted:  # a promotion failed on some rank: load less
+            agreed = agreement.least(len(ready))
+            tier.complete_load(ready[agreed:])
+            del ready[agreed:], host_pages[agreed:]
         if not ready:
             return None
         device = list(_slice(device_pages, 0, len(ready)))
@@ -555,7 +569,19 @@ class OffloadManager:
             fault = CopyFault(f"the engine failed to take load {ticket.seq}: {exc!r}")
             self._apply_ack(Ack(ticket, tuple(device), tuple(host_pages), fault))
             raise
+        if agreement is not None:
+            agreement.submitted(ticket)
         return ticket
+
+    def _loadable(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are ready on the host tier or held by the store."""
+        tier, n = self.tier, 0
+        for key in keys:
+            found = tier.lookup(key)
+            if found is not Lookup.HIT and (found is not Lookup.MISS or not self._in_store(key)):
+                break
+            n += 1
+        return n
 
     def _promote(self, key: str) -> bool:
         """Read ``key``'s page from the store into the host tier (verified) and pin it for a

@@ -56,8 +56,10 @@ class RecordingEngine:
         self.reported: dict[str, float] = {}
         self.events: dict[str, CpuCopyEvent] = {}
 
-    def check(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        self.inner.check(device_pages, host_pages)
+    def check(
+        self, device_pages: Sequence[int], host_pages: Sequence[int], load: bool = False
+    ) -> None:
+        self.inner.check(device_pages, host_pages, load=load)
 
     def submit(
         self, ticket: Ticket, device_pages: Sequence[int], host_pages: Sequence[int]
@@ -114,7 +116,7 @@ class Rig:
     host: HostPagePool
     cpu: CpuCopyEngine
     engine: RecordingEngine
-    store: MemoryStore
+    store: ReadFailingStore
     agreement: RecordingAgreement
     manager: OffloadManager
     released: list[str] = field(default_factory=list)
@@ -127,6 +129,23 @@ class Rig:
         self.store.close()
 
 
+class ReadFailingStore(MemoryStore):
+    """A memory store whose reads of ``fail_reads`` keys fail after ``contains`` said yes:
+    a page that vanished between a load's agreed lookup and its read (forced here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_reads: set[str] = set()
+
+    def get(self, key: str) -> bytes | None:
+        if key in self.fail_reads:
+            raise OSError(f"read of {key[:8]} failed")
+        return super().get(key)
+
+    def contains(self, key: str) -> bool:
+        return super().get(key) is not None
+
+
 def make_rig(
     rank: int, *, copy_delay: float = 0.0, workers: int = 1, timeout: float = TIMEOUT
 ) -> Rig:
@@ -137,7 +156,7 @@ def make_rig(
         layout, host, copy_delay=copy_delay, delay_jitter=copy_delay, seed=rank, workers=workers
     )
     engine = RecordingEngine(cpu)
-    store = MemoryStore()
+    store = ReadFailingStore()
     agreement = RecordingAgreement(timeout=timeout, host=host)
     manager = OffloadManager(engine, host, store, page_size=PAGE, agreement=agreement)
     return Rig(layout, host, cpu, engine, store, agreement, manager)
@@ -251,6 +270,85 @@ def divergence_scenario(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def load_scenario(rank: int, world: int) -> dict[str, Any]:
+    """Loads across ranks: a conversation stored 3 pages and returns on a reused rid.
+
+    1. The last rank's store lost page 2 (a write that failed there): every rank's lookup
+       answers 2 ready pages, though rank 0 holds all 3.
+    2. Page 1 cannot be read on rank 0 after the lookup: every rank loads page 0 only.
+    3. The load's copy is held on the last rank: no rank applies its ack until it is done.
+    4. A load whose copy fails on rank 0 fails on every rank (the request recomputes).
+    5. A rank that looks up while its peers poll: GroupBroken on every rank, not a hang.
+    """
+    rig = make_rig(rank, workers=2)
+    m, last = rig.manager, rank == world - 1
+    prompt = tokens(3 * PAGE + 1, 5)
+    first = m.start("c", [], rig.on_release)  # it decoded ``prompt``: its pages are stored
+    m.offload(first, [*prompt, 0], [0, 1, 2, 3])
+    m.finish(first)
+    m.close(timeout=TIMEOUT)
+    keys = m.lookup(prompt).keys
+    if last:
+        del rig.store._pages[keys[2]]
+    found = m.lookup(prompt)
+    if rank == 0:
+        rig.store.fail_reads.add(keys[1])  # gone after the lookup: only rank 0 finds out
+    back = m.start("c", prompt, rig.on_release)
+    rig.layout.write_page(20, torch.full((rig.layout.page_numel,), -1.0))  # poison
+    ticket = m.load(back, [20, 21, 22])
+    loaded = [] if ticket is None else list(ticket.keys)
+    m.close(timeout=TIMEOUT)
+    restored = bool(torch.equal(rig.layout.read_page(20), rig.layout.read_page(0)))
+    m.finish(back)
+
+    held_case: dict[str, Any] = {}
+    gated = m.start("g", prompt, rig.on_release)
+    gate = rig.cpu.hold_next() if last else None
+    assert m.load(gated, [30], pages=1) is not None
+    for _ in range(5):
+        m.poll()
+    held_case["loading_while_held"] = gated.loading
+    if gate is not None:
+        gate.open()
+    while rig.agreement.pending:  # the ranks poll in lockstep
+        m.poll()
+    held_case["loading_after"] = gated.loading
+    m.finish(gated)
+
+    failing = m.start("f", prompt, rig.on_release)
+    if rank == 0:
+        rig.cpu.fail_next()
+    assert m.load(failing, [40], pages=1) is not None
+    m.close(timeout=TIMEOUT)
+    failed = (failing.load_failures, failing.loaded_pages)
+    m.finish(failing)
+    m.close(timeout=TIMEOUT)
+    out = {
+        "lookup": [found.ready, found.pending],
+        "loaded": len(loaded),
+        "restored": restored,
+        "held": held_case,
+        "failed": list(failed),
+        "released": rig.released,
+        "pinned": m.tier.counts.pinned,
+        "host_used": rig.host.num_used,
+        "peer_failures": rig.agreement.peer_failures,
+    }
+    rig.close_parts()
+
+    rig = make_rig(rank)
+    try:
+        if rank == 0:
+            rig.manager.lookup(prompt)
+        else:
+            rig.manager.poll()
+        out["mismatch"] = None
+    except GroupBroken as exc:
+        out["mismatch"] = str(exc)
+    rig.close_parts()
+    return out
+
+
 def sim_scenario(rank: int, world: int) -> dict[str, Any]:
     """The simulator on a small host pool: stores and release sequences per rank."""
     delay = 0.004 if rank == world - 1 else 0.0005
@@ -268,7 +366,14 @@ def scenarios_main(rank: int, world: int, port: int, out_dir: str) -> None:
     result: dict[str, Any] = {"rank": rank}
     try:
         init_rank(rank, world, port, TIMEOUT)
-        for scenario in (gated_scenario, slow_rank_scenario, divergence_scenario, sim_scenario):
+        scenarios = (
+            gated_scenario,
+            slow_rank_scenario,
+            divergence_scenario,
+            load_scenario,
+            sim_scenario,
+        )
+        for scenario in scenarios:
             result[scenario.__name__] = scenario(rank, world)
     except Exception:
         result["error"] = traceback.format_exc()
@@ -386,9 +491,22 @@ def test_ranks_apply_only_what_every_rank_completed(world: int, tmp_path: Path) 
         extra = div["extra"]["seen"][0]
         assert extra["chunks"][:-1] == [None] * (world - 1)
         assert "rid='y' seq=1" in extra["chunks"][-1]
-        assert "the first differing chunk is submission 2: rank 0: rid='x'" in different["message"]
+        message = different["message"]
+        assert "the first differing chunk is submission 2: rank 0: chunk rid='x'" in message
 
-    # 4. the simulator: identical stores and releases, though the host pool ran out
+    # 4. loads: every rank loads what every rank holds, and applies the load's ack together
+    loads = [r["load_scenario"] for r in ranks]
+    for i, lo in enumerate(loads):
+        assert lo["lookup"] == [2, False]  # rank 0 alone would have said 3
+        assert lo["loaded"] == 1 and lo["restored"]  # rank 0's page 1 failed: one page
+        assert lo["held"] == {"loading_while_held": True, "loading_after": False}
+        assert lo["failed"] == [1, 0]  # failed on rank 0: a failure on every rank
+        assert lo["released"] == ["c", "c", "g", "f"]
+        assert lo["pinned"] == 0 and lo["host_used"] == 0
+        assert lo["peer_failures"] == (0 if i == 0 else 1)
+        assert lo["mismatch"] is not None and "diverged" in lo["mismatch"]
+
+    # 5. the simulator: identical stores and releases, though the host pool ran out
     sims = [r["sim_scenario"] for r in ranks]
     assert all(s["ok"] for s in sims)
     assert sims[0]["exhausted"] > 0 and sims[0]["stored_keys"] > 0
@@ -418,11 +536,12 @@ def test_a_failed_rank_becomes_an_error_not_a_hang(mode: str, tmp_path: Path) ->
 
 
 def test_simulate_command_with_two_ranks() -> None:
-    """``kvlife simulate --world-size 2 --json``: real processes, ranks agree, exit 0."""
+    """``kvlife simulate --world-size 2 --json``: real processes, ranks agree, exit 0; both
+    halves run: prefixes are restored on both ranks alike, every page checked."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = cli.main(
-            ["simulate", "--world-size", "2", "--requests", "20", "--concurrency", "4", "--json"]
+            ["simulate", "--world-size", "2", "--requests", "40", "--concurrency", "4", "--json"]
         )
     report = json.loads(out.getvalue().strip().splitlines()[-1])
     assert status == 0, report
@@ -431,6 +550,9 @@ def test_simulate_command_with_two_ranks() -> None:
     assert (
         report["per_rank"][0]["stored_keys_digest"] == report["per_rank"][1]["stored_keys_digest"]
     )
+    restored = [(r["restores"], r["pages_restored"]) for r in report["per_rank"]]
+    assert restored[0][0] > 0 and restored[0] == restored[1]
+    assert all(r["corrupted_restores"] == 0 for r in report["per_rank"])
 
 
 # ---------------------------------------------------------------- one process (world of 1)

@@ -114,7 +114,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--keep-on-host",
         action=argparse.BooleanOptionalAction,
-        help="written pages stay on the host tier as a cache (default: on)",
+        help="written pages stay on the host tier as a cache (default: on; off with "
+        "--world-size above 1, where restores come from the store)",
     )
     p.add_argument("--prompt-len", type=_pair, metavar="LOW,HIGH")
     p.add_argument("--output-len", type=_pair, metavar="LOW,HIGH")
@@ -122,7 +123,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--world-size",
         type=_world_size,
         default=1,
-        help="ranks of one tensor-parallel group: N processes in a gloo group that agree on acks",
+        help="ranks of one tensor-parallel group: N processes in a gloo group that agree on "
+        "acks and loads",
     )
     p.add_argument(
         "--agreement-timeout",

@@ -3,9 +3,10 @@
 Each rank is a spawned process in one gloo group on 127.0.0.1 that runs the same
 seeded :class:`~kvlife.sim.runtime.Simulation` with ``SimConfig(rank=r)`` and an
 :class:`~kvlife.manager.OffloadManager` whose :class:`~kvlife.distributed.TorchAgreement`
-makes the ranks apply the same acks in the same order. Why that makes every rank
-submit the same sequence, and what a rank reports, is in docs/distributed.md
-("Host-pool exhaustion is an agreed decision", "Running N ranks").
+makes the ranks apply the same acks in the same order and load the same prefixes. Why
+that makes every rank submit the same sequence, and what a rank reports, is in
+docs/distributed.md ("Host-pool exhaustion is an agreed decision", "Loads across
+ranks", "Running N ranks").
 """
 
 from __future__ import annotations

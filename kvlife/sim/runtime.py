@@ -341,9 +341,8 @@ class Simulation:
         self.waiting: deque[_Request] = deque()  # retracted, to resume
         #: Finished conversations that may return: (prompt id, their tokens).
         self.history: deque[tuple[int, list[int]]] = deque(maxlen=256)
-        # A manager with a load half; not across ranks yet (loads are not agreed).
-        solo = getattr(self.manager, "agreement", None) is None
-        self._load = getattr(self.manager, "load", None) if solo and cfg.restores else None
+        # A manager with a load half (kvlife's; across ranks too: its loads are agreed).
+        self._load = getattr(self.manager, "load", None) if cfg.restores else None
         self._lookup = getattr(self.manager, "lookup", None)
         self.active: list[_Request] = []
         self.unreleased: set[int] = set()  # lives started and not yet released
