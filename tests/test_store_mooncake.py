@@ -435,6 +435,22 @@ def test_simulate_two_processes_share_pages(own_cluster: LocalMooncake) -> None:
     assert reports[0]["pages_written"] + reports[1]["pages_written"] >= reports[2]["pages_stored"]
 
 
+def test_simulate_two_ranks_restore_from_the_cluster(own_cluster: LocalMooncake) -> None:
+    """``--store mooncake --world-size 2``: both halves on the cluster, every rank restoring
+    the same prefixes (each from its own shard's pages), every restored page checked."""
+    import json
+
+    proc = _simulate(own_cluster, "--world-size", "2", "--concurrency", "8")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    report = json.loads(out)
+    assert report["ok"] and report["ranks_agreed"], report
+    ranks = report["per_rank"]
+    restored = [(r["restores"], r["pages_restored"], r["load_failures"]) for r in ranks]
+    assert restored[0][0] > 0 and restored[0] == restored[1]
+    assert all(r["corrupted_restores"] == 0 and r["store_failures"] == 0 for r in ranks)
+
+
 def test_simulate_keeps_running_when_the_master_dies(own_cluster: LocalMooncake) -> None:
     """The master killed mid-run and restarted: store failures counted, nothing leaks."""
     import threading
