@@ -407,8 +407,11 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     ) -> None:
         named = list(keys)
         ours = [key for key in named if key in self._stores]
+        tier = self.tier
         for key in named:
-            if key not in self._stores:
+            # A key already ready (a completion naming more of the offer than it stored)
+            # has nothing to settle: a no-op, as in vLLM's CPU manager. Others are refused.
+            if key not in self._stores and tier.lookup(key) is not Lookup.HIT:
                 self._refuse("complete_store:unknown_key", f"no store of key {key.hex()[:16]}")
         if not ours:
             return
