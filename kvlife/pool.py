@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlife._checks import buffer_spec, pin_memory_of
-from kvlife.errors import PoolError
+from kvlife.errors import ConfigError, PoolError
 
 __all__ = ["HostPagePool"]
 
@@ -38,8 +38,33 @@ class HostPagePool:
     ) -> None:
         buffer_spec(dtype, num_pages=num_pages, page_numel=page_numel)
         pin = pin_memory_of(pin_memory)
+        self._init(torch.zeros((num_pages, page_numel), dtype=dtype, pin_memory=pin))
+
+    @classmethod
+    def over(cls, tensor: torch.Tensor) -> HostPagePool:
+        """A pool whose pages are the rows of ``tensor`` (a 2-D, contiguous CPU tensor the
+        caller made, e.g. a mapping of shared memory that another process maps too); every
+        page free. The allocator is this object's own: another process's pool over the same
+        memory allocates apart."""
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.dim() != 2
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or tensor.numel() == 0
+        ):
+            raise ConfigError(
+                "HostPagePool.over takes a non-empty, contiguous 2-D CPU tensor (pages x "
+                f"elements), got {tensor!r:.80}"
+            )
+        pool = cls.__new__(cls)
+        pool._init(tensor)
+        return pool
+
+    def _init(self, tensor: torch.Tensor) -> None:
+        num_pages = int(tensor.shape[0])
         #: The host pages, one per row.
-        self.tensor = torch.zeros((num_pages, page_numel), dtype=dtype, pin_memory=pin)
+        self.tensor = tensor
         # Free pages as a stack: pop() hands out 0, 1, 2, ... on a fresh pool.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._owner: list[object | None] = [None] * num_pages

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -222,3 +224,25 @@ def test_pool_agrees_with_a_model(ops: list[tuple[str, int, int]]) -> None:
         assert pool.num_used == len(model)
         for i, owner in enumerate(owners):
             assert pool.owned_by(owner) == sorted(p for p, o in model.items() if o == i)
+
+
+def test_a_pool_over_a_shared_mapping_sees_another_mappings_bytes_with_its_own_allocator(
+    tmp_path: Path,
+) -> None:
+    """Two pools over one shared file (as a vLLM worker's and the scheduler side's are):
+    bytes one writes, the other reads; each allocates apart; bad tensors are refused."""
+    path = tmp_path / "pool"
+    path.write_bytes(bytes(4 * 8))
+    a, b = (
+        HostPagePool.over(
+            torch.from_file(str(path), shared=True, size=32, dtype=torch.int8).view(4, 8)
+        )
+        for _ in range(2)
+    )
+    assert (a.capacity, a.page_numel, a.num_free) == (4, 8, 4)
+    assert a.alloc(4, owner="worker") is not None and b.num_free == 4
+    assert b.write_bytes(2, bytes(range(8)))
+    assert a.page(2).tolist() == list(range(8))
+    for bad in (torch.zeros(8), torch.zeros(2, 4).t(), torch.zeros(0, 4), "rows"):
+        with pytest.raises(ConfigError, match=r"HostPagePool\.over"):
+            HostPagePool.over(bad)  # type: ignore[arg-type]

@@ -371,6 +371,7 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
         "fresh": _prompts(3, 8),
         "max_tokens": MAX_TOKENS,
         "out": str(tmp_path / "out.json"),
+        "clear_store": True,
     }
     (tmp_path / "args.json").write_text(json.dumps(args))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
@@ -400,13 +401,16 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     assert (tmp_path / "report").is_dir(), f"no report after two runs: {run.stderr[-3000:]}"
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["prompts"] == baseline["main"]
+    assert out["cleared"] == baseline["main"]  # the cache directory gone: still right
     assert out["fresh"][0] == out["fresh"][1]  # computed, then loaded from the host tier
     reports = {
         p.name.split("-")[0]: json.loads(p.read_text()) for p in (tmp_path / "report").iterdir()
     }
     mgr, wkr = reports["manager"], reports["worker"]
-    assert mgr["loaded_from_store"] >= 16 * 2  # the predecessor's pages, read from disk
-    assert wkr["disk_reads"] == mgr["loaded_from_store"]
+    # The predecessor's pages, read and verified from disk by the scheduler process into
+    # the worker's host pool (shared memory) before each was a hit; the worker read none.
+    assert mgr["promoted"] >= 16 * 2
+    assert mgr["loaded_from_store"] == 0 and wkr.get("disk_reads", 0) == 0
     assert wkr.get("disk_load_errors", 0) == 0
     # The worker process's own engine stored and loaded the fresh prompts' blocks.
     assert wkr["stored_blocks"] >= 8 * 2 and wkr["loaded_blocks"] >= wkr["stored_blocks"]
@@ -415,7 +419,7 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     assert not any(wkr.get(k) for k in ("copy_failures", "copy_refused", "stale_jobs_skipped"))
     assert mgr["refused"] == 0 and mgr["pending"] == 0 and mgr["pinned"] == 0
     assert mgr["host_pages_used"] == mgr["host_keys"] + mgr["orphans"]
-    assert mgr["lifecycles_released"] == mgr["lifecycles_started"] == len(PROMPTS) + 2 * 8
+    assert mgr["lifecycles_released"] == mgr["lifecycles_started"] == 2 * len(PROMPTS) + 2 * 8
     assert os.getpid() not in (int(p.stem.split("-")[1]) for p in (tmp_path / "report").iterdir())
 
 
@@ -494,8 +498,11 @@ def test_the_cache_directory_cleared_while_vllm_runs_outputs_right_vllm_up(
         worker.flush(timeout=60)
         assert llm.reset_prefix_cache(reset_connector=False)
         assert _generate(llm, PROMPTS) == baseline["main"]
-        promoted = manager.accounting()["promoted"]
-        assert promoted >= 8, manager.accounting()
+        # Most of the round was read from the disk. How many reads became host entries
+        # depends on timing (a read finished while every host page is pinned by this
+        # step's hits finds no room: a counted miss), so the reads are counted whole.
+        acc = manager.accounting()
+        assert acc["promoted"] >= 1 and acc["promoted"] + acc["promote_misses"] >= 8, acc
         assert llm.reset_prefix_cache(reset_connector=False)
         shutil.rmtree(store)  # the cache directory cleared while vLLM runs
         store.mkdir()

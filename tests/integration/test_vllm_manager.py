@@ -488,7 +488,7 @@ def test_the_state_says_a_load_is_what_is_left_after_the_store_ack() -> None:
 # ---------------------------------------------------------- nothing raises into vLLM (item 6)
 
 
-def offloading_config(model: str = "m", tp: int = 1, **extra: Any) -> Any:
+def offloading_config(model: str = "m", tp: int = 1, rank: int = 0, **extra: Any) -> Any:
     """vLLM's own ``OffloadingConfig`` for one group of two layers (32 KiB blocks)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
@@ -507,7 +507,7 @@ def offloading_config(model: str = "m", tp: int = 1, **extra: Any) -> Any:
         model=OffloadingModelConfig(name=model, dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
-            rank=0,
+            rank=rank,
             world_size=tp,
             tp_size=tp,
             pp_size=1,
@@ -814,3 +814,84 @@ def test_with_tensor_parallelism_a_hit_means_every_rank_has_its_page(tmp_path: A
     path.write_bytes(path.read_bytes()[:-1] + b"x")  # rank 1's page damaged
     assert m.lookup(key(1), ctx) is LookupResult.MISS
     m.shutdown()
+
+
+def _put_block(tmp_path: Any, namespace: str, k: bytes, fill: int) -> Any:
+    """One 32 KiB block page of ``k`` in ``namespace``, as a worker stores it."""
+    from kvlife.integrations.vllm._common import page_namer
+    from kvlife.store.directory import LocalDirectoryStore
+
+    store = LocalDirectoryStore(tmp_path, namespace)
+    name = page_namer(namespace)(k)
+    store.put(0, [name], torch.full((1, 32768), fill, dtype=torch.int8))
+    assert all(r.ok for r in store.drain(10))
+    store.close()
+    return store.path(name)
+
+
+def test_multiprocess_tp2_a_hit_is_host_bytes_in_every_rank_and_survives_the_page_going(
+    tmp_path: Any,
+) -> None:
+    """Scenario (TP=2, vLLM's multiprocess layout: each rank's worker a child process of
+    the scheduler's, vLLM's own types, no model). Before, the scheduler held no host bytes:
+    a lookup answered HIT when every rank's page was on disk, and each worker read its page
+    in ``submit_load``; a page deleted in between (the cache directory cleared, a rollback)
+    failed the job, and vLLM 0.32 stopped. Now each worker shares its host pool's memory,
+    the scheduler promotes every rank's page into it before it answers HIT, and the load
+    copies host bytes: the pages going after the hit cost nothing."""
+    import multiprocessing
+    import os
+    from dataclasses import replace
+
+    import shm_worker
+
+    from kvlife.integrations.vllm import FROM_STORE, KVLifeOffloadingSpec
+    from kvlife.integrations.vllm._common import shared_pool_path
+
+    config = offloading_config(tp=2, store_dir=str(tmp_path))
+    ctx = multiprocessing.get_context("spawn")
+    workers = []
+    for rank in range(2):
+        here, there = ctx.Pipe()
+        rank_config = replace(config, parallel=replace(config.parallel, rank=rank))
+        proc = ctx.Process(target=shm_worker.worker_main, args=(rank_config, there))
+        proc.start()
+        workers.append((proc, here))
+    try:
+        for _, conn in workers:
+            assert conn.poll(120) and conn.recv() == ("ready", True)
+        spec = KVLifeOffloadingSpec(config)
+        m = spec.get_manager()
+        assert m.holds_bytes
+        for r in range(2):  # mapped, and the names gone: nothing left if a process dies
+            assert not os.path.exists(shared_pool_path(spec._engine, os.getpid(), r))
+        rank0, rank1 = spec.rank_namespaces
+        ctx_r = ReqContext("r")
+        m.on_new_request(ctx_r)
+        paths = [_put_block(tmp_path, ns, key(1), 10 + r) for r, ns in enumerate((rank0, rank1))]
+        _put_block(tmp_path, rank0, key(2), 20)  # rank 1 never wrote block 2
+        assert m.lookup(key(1), ctx_r) is LookupResult.HIT_PENDING  # being read
+        assert _settled_lookup(m, key(1), ctx_r) is LookupResult.HIT
+        assert _settled_lookup(m, key(2), ctx_r) is LookupResult.MISS, "rank 1 lacks it"
+        for path in paths:
+            path.unlink()  # the cache directory cleared after the hit
+        load = m.prepare_load([key(1)], ctx_r)
+        assert FROM_STORE not in load.block_ids
+        for rank, (_, conn) in enumerate(workers):
+            conn.send(("load", 5, load.block_ids, [key(1)], [3]))
+            ok, rows = conn.recv()
+            assert ok, f"rank {rank}: the load failed"
+            assert rows == [bytes([10 + rank]) * 32768], f"rank {rank}: other bytes loaded"
+        m.complete_load({key(1)}, ctx_r)
+        acc = m.accounting()
+        assert (acc["promoted"], acc["promote_misses"], acc["loaded_from_store"]) == (1, 1, 0)
+        for _, conn in workers:
+            conn.send(("stop",))
+            _, stats = conn.recv()
+            assert stats.get("disk_reads", 0) == 0 and stats["loaded_blocks"] == 1, stats
+        m.shutdown()
+    finally:
+        for proc, _ in workers:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()

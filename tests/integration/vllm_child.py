@@ -7,8 +7,10 @@ once (their blocks come from the persistent tier), then ``fresh`` twice with vLL
 own prefix cache dropped in between (stored to the host tier by the worker's copy
 engine in the worker process, then loaded back), writes the outputs to ``out`` as
 JSON, and shuts the engine down (each role writes its accounting to report_dir).
-Optional: ``extra`` (extra-config keys instead of store_dir: e.g. a Mooncake cluster)
-and ``single_process`` (vLLM's single-process mode, faster to start).
+Optional: ``extra`` (extra-config keys instead of store_dir: e.g. a Mooncake cluster),
+``single_process`` (vLLM's single-process mode, faster to start) and ``clear_store``
+(after the first round, vLLM's prefix cache dropped and the store directory emptied, then
+``prompts`` again: their outputs in ``cleared``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    cleared = None
+    if args.get("clear_store"):  # the cache directory cleared while vLLM runs: same outputs
+        import shutil
+
+        assert llm.reset_prefix_cache(reset_connector=False)
+        shutil.rmtree(args["store_dir"])
+        os.mkdir(args["store_dir"])
+        again = llm.generate(prompts, params, use_tqdm=False)
+        cleared = [list(o.outputs[0].token_ids) for o in again]
     fresh = [TokensPrompt(prompt_token_ids=p) for p in args["fresh"]]
     rounds = []
     for _ in range(2 if args["fresh"] else 0):
@@ -59,7 +70,7 @@ def main() -> None:
         rounds.append([list(o.outputs[0].token_ids) for o in done])
         assert llm.reset_prefix_cache()
     with open(args["out"], "w") as f:
-        json.dump({"prompts": tokens, "fresh": rounds}, f)
+        json.dump({"prompts": tokens, "fresh": rounds, "cleared": cleared}, f)
     # Shut the engine down with time to spare: each role drains, flushes its store and
     # writes its report as its process exits. vLLM's default grace before it kills the
     # engine processes is 5 s, which a loaded machine can overrun.

@@ -4,13 +4,17 @@ hands to the manager of the same engine in one process."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
+
+import torch
 
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
@@ -133,3 +137,77 @@ def _write_report(directory: str, name: str, report: Mapping[str, Any]) -> None:
 
 #: Host pools built by a worker, for the manager of the same engine in the same process.
 _SHARED_POOLS: dict[str, HostPagePool] = {}
+#: The shared-memory name of such a pool, removed by the manager that takes it.
+_SHARED_PATHS: dict[str, str] = {}
+
+
+# ------------------------------------------------------------------ the host tier in shared memory
+
+
+def shared_pool_path(engine: str, scheduler_pid: int, rank: int) -> str:
+    """Where rank ``rank``'s worker shares its host pool with the scheduler process of
+    ``scheduler_pid`` (the worker's parent in vLLM's multiprocess executor): a tmpfs file
+    (``KVLIFE_SHM_DIR``, default ``/dev/shm``) named by the engine, that process and the
+    rank, so two engines on one machine never meet."""
+    directory = os.environ.get("KVLIFE_SHM_DIR") or "/dev/shm"
+    tag = hashlib.blake2b(engine.encode(), digest_size=10).hexdigest()
+    return os.path.join(directory, f"kvlife-{tag}-{scheduler_pid}-rank{rank}")
+
+
+def _map(path: str, pages: int, row: int) -> HostPagePool:
+    tensor = torch.from_file(path, shared=True, size=pages * row, dtype=torch.int8)
+    return HostPagePool.over(tensor.view(pages, row))
+
+
+def create_shared_pool(path: str, pages: int, row: int) -> HostPagePool | None:
+    """The worker's host pool in a new shared file at ``path`` (a stale one of a crashed
+    run goes first), its memory reserved now (``posix_fallocate``: a tmpfs too small fails
+    here with ENOSPC, never later with SIGBUS); None, logged, when it cannot be made (the
+    worker then keeps a private pool and reads the persistent tier itself)."""
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        logger.warning("kvlife: no shared host tier at %s (%s): worker reads the store", path, exc)
+        return None
+    try:
+        os.posix_fallocate(fd, 0, pages * row)
+        return _map(path, pages, row)
+    except (OSError, RuntimeError) as exc:
+        logger.warning(
+            "kvlife: no shared host tier of %d B at %s (%s): the worker reads the store",
+            pages * row,
+            path,
+            exc,
+        )
+        unlink_quietly(path)
+        return None
+    finally:
+        os.close(fd)
+
+
+def attach_shared_pool(path: str, pages: int, row: int) -> HostPagePool | None:
+    """The scheduler side's view of a worker's shared host pool (the same bytes; an
+    allocator of its own), or None when no worker shared one of that size at ``path``."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return None
+    if size != pages * row:
+        logger.warning(
+            "kvlife: %s holds %d B, not %d pages of %d B: unused", path, size, pages, row
+        )
+        return None
+    try:
+        return _map(path, pages, row)
+    except (OSError, RuntimeError) as exc:
+        logger.warning("kvlife: cannot map %s (%s): not used", path, exc)
+        return None
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove a shared pool's name (its mappings stay valid); gone already is fine."""
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

@@ -95,12 +95,15 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     """vLLM's scheduler-side manager on kvlife's :class:`~kvlife.host_tier.HostTier`: the
     tier holds the keys, pins and recency; each request life is a :class:`~kvlife.Lifecycle`
     whose stores and loads are tickets, settled key by key as vLLM completes them.
-    ``pool``: the host tier's pages (the worker's in one process, else an allocator only);
-    ``disk``: the persistent tier, read side, or None. ``holds_bytes``: the pool's rows are
-    the host tier's bytes (one process): a page of the persistent tier is then read and
-    verified into a host entry (a reader thread) before ``lookup`` answers HIT for it, so a
-    load copies only verified host bytes; else (the bytes in another process) a load
-    reads the page in the worker."""
+    ``pool``: the host tier's pages (the worker's, in one process or mapped from its shared
+    memory; else an allocator only); ``disk``: the persistent tier, read side, or None.
+    ``holds_bytes``: the pool's rows are the host tier's bytes: a page of the persistent
+    tier is then read and verified into a host entry (a reader thread) before ``lookup``
+    answers HIT for it, so a load copies only verified host bytes; else (the bytes in
+    another process, unshared) a load reads the page in the worker. With tensor
+    parallelism ``other_ranks`` are the other ranks' persistent tiers and ``rank_pools``
+    their host pools' bytes (the same page indices): a promotion reads and writes every
+    rank's page, and a rank that lacks it makes it a miss for all."""
 
     def __init__(
         self,
@@ -113,7 +116,13 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         holds_bytes: bool = True,
         page_bytes: int | None = None,
         other_ranks: Sequence[PersistentTier] = (),
+        rank_pools: Sequence[HostPagePool] = (),
     ) -> None:
+        if holds_bytes and disk is not None and len(rank_pools) != len(other_ranks):
+            raise ManagerError(
+                f"{len(rank_pools)} rank pools for {len(other_ranks)} other ranks: a promotion "
+                "writes every rank's page"
+            )
         self.refusals = Refusals(strict=strict, logger=logger)
         self.tier: HostTier[OffloadKey] = HostTier(
             pool, keep=True, pending_timeout=pending_timeout, refusals=self.refusals
@@ -126,8 +135,9 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._names = page_namer(disk.namespace) if disk is not None else None
         # Tensor parallelism: every rank's namespace, read side; a hit needs each one's page.
         self._ranks = [(d, page_namer(d.namespace)) for d in (disk, *other_ranks) if d]
+        self._rank_pools = [pool, *rank_pools]  # rank i's page bytes, by the same index
         self._promote = disk is not None and holds_bytes
-        self._reads: dict[OffloadKey, Future[bytes | None]] = {}  # promotions in flight
+        self._reads: dict[OffloadKey, Future[list[bytes] | None]] = {}  # promotions in flight
         self._down_until = 0.0  # the persistent tier failed: every lookup misses until then
         self._held: dict[OffloadKey, None] = {}  # hits of this step, pinned to its end
         self._reader = (
@@ -143,6 +153,12 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._last_stats: tuple[int, ...] | None = None
         self._shut = False
         _LIVE_MANAGERS.add(self)
+
+    @property
+    def holds_bytes(self) -> bool:
+        """Whether this side holds the host tier's bytes (one process, or the workers'
+        pools mapped from shared memory): a persistent-tier hit is then promoted first."""
+        return self._promote
 
     @property
     def pool(self) -> HostPagePool:
@@ -285,7 +301,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 disk.path(names(key))
             ):  # a stat: most misses stop here (another store: the read tells)
                 return LookupResult.MISS
-            self._reads[key] = self._reader.submit(disk.get, names(key))
+            self._reads[key] = self._reader.submit(self._read_pages, key)
             self.counts.lookups_pending += 1
             return LookupResult.HIT_PENDING  # the next lookup finds it ready
         if not read.done():
@@ -306,22 +322,37 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if self.counts.store_unavailable == 1:
             logger.warning("kvlife: persistent tier unavailable (%r); lookups miss", exc)
 
-    def _promoted(self, key: OffloadKey, read: Future[bytes | None]) -> bool:
-        """A finished read of ``key``'s page: a ready host entry if whole and verified."""
+    def _read_pages(self, key: OffloadKey) -> list[bytes] | None:
+        """Every rank's page of ``key``, each whole and verified (the reader thread); None
+        at the first rank that lacks it."""
+        pages = []
+        for store, name in self._ranks:
+            payload = store.get(name(key))
+            if payload is None:
+                return None
+            pages.append(payload)
+        return pages
+
+    def _promoted(self, key: OffloadKey, read: Future[list[bytes] | None]) -> bool:
+        """A finished read of ``key``'s pages: a ready host entry if each rank's is whole
+        and verified (written into every rank's host page)."""
         try:
-            payload = read.result()
+            payloads = read.result()
         except StoreError as exc:  # the cluster did not answer: a miss, and a pause
             self._tier_down(exc)
-            payload = None
+            payloads = None
         except Exception:  # an I/O error: a miss like any unreadable page
-            payload = None
-        pool = self._pool
-        if payload is None or len(payload) != pool.page_numel:
+            payloads = None
+        pools = self._rank_pools
+        if payloads is None or any(len(p) != pools[0].page_numel for p in payloads):
             self.counts.promote_misses += 1  # damaged or gone since the header check
             return False
 
         def fill(page: int) -> bool:
-            return pool.write_bytes(page, payload)
+            return all(
+                pool.write_bytes(page, payload)
+                for pool, payload in zip(pools, payloads, strict=True)
+            )
 
         if not self.tier.insert_ready(key, fill):
             self.counts.promote_misses += 1  # every page pinned or pending: no room now

@@ -28,7 +28,15 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife.errors import ConfigError
-from kvlife.integrations.vllm._common import _SHARED_POOLS, PersistentTier
+from kvlife.integrations.vllm._common import (
+    _SHARED_PATHS,
+    _SHARED_POOLS,
+    PersistentTier,
+    attach_shared_pool,
+    create_shared_pool,
+    shared_pool_path,
+    unlink_quietly,
+)
 from kvlife.integrations.vllm.metrics import METRICS
 from kvlife.integrations.vllm.scheduler import KVLifeOffloadingManager
 from kvlife.integrations.vllm.worker import KVLifeWorker, _block_views
@@ -285,6 +293,9 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         #: Every rank's namespace (the scheduler side checks each one's page before a hit).
         self.rank_namespaces = [f"{base}/rank{r}" for r in range(config.parallel.world_size)]
         self._pool_key = f"{config.engine_id}/{config.parallel.rank}"
+        self._engine = f"{config.engine_id}/dp{getattr(config.parallel, 'data_parallel_index', 0)}"
+        self._rank = int(config.parallel.rank)
+        self._world_size = int(config.parallel.world_size)
         self._manager: KVLifeOffloadingManager | None = None
         self._worker: KVLifeWorker | None = None
 
@@ -303,12 +314,21 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            # Single process: the worker built the pool first; allocate from that same memory.
-            pool = _SHARED_POOLS.get(self._pool_key)
-            holds_bytes = pool is not None and pool.capacity == self.capacity
-            if pool is not None and holds_bytes:
-                del _SHARED_POOLS[self._pool_key]
-            else:  # multiprocess: page indices here, the bytes in the worker process
+            # One process: the worker built the pool first; allocate from that same memory.
+            pool = _SHARED_POOLS.pop(self._pool_key, None)
+            unlink_quietly(_SHARED_PATHS.pop(self._pool_key, ""))
+            rank_pools: list[HostPagePool] = []
+            if pool is not None and pool.capacity != self.capacity:
+                pool = None
+            if pool is None:  # multiprocess: every rank's worker shared its pool's memory
+                shared = self._attach_workers()
+                if shared is not None:
+                    pool, rank_pools = (
+                        shared[self._rank],
+                        shared[: self._rank] + shared[self._rank + 1 :],
+                    )
+            holds_bytes = pool is not None
+            if pool is None:  # page indices here, the bytes in the worker processes
                 pool = HostPagePool(self.capacity, 1, torch.int8, pin_memory=False)
             self._manager = KVLifeOffloadingManager(
                 pool,
@@ -322,15 +342,47 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                     for ns in self.rank_namespaces
                     if ns != self.namespace and (store := self._open_store(ns)) is not None
                 ],
+                rank_pools=rank_pools,
                 page_bytes=self.page_bytes,
             )
         return self._manager
 
+    def _has_store(self) -> bool:
+        return self.settings.store == "mooncake" or self.store_dir is not None
+
+    def _attach_workers(self) -> list[HostPagePool] | None:
+        """Map every rank's shared host pool (vLLM's multiprocess executor: the workers are
+        this process's children and shared theirs before the scheduler starts); None unless
+        every rank's is there. The names go at once: the mappings stay, nothing is left in
+        shared memory if a process dies."""
+        if not self._has_store():
+            return None
+        paths = [shared_pool_path(self._engine, os.getpid(), r) for r in range(self._world_size)]
+        pools = [attach_shared_pool(p, self.capacity, self.page_bytes) for p in paths]
+        for path in paths:
+            unlink_quietly(path)
+        if any(pool is None for pool in pools):
+            if any(pool is not None for pool in pools):
+                logger.warning("kvlife: not every rank shared its host tier: the workers read")
+            return None
+        logger.info("kvlife: host tier shared with %d worker(s): a hit is host bytes", len(pools))
+        return [pool for pool in pools if pool is not None]
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            row = sum(int(view.shape[1]) for view in _block_views(kv_caches))
-            pool = HostPagePool(self.capacity, row, torch.int8)
+            views = _block_views(kv_caches)
+            row = sum(int(view.shape[1]) for view in views)
+            pool, shared_path = None, None
+            if self._has_store() and views[0].device.type == "cpu":
+                # Shared with the scheduler process, so it promotes persistent-tier pages
+                # into host memory itself (a CUDA pool stays private and pinned).
+                shared_path = shared_pool_path(self._engine, os.getppid(), self._rank)
+                pool = create_shared_pool(shared_path, self.capacity, row)
+            if pool is None:
+                pool, shared_path = HostPagePool(self.capacity, row, torch.int8), None
             _SHARED_POOLS[self._pool_key] = pool
+            if shared_path is not None:
+                _SHARED_PATHS[self._pool_key] = shared_path
             self._worker = KVLifeWorker(
                 kv_caches,
                 pool,
@@ -339,5 +391,6 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 strict=self.strict,
                 pool_key=self._pool_key,
                 tokens_per_block=self.tokens_per_block[0],
+                shared_path=shared_path,
             )
         return self._worker

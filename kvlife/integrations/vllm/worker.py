@@ -47,6 +47,7 @@ from kvlife.integrations.vllm._common import (
     _write_report,
     page_namer,
     shut_down,
+    unlink_quietly,
 )
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
@@ -134,6 +135,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         strict: bool = False,
         pool_key: str | None = None,
         tokens_per_block: int = 1,
+        shared_path: str | None = None,
     ) -> None:
         layout = BlockViewsLayout(_block_views(kv_caches), tokens_per_block)
         if pool.page_numel != layout.page_numel or pool.dtype != torch.int8:
@@ -151,6 +153,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self._report_dir = report_dir
         self._strict = strict
         self._pool_key = pool_key
+        self._shared_path = shared_path  # the pool's shared-memory name, removed at shutdown
         self._pages_claimed = False
         self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
         self._by_life: dict[Lifecycle, _WorkerJob] = {}  # the same jobs, by their Lifecycle
@@ -360,6 +363,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             ("drain", lambda: self._collect(self.engine.drain(timeout=60.0))),
             ("engine_close", self.engine.close),
             ("unshare", self._unshare),
+            ("unlink", lambda: unlink_quietly(self._shared_path or "")),
             ("store_close", self._close_store),
         ]
         if self._report_dir is not None:
