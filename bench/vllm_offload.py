@@ -324,8 +324,18 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
     spread = {  # GB/s of the slowest and the fastest round
         f"{k}_gbps_range": [round(gb / max(v), 2), round(gb / min(v), 2)] for k, v in times.items()
     }
+    # Each round's ratio, side by side (the contiguous copy of the same round): the machine's
+    # load swings both alike, so their median says more than a ratio of medians.
+    per_round = {
+        f"{k}_vs_contiguous_per_round": round(
+            statistics.median(c / t for c, t in zip(times["contiguous"], times[k], strict=True)),
+            3,
+        )
+        for k in ("store", "load")
+    }
     return {
         **spread,
+        **per_round,
         "bw_blocks": blocks,
         "bw_mib": round(blocks * row / 2**20, 1),
         "bw_rounds": rounds,
@@ -401,9 +411,12 @@ def main() -> None:
             f"(range {real['store_gbps_range']}), load {real['load_gbps']} GB/s "
             f"(range {real['load_gbps_range']}), contiguous copy {real['contiguous_gbps']} GB/s "
             f"({real['bw_mib']} MiB per job, median of {real['bw_rounds']}): "
-            f"store {real['store_vs_contiguous']}x, load {real['load_vs_contiguous']}x"
+            f"store {real['store_vs_contiguous']}x, load {real['load_vs_contiguous']}x "
+            f"(median of the rounds' ratios: store {real['store_vs_contiguous_per_round']}x, "
+            f"load {real['load_vs_contiguous_per_round']}x)"
         )
-    print(json.dumps({**result, **bandwidth, **realistic}))
+    threads = {"torch_threads": torch.get_num_threads()}  # the copies' (and the baseline's)
+    print(json.dumps({**result, **bandwidth, **realistic, **threads}))
 
 
 if __name__ == "__main__":

@@ -285,6 +285,43 @@ def _worker(views: list[torch.Tensor]) -> Any:
     return KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
 
 
+@pytest.mark.parametrize("row", [64, 24])
+def test_store_and_load_copy_every_byte_as_it_is(row: int) -> None:
+    """Random bytes (NaN and signalling-NaN patterns among them, as 16-byte words) stored
+    from scattered blocks and loaded into others are bit-identical; 64-byte rows go as
+    16-byte words through ``index_select``/``index_copy_``, 24-byte ones by the row loop."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from kvlife.integrations.vllm import HostBlocksSpec, KVLifeWorker
+
+    gen = torch.Generator().manual_seed(row)
+    views = [torch.randint(-128, 128, (16, row), dtype=torch.int8, generator=gen) for _ in "kv"]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(v, row) for v in views],
+        group_data_refs=[[CanonicalKVCacheRef(i, row) for i in range(len(views))]],
+    )
+    worker = KVLifeWorker(caches, HostPagePool(6, 2 * row, torch.int8))
+    assert (worker.engine.layout._words is not None) == (row % 16 == 0)
+    src, dst, host = [9, 2, 14, 5, 11, 7], [1, 12, 3, 8, 15, 4], [5, 0, 3, 1, 4, 2]
+    keys = [key(i) for i in range(6)]
+    assert worker.submit_store(1, GPULoadStoreSpec(src, [6], [0]), HostBlocksSpec(host, keys))
+    worker.wait({1})
+    assert worker.submit_load(2, HostBlocksSpec(host, keys), GPULoadStoreSpec(dst, [6], [0]))
+    worker.wait({2})
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+    for view in views:
+        assert torch.equal(view[dst], view[src])
+    pool = worker.pool.tensor
+    for s, h in zip(src, host, strict=True):
+        assert torch.equal(pool[h], torch.cat([v[s] for v in views]))
+    worker.shutdown()
+
+
 def test_a_job_id_reused_while_in_flight_is_counted_and_both_jobs_finish() -> None:
     """Scenario: vLLM submits a job id that is still in flight (it never should).
 
