@@ -423,6 +423,70 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     assert os.getpid() not in (int(p.stem.split("-")[1]) for p in (tmp_path / "report").iterdir())
 
 
+def _child(args: dict[str, Any], tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One vllm_child.py run; its outputs and each role's report (by file name)."""
+    report = Path(args["report_dir"])
+    shutil.rmtree(report, ignore_errors=True)
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    child = Path(__file__).with_name("vllm_child.py")
+    run = subprocess.run(
+        [sys.executable, str(child), str(tmp_path / "args.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    reports = (
+        {p.stem: json.loads(p.read_text()) for p in report.iterdir()} if report.is_dir() else {}
+    )
+    return {"out": json.loads(Path(args["out"]).read_text()), "reports": reports}
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism needs two CPUs")
+def test_tensor_parallel_2_a_second_vllm_loads_every_ranks_pages_from_shared_memory(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """End to end, TP=2 (two worker processes, vLLM's multiprocess executor). A first vLLM
+    stores each rank's pages in its own namespace; then rank 1 loses half of its pages (a
+    failed write, a rollback). A second vLLM on the same store promotes the blocks both
+    ranks hold into both workers' shared host pools before each is a hit, and loads them;
+    a block rank 1 lacks is a miss for both ranks (recomputed). Outputs identical, no
+    worker read the store, no load failed."""
+    store = tmp_path / "store"
+    args = {
+        "model_dir": model_dir,
+        "store_dir": str(store),
+        "report_dir": str(tmp_path / "report"),
+        "prompts": PROMPTS[:8],
+        "fresh": [],
+        "max_tokens": MAX_TOKENS,
+        "out": str(tmp_path / "out.json"),
+        "tp": 2,
+    }
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one CPU per rank: this machine's two
+    first = _child(args, tmp_path, env)
+    (namespace,) = [p for p in store.iterdir() if p.is_dir()]
+    pages = {
+        r: sorted(p for p in (namespace / f"rank{r}").rglob("*") if p.is_file()) for r in (0, 1)
+    }
+    assert len(pages[0]) == len(pages[1]) >= 8  # every rank stored its slice of each block
+    for page in pages[1][::2]:
+        page.unlink()
+    second = _child(args, tmp_path, env)
+    assert second["out"]["prompts"] == first["out"]["prompts"]
+    mgr = next(r for name, r in second["reports"].items() if name.startswith("manager"))
+    workers = [r for name, r in second["reports"].items() if name.startswith("worker")]
+    assert len(workers) == 2
+    assert mgr["promoted"] >= 1 and mgr["promote_misses"] >= 1, mgr  # some of each
+    assert mgr["loaded_from_store"] == 0 and mgr["loaded"] >= mgr["promoted"], mgr
+    for w in workers:  # each rank loaded the same blocks, from its shared host pool
+        assert w.get("disk_reads", 0) == 0 and not w.get("disk_load_errors"), w
+        assert w["loaded_blocks"] == mgr["loaded"], (w, mgr)
+    assert mgr["refused"] == 0 and mgr["pending"] == 0 and mgr["pinned"] == 0
+
+
 def test_small_device_cache_preempts_and_tiny_host_tier_backpressures(
     model_dir: str, baseline: Any
 ) -> None:

@@ -8,7 +8,8 @@ own prefix cache dropped in between (stored to the host tier by the worker's cop
 engine in the worker process, then loaded back), writes the outputs to ``out`` as
 JSON, and shuts the engine down (each role writes its accounting to report_dir).
 Optional: ``extra`` (extra-config keys instead of store_dir: e.g. a Mooncake cluster),
-``single_process`` (vLLM's single-process mode, faster to start) and ``clear_store``
+``single_process`` (vLLM's single-process mode, faster to start), ``tp`` (tensor
+parallel ranks, each a worker process) and ``clear_store``
 (after the first round, vLLM's prefix cache dropped and the store directory emptied, then
 ``prompts`` again: their outputs in ``cleared``).
 """
@@ -46,6 +47,7 @@ def main() -> None:
             report_dir=args["report_dir"],
             **(args.get("extra") or {"store_dir": args["store_dir"]}),
         ),
+        tensor_parallel_size=int(args.get("tp", 1)),
         **({"distributed_executor_backend": "uni"} if single else {}),
     )
     params = SamplingParams(
@@ -79,5 +81,5 @@ def main() -> None:
     gc.collect()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM's workers are spawned: they import this module
     main()
