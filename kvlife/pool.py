@@ -13,6 +13,7 @@ next chunk of its size. One thread (the scheduler's) uses the allocator. Details
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -106,6 +107,12 @@ class HostPagePool:
     def owner_of(self, page: int) -> object | None:
         """The owner of ``page``, or ``None`` if it is free."""
         return self._owner[self._check(page)]
+
+    def owners_of(self, pages: Sequence[int]) -> tuple[object | None, ...]:
+        """The owner of each of ``pages`` (checked in range by the caller), in one C call."""
+        if len(pages) == 1:
+            return (self._owner[pages[0]],)
+        return operator.itemgetter(*pages)(self._owner)  # type: ignore[no-any-return]
 
     def owned_by(self, owner: object) -> list[int]:
         """Pages ``owner`` holds now, ascending."""

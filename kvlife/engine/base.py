@@ -183,30 +183,37 @@ class PageCopyEngine:
         dev, hst = tuple(device_pages), tuple(host_pages)
         if not dev or len(dev) != len(hst):
             raise EngineError(f"chunk has {len(dev)} device and {len(hst)} host pages")
+        # Each check runs in C over the whole chunk (sets, min/max, one itemgetter); only a
+        # chunk that fails one walks its pages to name the first offending page.
         for side, pages, limit in (
             ("device", dev, self.layout.num_pages),
             ("host", hst, self.host.capacity),
         ):
-            seen: set[int] = set()
-            for p in pages:
-                if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < limit:
-                    raise EngineError(f"{side} page {p!r} out of range [0, {limit})")
-                if p in seen:
-                    raise EngineError(f"{side} page {p} appears twice in one chunk")
-                seen.add(p)
-        owner_of = self.host.owner_of
-        for p in hst:
-            if owner_of(p) is None:
-                raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
-            if p in self._busy:
-                raise PageBusy(f"host page {p} is still being written by a chunk in flight")
-            if not load and p in self._host_reading:
-                raise PageBusy(f"host page {p} is still being read by a load in flight")
-        for p in dev:
-            if p in self._device_writing:
-                raise PageBusy(f"device page {p} is still being written by a load in flight")
-            if load and p in self._device_reading:
-                raise PageBusy(f"device page {p} is still being read by a store in flight")
+            if set(map(type, pages)) != {int} or min(pages) < 0 or max(pages) >= limit:
+                p = next(p for p in pages if type(p) is not int or not 0 <= p < limit)
+                raise EngineError(f"{side} page {p!r} out of range [0, {limit})")
+            if len(set(pages)) != len(pages):
+                seen: set[int] = set()
+                for p in pages:
+                    if p in seen:
+                        raise EngineError(f"{side} page {p} appears twice in one chunk")
+                    seen.add(p)
+        owners = self.host.owners_of(hst)
+        if None in owners or not self._busy.isdisjoint(hst):
+            for p, owner in zip(hst, owners, strict=True):
+                if owner is None:
+                    raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
+                if p in self._busy:
+                    raise PageBusy(f"host page {p} is still being written by a chunk in flight")
+        if not load and not self._host_reading.keys().isdisjoint(hst):
+            p = next(p for p in hst if p in self._host_reading)
+            raise PageBusy(f"host page {p} is still being read by a load in flight")
+        if not self._device_writing.isdisjoint(dev):
+            p = next(p for p in dev if p in self._device_writing)
+            raise PageBusy(f"device page {p} is still being written by a load in flight")
+        if load and not self._device_reading.keys().isdisjoint(dev):
+            p = next(p for p in dev if p in self._device_reading)
+            raise PageBusy(f"device page {p} is still being read by a store in flight")
         return load, dev, hst
 
     def _claim(self, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
