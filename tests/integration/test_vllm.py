@@ -375,7 +375,6 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     }
     (tmp_path / "args.json").write_text(json.dumps(args))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    child = Path(__file__).with_name("vllm_child.py")
     # Each role writes its report as vLLM's engine processes shut down. vLLM's multiprocess
     # teardown sometimes never reaches the roles' shutdown (the processes are killed; seen
     # with this backend before and after the simplify work, most often on a busy machine):
@@ -388,14 +387,7 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
             shutil.rmtree(store_dir)
             shutil.copytree(before, store_dir)
             (tmp_path / "out.json").unlink(missing_ok=True)
-        run = subprocess.run(
-            [sys.executable, str(child), str(tmp_path / "args.json")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert run.returncode == 0, run.stderr[-4000:]
+        run = _run_child(tmp_path, env)
         if (tmp_path / "report").is_dir():
             break
     assert (tmp_path / "report").is_dir(), f"no report after two runs: {run.stderr[-3000:]}"
@@ -423,11 +415,8 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     assert os.getpid() not in (int(p.stem.split("-")[1]) for p in (tmp_path / "report").iterdir())
 
 
-def _child(args: dict[str, Any], tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
-    """One vllm_child.py run; its outputs and each role's report (by file name)."""
-    report = Path(args["report_dir"])
-    shutil.rmtree(report, ignore_errors=True)
-    (tmp_path / "args.json").write_text(json.dumps(args))
+def _run_child(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """vllm_child.py on ``tmp_path/args.json``, in its own process; it must exit 0."""
     child = Path(__file__).with_name("vllm_child.py")
     run = subprocess.run(
         [sys.executable, str(child), str(tmp_path / "args.json")],
@@ -437,6 +426,15 @@ def _child(args: dict[str, Any], tmp_path: Path, env: dict[str, str]) -> dict[st
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-4000:]
+    return run
+
+
+def _child(args: dict[str, Any], tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One vllm_child.py run; its outputs and each role's report (by file name)."""
+    report = Path(args["report_dir"])
+    shutil.rmtree(report, ignore_errors=True)
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    _run_child(tmp_path, env)
     reports = (
         {p.stem: json.loads(p.read_text()) for p in report.iterdir()} if report.is_dir() else {}
     )
@@ -622,15 +620,7 @@ def test_two_vllm_processes_share_pages_through_mooncake_and_a_dead_master_is_a_
         "out": str(tmp_path / "out.json"),
     }
     (tmp_path / "args.json").write_text(json.dumps(args))
-    child = Path(__file__).with_name("vllm_child.py")
-    run = subprocess.run(
-        [sys.executable, str(child), str(tmp_path / "args.json")],
-        env=dict(os.environ),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    _run_child(tmp_path, dict(os.environ))
     assert json.loads((tmp_path / "out.json").read_text())["prompts"] == baseline["main"][:8]
     (report,) = (tmp_path / "report").glob("worker-*.json")
     written = json.loads(report.read_text())["disk_pages_written"]

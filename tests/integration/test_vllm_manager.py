@@ -751,14 +751,14 @@ def _disk_manager(tmp_path: Any, namespace: str, pages: int = 4) -> Any:
     )
 
 
-def _put_page(tmp_path: Any, namespace: str, k: bytes, fill: int) -> Any:
-    """Store one 32-byte page of ``k`` as the worker does (its name in ``namespace``)."""
+def _put_page(tmp_path: Any, namespace: str, k: bytes, fill: int, size: int = 32) -> Any:
+    """Store one ``size``-byte page of ``k`` as the worker does (its name in ``namespace``)."""
     from kvlife.integrations.vllm._common import page_namer
     from kvlife.store.directory import LocalDirectoryStore
 
     store = LocalDirectoryStore(tmp_path, namespace)
     name = page_namer(namespace)(k)
-    store.put(0, [name], torch.full((1, 32), fill, dtype=torch.int8))
+    store.put(0, [name], torch.full((1, size), fill, dtype=torch.int8))
     assert all(r.ok for r in store.drain(10))
     store.close()
     return store.path(name)
@@ -853,19 +853,6 @@ def test_with_tensor_parallelism_a_hit_means_every_rank_has_its_page(tmp_path: A
     m.shutdown()
 
 
-def _put_block(tmp_path: Any, namespace: str, k: bytes, fill: int) -> Any:
-    """One 32 KiB block page of ``k`` in ``namespace``, as a worker stores it."""
-    from kvlife.integrations.vllm._common import page_namer
-    from kvlife.store.directory import LocalDirectoryStore
-
-    store = LocalDirectoryStore(tmp_path, namespace)
-    name = page_namer(namespace)(k)
-    store.put(0, [name], torch.full((1, 32768), fill, dtype=torch.int8))
-    assert all(r.ok for r in store.drain(10))
-    store.close()
-    return store.path(name)
-
-
 def test_multiprocess_tp2_a_hit_is_host_bytes_in_every_rank_and_survives_the_page_going(
     tmp_path: Any,
 ) -> None:
@@ -905,8 +892,11 @@ def test_multiprocess_tp2_a_hit_is_host_bytes_in_every_rank_and_survives_the_pag
         rank0, rank1 = spec.rank_namespaces
         ctx_r = ReqContext("r")
         m.on_new_request(ctx_r)
-        paths = [_put_block(tmp_path, ns, key(1), 10 + r) for r, ns in enumerate((rank0, rank1))]
-        _put_block(tmp_path, rank0, key(2), 20)  # rank 1 never wrote block 2
+        paths = [
+            _put_page(tmp_path, ns, key(1), 10 + r, size=32768)
+            for r, ns in enumerate((rank0, rank1))
+        ]
+        _put_page(tmp_path, rank0, key(2), 20, size=32768)  # rank 1 never wrote block 2
         assert m.lookup(key(1), ctx_r) is LookupResult.HIT_PENDING  # being read
         assert _settled_lookup(m, key(1), ctx_r) is LookupResult.HIT
         assert _settled_lookup(m, key(2), ctx_r) is LookupResult.MISS, "rank 1 lacks it"
