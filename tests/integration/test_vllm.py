@@ -373,31 +373,13 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
         "out": str(tmp_path / "out.json"),
         "clear_store": True,
     }
-    (tmp_path / "args.json").write_text(json.dumps(args))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    # Each role writes its report as vLLM's engine processes shut down. vLLM's multiprocess
-    # teardown sometimes never reaches the roles' shutdown (the processes are killed; seen
-    # with this backend before and after the simplify work, most often on a busy machine):
-    # then the run is repeated once from the same start, the store directory as it was
-    # before the first run (the killed run may have stored the fresh prompts' pages).
-    before = tmp_path / "store-before"
-    shutil.copytree(store_dir, before)
-    for attempt in range(2):
-        if attempt:
-            shutil.rmtree(store_dir)
-            shutil.copytree(before, store_dir)
-            (tmp_path / "out.json").unlink(missing_ok=True)
-        run = _run_child(tmp_path, env)
-        if (tmp_path / "report").is_dir():
-            break
-    assert (tmp_path / "report").is_dir(), f"no report after two runs: {run.stderr[-3000:]}"
-    out = json.loads((tmp_path / "out.json").read_text())
+    second = _child(args, tmp_path, env, roles=2)
+    out = second["out"]
     assert out["prompts"] == baseline["main"]
     assert out["cleared"] == baseline["main"]  # the cache directory gone: still right
     assert out["fresh"][0] == out["fresh"][1]  # computed, then loaded from the host tier
-    reports = {
-        p.name.split("-")[0]: json.loads(p.read_text()) for p in (tmp_path / "report").iterdir()
-    }
+    reports = {name.split("-")[0]: report for name, report in second["reports"].items()}
     mgr, wkr = reports["manager"], reports["worker"]
     # The predecessor's pages, read and verified from disk by the scheduler process into
     # the worker's host pool (shared memory) before each was a hit; the worker read none.
@@ -412,7 +394,7 @@ def test_warm_restart_second_vllm_in_multiprocess_mode_loads_from_disk(
     assert mgr["refused"] == 0 and mgr["pending"] == 0 and mgr["pinned"] == 0
     assert mgr["host_pages_used"] == mgr["host_keys"] + mgr["orphans"]
     assert mgr["lifecycles_released"] == mgr["lifecycles_started"] == 2 * len(PROMPTS) + 2 * 8
-    assert os.getpid() not in (int(p.stem.split("-")[1]) for p in (tmp_path / "report").iterdir())
+    assert os.getpid() not in (int(name.split("-")[1]) for name in second["reports"])
 
 
 def _run_child(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -429,16 +411,29 @@ def _run_child(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProce
     return run
 
 
-def _child(args: dict[str, Any], tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
-    """One vllm_child.py run; its outputs and each role's report (by file name)."""
-    report = Path(args["report_dir"])
-    shutil.rmtree(report, ignore_errors=True)
+def _child(args: dict[str, Any], tmp_path: Path, env: dict[str, str], roles: int) -> dict[str, Any]:
+    """One vllm_child.py run: its outputs and each role's report (by file stem). Each role
+    writes its report as vLLM's engine processes shut down, and vLLM's multiprocess teardown
+    sometimes never reaches the roles' shutdown (the processes are killed; most often on a
+    busy machine): then the run is repeated once from the same start, the store directory
+    as it was before (the killed run may have stored pages)."""
+    store, report, out = Path(args["store_dir"]), Path(args["report_dir"]), Path(args["out"])
+    before = tmp_path / "store-before"
+    shutil.rmtree(before, ignore_errors=True)
+    shutil.copytree(store, before)
     (tmp_path / "args.json").write_text(json.dumps(args))
-    _run_child(tmp_path, env)
-    reports = (
-        {p.stem: json.loads(p.read_text()) for p in report.iterdir()} if report.is_dir() else {}
-    )
-    return {"out": json.loads(Path(args["out"]).read_text()), "reports": reports}
+    for attempt in range(2):
+        if attempt:
+            shutil.rmtree(store)
+            shutil.copytree(before, store)
+        shutil.rmtree(report, ignore_errors=True)
+        out.unlink(missing_ok=True)
+        run = _run_child(tmp_path, env)
+        found = {p.stem: json.loads(p.read_text()) for p in report.glob("*.json")}
+        if len(found) >= roles:
+            break
+    assert len(found) >= roles, f"{len(found)} of {roles} reports twice: {run.stderr[-3000:]}"
+    return {"out": json.loads(out.read_text()), "reports": found}
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism needs two CPUs")
@@ -464,7 +459,8 @@ def test_tensor_parallel_2_a_second_vllm_loads_every_ranks_pages_from_shared_mem
     }
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one CPU per rank: this machine's two
-    first = _child(args, tmp_path, env)
+    store.mkdir()
+    first = _child(args, tmp_path, env, roles=3)  # the manager and two workers
     (namespace,) = [p for p in store.iterdir() if p.is_dir()]
     pages = {
         r: sorted(p for p in (namespace / f"rank{r}").rglob("*") if p.is_file()) for r in (0, 1)
@@ -472,7 +468,7 @@ def test_tensor_parallel_2_a_second_vllm_loads_every_ranks_pages_from_shared_mem
     assert len(pages[0]) == len(pages[1]) >= 8  # every rank stored its slice of each block
     for page in pages[1][::2]:
         page.unlink()
-    second = _child(args, tmp_path, env)
+    second = _child(args, tmp_path, env, roles=3)
     assert second["out"]["prompts"] == first["out"]["prompts"]
     mgr = next(r for name, r in second["reports"].items() if name.startswith("manager"))
     workers = [r for name, r in second["reports"].items() if name.startswith("worker")]
