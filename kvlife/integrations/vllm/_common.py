@@ -135,10 +135,10 @@ def _write_report(directory: str, name: str, report: Mapping[str, Any]) -> None:
     (path / name).write_text(json.dumps(dict(report), sort_keys=True))
 
 
-#: Host pools built by a worker, for the manager of the same engine in the same process.
-_SHARED_POOLS: dict[str, HostPagePool] = {}
-#: The shared-memory name of such a pool, removed by the manager that takes it.
-_SHARED_PATHS: dict[str, str] = {}
+#: Host pools built by a worker, for the manager of the same engine in the same process,
+#: each with its shared-memory name (None: a private pool), removed by the manager that
+#: takes it.
+_SHARED_POOLS: dict[str, tuple[HostPagePool, str | None]] = {}
 
 
 # ------------------------------------------------------------------ the host tier in shared memory

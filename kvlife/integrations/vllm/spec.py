@@ -29,7 +29,6 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 
 from kvlife.errors import ConfigError
 from kvlife.integrations.vllm._common import (
-    _SHARED_PATHS,
     _SHARED_POOLS,
     PersistentTier,
     attach_shared_pool,
@@ -315,11 +314,13 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             # One process: the worker built the pool first; allocate from that same memory.
-            pool = _SHARED_POOLS.pop(self._pool_key, None)
-            unlink_quietly(_SHARED_PATHS.pop(self._pool_key, ""))
+            pool: HostPagePool | None = None
             rank_pools: list[HostPagePool] = []
-            if pool is not None and pool.capacity != self.capacity:
-                pool = None
+            built = _SHARED_POOLS.get(self._pool_key)
+            if built is not None and built[0].capacity == self.capacity:
+                del _SHARED_POOLS[self._pool_key]
+                pool = built[0]
+                unlink_quietly(built[1] or "")  # mapped here already: the name may go
             if pool is None:  # multiprocess: every rank's worker shared its pool's memory
                 shared = self._attach_workers()
                 if shared is not None:
@@ -380,9 +381,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 pool = create_shared_pool(shared_path, self.capacity, row)
             if pool is None:
                 pool, shared_path = HostPagePool(self.capacity, row, torch.int8), None
-            _SHARED_POOLS[self._pool_key] = pool
-            if shared_path is not None:
-                _SHARED_PATHS[self._pool_key] = shared_path
+            _SHARED_POOLS[self._pool_key] = (pool, shared_path)
             self._worker = KVLifeWorker(
                 kv_caches,
                 pool,

@@ -231,7 +231,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def _unshare(self) -> bool:
         """Take the pool back from ``_SHARED_POOLS`` if no manager of this process took it."""
         key = self._pool_key
-        if key is not None and _SHARED_POOLS.get(key) is self._pool:
+        if key is None:
+            return False
+        built = _SHARED_POOLS.get(key)
+        if built is not None and built[0] is self._pool:
             del _SHARED_POOLS[key]
             return True
         return False
