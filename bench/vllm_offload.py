@@ -353,7 +353,9 @@ def copy_paths(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dic
     """The worker layout's two CPU copy paths side by side, each round against a contiguous
     copy of the same bytes: 16-byte words through one ``index_select`` / ``index_copy_``
     per view (what it uses when the views are 16-byte aligned) and the row loop (numpy
-    slice per row for a store, the core's row copies for a load: what it used before)."""
+    slice per row for a store, the core's row copies for a load: what it used before), and
+    the same words copied in order, nothing scattered (``rows_in_order``: the access
+    pattern's share of the gap)."""
     layout = BlockViewsLayout(views)
     rng = random.Random(2)
     picked = rng.sample(range(1, int(views[0].shape[0])), 2 * blocks)
