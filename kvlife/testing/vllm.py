@@ -21,7 +21,7 @@ import json
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, cast
 
@@ -247,6 +247,14 @@ class _Entry:
     slot: int | None
     job: int | None  # the store in flight; None: ready
     pins: int = 0
+
+
+def key_set(keys: Iterable[bytes]) -> KeysView[bytes]:
+    """The keys of one job as vLLM's connector hands them to a manager, set-like (``in``,
+    ``-``, ``&``), but iterated in the kit's order: a Python ``set`` of bytes iterates in an
+    order ``PYTHONHASHSEED`` picks, so a seed, a derandomized search or a replayed trace
+    would drive a manager differently in each process."""
+    return dict.fromkeys(keys).keys()
 
 
 def _slots(spec: Any, n: int) -> list[int] | None:
@@ -537,13 +545,12 @@ class ManagerOracle:
         if how == "part" and len(keys) > 1:
             keys = keys[: len(keys) // 2]
         if job.load:
-            self._call("complete_load", self.manager.complete_load, set(keys), req.ctx)
+            self._call("complete_load", self.manager.complete_load, key_set(keys), req.ctx)
             for key in keys:
                 self.entries[key].pins -= 1
         else:
-            given = set(keys)
-            if how == "superset":
-                given |= {k for k in job.offer if k in self.entries and self.entries[k].job is None}
+            extra = [k for k in job.offer if k in self.entries and self.entries[k].job is None]
+            given = key_set([*keys, *extra] if how == "superset" else keys)
             ok = how != "fail"
             self._call("complete_store", self.manager.complete_store, given, req.ctx, success=ok)
             for key in keys:
@@ -695,7 +702,7 @@ class ManagerOracle:
         for key in fresh:
             self.entries[key] = _Entry(None, None)
             self._to_store.setdefault(key, deque()).append(None)
-        self._call("complete_store", self.manager.complete_store, set(fresh), flush)
+        self._call("complete_store", self.manager.complete_store, key_set(fresh), flush)
         self._call("on_request_finished", self.manager.on_request_finished, flush)
         self._call("on_request_finished", self.manager.on_request_finished, self._probe)
         self._take_events()

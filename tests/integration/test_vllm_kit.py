@@ -10,6 +10,10 @@ CI size: 150 derandomized runs of up to 40 actions each. The full size (``-m slo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,6 +73,41 @@ def test_the_kit_catches_each_seeded_bug(name: str) -> None:
         replay_manager(factory, failure.events, EVENTS)
     assert replayed.value.rule == failure.rule
     replay_manager(mutants.lru, failure.events, EVENTS)  # the bug is the mutant's, not vLLM's
+
+
+_KEY_ORDER_RUN = """
+import hashlib, vllm_mutants as m
+from hypothesis import settings
+from kvlife.testing import KIT_SETTINGS
+from kvlife.testing.vllm import ManagerKitOptions, run_manager_kit
+run_manager_kit(m.KeyOrderLog, settings(KIT_SETTINGS, max_examples=20, derandomize=True),
+                options=ManagerKitOptions(events=True))
+assert m.KeyOrderLog.log
+print(hashlib.sha256(repr(m.KeyOrderLog.log).encode()).hexdigest())
+"""
+
+
+def test_a_derandomized_search_drives_a_manager_alike_in_every_process() -> None:
+    """The keys of each completion reach the manager in the kit's order, whatever
+    ``PYTHONHASHSEED`` is. Found in CI: they went as a Python ``set`` of bytes, iterated in
+    the process's hash order, so LRU order (and which block a store evicted) changed from
+    one process to the next: the unpinned-loads mutant was caught under hash seeds 0-4 and
+    missed under 5."""
+    here = Path(__file__).parent
+    digests = set()
+    for hash_seed in ("0", "5"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(here)}
+        out = subprocess.run(
+            [sys.executable, "-c", _KEY_ORDER_RUN],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        digests.add(out.stdout.split()[-1])
+    assert len(digests) == 1, digests
 
 
 def test_a_failure_is_one_short_replayable_trace_with_its_seed() -> None:

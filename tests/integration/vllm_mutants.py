@@ -5,7 +5,7 @@ and the factories (``factory(chunks) -> manager``) ``kvlife.testing.vllm`` and
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent
@@ -118,3 +118,18 @@ MUTANTS: dict[str, tuple[Any, frozenset[str]]] = {
 def kvlife_lenient(chunks: int) -> KVLifeOffloadingManager:
     """kvlife's vLLM manager as vLLM builds it (refusals counted and logged, not raised)."""
     return KVLifeOffloadingManager(HostPagePool(chunks, 8, torch.int8))
+
+
+class KeyOrderLog(_Mutant):
+    """vLLM's LRU manager that logs, in a class-wide list, the order in which each
+    completion's keys arrive (no rule broken)."""
+
+    log: ClassVar[list[str]] = []
+
+    def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
+        KeyOrderLog.log.append("load " + ",".join(k.hex() for k in keys))
+        super().complete_load(keys, req_context)
+
+    def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
+        KeyOrderLog.log.append("store " + ",".join(k.hex() for k in keys))
+        super().complete_store(keys, req_context, success)
