@@ -13,7 +13,7 @@ step. The worker side (the copies) is not part of that figure.
 Then the worker's bandwidth: a fresh ``KVLifeWorker`` over vLLM's real KV
 cache views stores one job of ``--bw-blocks`` scattered blocks to its host
 pool and loads it back into other blocks, through its copy engine, against a
-contiguous ``copy_`` of the same bytes; interleaved rounds, medians.
+contiguous ``copy_`` of the same bytes; interleaved rounds, each in another order, medians.
 
     python bench/vllm_offload.py [--reps 30] [--prompts 32] [--bw-blocks 512] [--bw-rounds 9]
 
@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -274,7 +274,7 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
     pages (a store), then back into other scattered blocks (a load), each timed
     from ``submit_*`` through ``wait`` to its ``get_finished`` result; and a
     ``copy_`` between two contiguous tensors of the same size. Rounds are
-    interleaved; medians.
+    interleaved, each in another order; medians.
     """
     caches = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(v, int(v.shape[1])) for v in views],
@@ -308,15 +308,25 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
         assert result.job_id == job_id and result.success
         return elapsed
 
-    for r in range(rounds + 1):  # round 0 warms up
-        store_s, load_s = job(2 * r, False), job(2 * r + 1, True)
+    def contiguous() -> float:
         start = perf()
         flat_dst.copy_(flat_src)
-        copy_s = perf() - start
-        if r:
-            times["store"].append(store_s)
-            times["load"].append(load_s)
-            times["contiguous"].append(copy_s)
+        return perf() - start
+
+    # Each round runs the three in another order (the rotation: store, load, contiguous;
+    # load, contiguous, store; ...): on these machines whichever copy runs right after
+    # another runs faster, and a fixed order would favour one of them.
+    timed: dict[str, Callable[[int], float]] = {
+        "store": lambda r: job(2 * r, False),
+        "load": lambda r: job(2 * r + 1, True),
+        "contiguous": lambda r: contiguous(),
+    }
+    names = list(timed)
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in names[r % 3 :] + names[: r % 3]:
+            spent = timed[name](r)
+            if r:
+                times[name].append(spent)
     for view in views:  # the load wrote what the store read
         assert torch.equal(view[dst], view[src])
     assert worker.stats["copy_failures"] == worker.stats["copy_refused"] == 0
@@ -377,10 +387,11 @@ def copy_paths(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dic
         "rows_in_order": lambda: torch.index_select(src_rows, 0, in_order, out=dst_rows),
     }
     times: dict[str, list[float]] = {name: [] for name in paths}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name, path in paths.items():
+    names = list(paths)
+    for r in range(rounds + 1):  # round 0 warms up; each round another order, as above
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
-            path()
+            paths[name]()
             if r:
                 times[name].append(time.perf_counter() - start)
     base = times.pop("contiguous")
