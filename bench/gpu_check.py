@@ -1,6 +1,7 @@
 """One prepared check of the CUDA copy engine on a lent GPU: correctness, D2H/H2D GB/s, overlap.
 
-Three parts, under five minutes in all (a deadline skips what is left):
+Three parts, under five minutes in all (a deadline skips what is left), and a
+shared-file host pool page-locked in chunks (``page_lock``) through a store and a load:
 
 1. correctness: every layout x dtype, scattered host pages, small staging
    windows, and a copy submitted right behind a write on a busy compute
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -33,7 +35,7 @@ import torch
 from kvlife import Lifecycle, LoadTicket, Ticket
 from kvlife.engine import CudaCopyEngine
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
-from kvlife.pool import HostPagePool
+from kvlife.pool import HostPagePool, page_lock, page_unlock
 
 DEADLINE_S = 270.0
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -122,6 +124,59 @@ def check_correctness() -> tuple[bool, list[str]]:
     return not failures, failures
 
 
+def check_shared_pool() -> bool:
+    """A pool over a shared file (as the vLLM backend's worker shares its host tier with the
+    scheduler process), page-locked in chunks by ``page_lock`` through torch's own
+    ``cudaHostRegister``: the engine takes it as pinned, a store and a load through it are
+    bit-exact, and it unlocks."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+    def register(address: int, nbytes: int) -> bool:
+        return bool(cudart.cudaHostRegister(address, nbytes, 0) == cudart.cudaError.success)
+
+    def unregister(address: int) -> object:
+        return cudart.cudaHostUnregister(address)
+
+    page = 8
+    layout = LayerFirstLayout.zeros(4, 64, page, 4, 64, torch.bfloat16, "cuda")
+    fill_random_bits(layout, seed=3)
+    pages = 16
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
+        f.truncate(pages * layout.page_nbytes)
+        nbytes = pages * layout.page_nbytes
+        raw = torch.from_file(f.name, shared=True, size=nbytes, dtype=torch.int8)
+        host = HostPagePool.over(raw.view(torch.bfloat16).view(pages, -1))
+        locked = page_lock(host, register, unregister, chunk_bytes=5 * layout.page_nbytes)
+        if locked is None or len(locked) != 4:  # 16 pages in chunks of 5: 4 ranges
+            return False
+        engine = CudaCopyEngine(layout, host)
+        ticket = ticket_for(4, page)
+        host_pages = host.alloc(4, ticket)
+        assert host_pages is not None
+        device_pages = [60, 2, 33, 17]
+        engine.submit(ticket, device_pages, host_pages)
+        (ack,) = engine.drain()
+        ok = ack.ok and all(
+            torch.equal(host.page(h).view(torch.int16), layout.read_page(d).cpu().view(torch.int16))
+            for d, h in zip(device_pages, host_pages, strict=True)
+        )
+        load = Lifecycle("gpu-check-shared", page_size=page).load([f"s{i}" for i in range(4)])
+        targets = [1, 5, 9, 40]
+        engine.submit(load, targets, host_pages)
+        (ack,) = engine.drain()
+        ok = (
+            ok
+            and ack.ok
+            and all(
+                torch.equal(layout.read_page(t), layout.read_page(d))
+                for d, t in zip(device_pages, targets, strict=True)
+            )
+        )
+        engine.close()
+        page_unlock(locked, unregister)
+        return bool(ok and not host.tensor.is_pinned())
+
+
 def median_ms(ts: list[float]) -> str:
     return f"{statistics.median(ts) * 1e3:9.2f} {min(ts) * 1e3:9.2f} {max(ts) * 1e3:9.2f}"
 
@@ -144,6 +199,9 @@ def main() -> int:
     correct, failures = check_correctness()
     figures["correct"] = correct
     print(f"correctness: {'ok' if correct else 'FAILED ' + ', '.join(failures)}")
+    shared = check_shared_pool()
+    figures["shared_pool_page_locked"] = shared
+    print(f"shared-file pool, page-locked: {'ok' if shared else 'FAILED'}")
 
     # 2. D2H throughput at a realistic shape
     layers, heads, head_dim, page, device_pages, n = 32, 8, 128, 16, 2048, 256

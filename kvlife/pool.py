@@ -13,15 +13,17 @@ next chunk of its size. One thread (the scheduler's) uses the allocator. Details
 
 from __future__ import annotations
 
+import math
+import mmap
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvlife._checks import buffer_spec, pin_memory_of
 from kvlife.errors import ConfigError, PoolError
 
-__all__ = ["HostPagePool"]
+__all__ = ["REGISTER_CHUNK_BYTES", "HostPagePool", "page_lock", "page_unlock"]
 
 
 class HostPagePool:
@@ -201,3 +203,48 @@ class HostPagePool:
         if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < len(self._owner):
             raise PoolError(f"host page {page!r} out of range [0, {len(self._owner)})")
         return page
+
+
+#: :func:`page_lock` registers ranges of at most this many bytes, each a whole number of
+#: pages, so no copy of one page straddles two registrations (vLLM 0.32 bounds the
+#: registrations of its own shared offload region so, for drivers' limits on large ranges).
+REGISTER_CHUNK_BYTES = 64 << 30
+
+
+def page_lock(
+    pool: HostPagePool,
+    register: Callable[[int, int], bool],
+    unregister: Callable[[int], object],
+    *,
+    chunk_bytes: int = REGISTER_CHUNK_BYTES,
+) -> list[int] | None:
+    """Page-lock a pool made over memory the caller mapped (:meth:`HostPagePool.over`, e.g.
+    a shared file), so a CUDA engine copies from it as from a pinned pool:
+    ``register(address, nbytes)`` (``cudaHostRegister``; True on success) on ranges of at
+    most ``chunk_bytes`` that end on both a pool page and an OS page (the driver rounds a
+    range out to OS pages, and two ranges must not share one; a mapping starts on one). The
+    registered addresses, for :func:`page_unlock`; or None, with every range that was
+    registered unregistered again, when a range is refused or torch still does not see the
+    pool as pinned."""
+    tensor = pool.tensor
+    row = int(tensor.stride(0)) * tensor.element_size()
+    total = tensor.numel() * tensor.element_size()
+    unit = math.lcm(row, mmap.PAGESIZE)  # whole host pages and whole OS pages
+    chunk = max(chunk_bytes // unit, 1) * unit
+    base = int(tensor.data_ptr())
+    done: list[int] = []
+    for offset in range(0, total, chunk):
+        if not register(base + offset, min(chunk, total - offset)):
+            break
+        done.append(base + offset)
+    else:
+        if tensor.is_pinned():
+            return done
+    page_unlock(done, unregister)
+    return None
+
+
+def page_unlock(addresses: Sequence[int], unregister: Callable[[int], object]) -> None:
+    """Undo :func:`page_lock` (once no copy reads or writes the pool), last range first."""
+    for address in reversed(addresses):
+        unregister(address)

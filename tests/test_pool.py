@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlife.errors import ConfigError, KVLifeError, PoolError
-from kvlife.pool import HostPagePool
+from kvlife.pool import HostPagePool, page_lock, page_unlock
 
 
 class Owner:
@@ -246,3 +246,81 @@ def test_a_pool_over_a_shared_mapping_sees_another_mappings_bytes_with_its_own_a
     for bad in (torch.zeros(8), torch.zeros(2, 4).t(), torch.zeros(0, 4), "rows"):
         with pytest.raises(ConfigError, match=r"HostPagePool\.over"):
             HostPagePool.over(bad)  # type: ignore[arg-type]
+
+
+class Registrar:
+    """cudaHostRegister's part, recorded: the ranges registered now, in order; a range
+    starting at ``refuse`` is refused."""
+
+    def __init__(self, refuse: int | None = None) -> None:
+        self.live: dict[int, int] = {}
+        self.calls: list[tuple[str, int, int]] = []
+        self.refuse = refuse
+
+    def register(self, address: int, nbytes: int) -> bool:
+        self.calls.append(("register", address, nbytes))
+        if address == self.refuse:
+            return False
+        assert address not in self.live
+        self.live[address] = nbytes
+        return True
+
+    def unregister(self, address: int) -> None:
+        self.calls.append(("unregister", address, self.live.pop(address)))
+
+
+def _shared_pool(tmp_path: Path, pages: int, row: int) -> HostPagePool:
+    path = tmp_path / "pool"
+    path.write_bytes(b"")
+    raw = torch.from_file(str(path), shared=True, size=pages * row, dtype=torch.int8)
+    return HostPagePool.over(raw.view(pages, row))
+
+
+def test_page_lock_registers_whole_pages_in_chunks_and_unlocks_last_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seven pages of 8 KiB in chunks of at most 3 pages: three ranges that cover the pool
+    exactly, each ending on a page. (No GPU here: torch is told the pool is pinned, as it
+    is after cudaHostRegister; bench/gpu_check.py checks that part for real.)"""
+    pool = _shared_pool(tmp_path, 7, 8192)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    reg = Registrar()
+    locked = page_lock(pool, reg.register, reg.unregister, chunk_bytes=3 * 8192 + 100)
+    base = pool.tensor.data_ptr()
+    assert locked == [base, base + 3 * 8192, base + 6 * 8192]
+    assert list(reg.live.items()) == [(base, 24576), (base + 24576, 24576), (base + 49152, 8192)]
+    page_unlock(locked, reg.unregister)
+    assert not reg.live
+    assert [c[1] for c in reg.calls if c[0] == "unregister"] == locked[::-1]
+
+
+def test_page_lock_ranges_end_on_os_pages_when_pool_pages_do_not(tmp_path: Path) -> None:
+    """Pages of 6 KiB: a range of 2 pages would end inside an OS page that the next range
+    also covers (the driver rounds ranges out to OS pages): ranges are 12 KiB-aligned."""
+    pool = _shared_pool(tmp_path, 8, 6144)
+    reg = Registrar()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "is_pinned", lambda self: True)
+        locked = page_lock(pool, reg.register, reg.unregister, chunk_bytes=20000)
+    assert locked is not None
+    sizes = [reg.live[a] for a in locked]
+    assert sizes == [12288, 12288, 12288, 12288] and sum(sizes) == 8 * 6144
+
+
+@pytest.mark.parametrize("refused", [0, 1, 2])
+def test_page_lock_refused_anywhere_leaves_nothing_registered(tmp_path: Path, refused: int) -> None:
+    pool = _shared_pool(tmp_path, 6, 8192)
+    reg = Registrar(refuse=pool.tensor.data_ptr() + refused * 2 * 8192)
+    before = state(pool)
+    assert page_lock(pool, reg.register, reg.unregister, chunk_bytes=2 * 8192) is None
+    assert not reg.live and state(pool) == before
+    assert sum(1 for c in reg.calls if c[0] == "register") == refused + 1
+
+
+def test_page_lock_of_memory_torch_still_sees_unpinned_is_undone(tmp_path: Path) -> None:
+    """Every range registered, but the tensor is not pinned for torch (no CUDA here): the
+    engine would refuse the pool, so nothing stays registered."""
+    pool = _shared_pool(tmp_path, 4, 8192)
+    reg = Registrar()
+    assert page_lock(pool, reg.register, reg.unregister) is None
+    assert not reg.live and [c[0] for c in reg.calls] == ["register", "unregister"]

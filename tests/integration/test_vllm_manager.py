@@ -650,6 +650,44 @@ def test_every_shutdown_step_runs_guarded_counted_and_raises_only_when_strict(
     assert sum("shutdown step 'report' failed" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_a_shared_pool_is_not_page_locked_where_vllm_cannot_and_nothing_stays_registered(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On vLLM's CPU build its own ``host_register`` does nothing and says so: a worker over
+    a CUDA KV cache would keep a private pinned pool (logged), nothing half registered."""
+    from kvlife.integrations.vllm._common import create_shared_pool, pin_shared_pool
+
+    pool = create_shared_pool(str(tmp_path / "pool"), 4, 8192)
+    assert pool is not None
+    with caplog.at_level(logging.WARNING):
+        assert pin_shared_pool(pool) is None
+    assert any("could not be page-locked" in r.getMessage() for r in caplog.records)
+    assert not pool.tensor.is_pinned()
+
+
+def test_the_worker_unlocks_its_shared_pool_after_its_engine_closed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose shared pool was page-locked (a CUDA KV cache; faked here, no GPU)
+    unregisters every range at shutdown, after its copy engine closed (a copy still running
+    would read memory no longer locked), once, and a second shutdown does nothing."""
+    from kvlife.integrations.vllm import _common
+
+    views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
+    worker = _worker(views)
+    unregistered: list[tuple[int, bool]] = []
+    monkeypatch.setattr(
+        _common,
+        "_host_register",
+        lambda: (None, lambda a: unregistered.append((a, worker.engine.closed))),
+    )
+    worker._pinned = [1 << 20, 2 << 20]
+    worker.shutdown()
+    worker.shutdown()
+    assert unregistered == [(2 << 20, True), (1 << 20, True)]
+    assert worker.stats["shutdown_errors"] == 0
+
+
 def test_scrapes_never_raise_while_the_scheduler_runs_and_roles_come_and_go() -> None:
     """Scenario: Prometheus scrapes on its own thread while the scheduler stores, loads,
     evicts and managers are made and dropped. Before, about 0.4 % of scrapes raised

@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife import Lifecycle, Ticket
-from kvlife.pool import HostPagePool
+from kvlife.pool import HostPagePool, page_lock, page_unlock
 from kvlife.store.base import Store
 
 logger = logging.getLogger("kvlife.integrations.vllm")
@@ -204,6 +204,41 @@ def attach_shared_pool(path: str, pages: int, row: int) -> HostPagePool | None:
     except (OSError, RuntimeError) as exc:
         logger.warning("kvlife: cannot map %s (%s): not used", path, exc)
         return None
+
+
+def _host_register() -> tuple[Callable[[int, int], bool], Callable[[int], None]] | None:
+    try:  # vLLM's own helpers for its shared offload region: cudaHostRegister, and a
+        # failure drained (cudaGetLastError), so no later CUDA call reports it
+        from vllm.v1.kv_offload.cpu.host_register import (  # type: ignore[import-not-found]
+            host_register,
+            host_unregister,
+        )
+    except ImportError as exc:
+        logger.warning("kvlife: vLLM has no host_register (%s): nothing page-locked", exc)
+        return None
+    return host_register, host_unregister
+
+
+def pin_shared_pool(pool: HostPagePool) -> list[int] | None:
+    """Page-lock a worker's shared pool for a KV cache on CUDA (:func:`kvlife.pool.page_lock`
+    through vLLM's ``host_register``). The registered addresses, or None, logged, with
+    nothing left registered (the worker then keeps a private pinned pool)."""
+    helpers = _host_register()
+    pinned = None if helpers is None else page_lock(pool, *helpers)
+    if pinned is None:
+        logger.warning(
+            "kvlife: the shared host tier (%d B) could not be page-locked: the worker keeps "
+            "a private pinned pool and reads the persistent tier itself",
+            pool.tensor.numel(),
+        )
+    return pinned
+
+
+def unpin_shared_pool(addresses: Sequence[int]) -> None:
+    """Undo :func:`pin_shared_pool` (once no copy reads or writes the pool)."""
+    helpers = _host_register() if addresses else None
+    if helpers is not None:
+        page_unlock(addresses, helpers[1])
 
 
 def unlink_quietly(path: str) -> None:

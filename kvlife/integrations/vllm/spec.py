@@ -33,6 +33,7 @@ from kvlife.integrations.vllm._common import (
     PersistentTier,
     attach_shared_pool,
     create_shared_pool,
+    pin_shared_pool,
     shared_pool_path,
     unlink_quietly,
 )
@@ -373,12 +374,18 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         if self._worker is None:
             views = _block_views(kv_caches)
             row = sum(int(view.shape[1]) for view in views)
-            pool, shared_path = None, None
-            if self._has_store() and views[0].device.type == "cpu":
+            pool, shared_path, pinned = None, None, None
+            device = views[0].device.type
+            if self._has_store() and device in ("cpu", "cuda"):
                 # Shared with the scheduler process, so it promotes persistent-tier pages
-                # into host memory itself (a CUDA pool stays private and pinned).
+                # into host memory itself; for a KV cache on CUDA, page-locked as well.
                 shared_path = shared_pool_path(self._engine, os.getppid(), self._rank)
                 pool = create_shared_pool(shared_path, self.capacity, row)
+                if pool is not None and device == "cuda":
+                    pinned = pin_shared_pool(pool)
+                    if pinned is None:
+                        unlink_quietly(shared_path)
+                        pool = None
             if pool is None:
                 pool, shared_path = HostPagePool(self.capacity, row, torch.int8), None
             _SHARED_POOLS[self._pool_key] = (pool, shared_path)
@@ -391,5 +398,6 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 pool_key=self._pool_key,
                 tokens_per_block=self.tokens_per_block[0],
                 shared_path=shared_path,
+                pinned=pinned or (),
             )
         return self._worker

@@ -48,6 +48,7 @@ from kvlife.integrations.vllm._common import (
     page_namer,
     shut_down,
     unlink_quietly,
+    unpin_shared_pool,
 )
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
@@ -186,6 +187,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         pool_key: str | None = None,
         tokens_per_block: int = 1,
         shared_path: str | None = None,
+        pinned: Sequence[int] = (),
     ) -> None:
         layout = BlockViewsLayout(_block_views(kv_caches), tokens_per_block)
         if pool.page_numel != layout.page_numel or pool.dtype != torch.int8:
@@ -204,6 +206,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self._strict = strict
         self._pool_key = pool_key
         self._shared_path = shared_path  # the pool's shared-memory name, removed at shutdown
+        self._pinned = list(pinned)  # the pool's page-locked ranges, unlocked at shutdown
         self._pages_claimed = False
         self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
         self._by_life: dict[Lifecycle, _WorkerJob] = {}  # the same jobs, by their Lifecycle
@@ -415,6 +418,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         steps: list[tuple[str, Callable[[], object]]] = [
             ("drain", lambda: self._collect(self.engine.drain(timeout=60.0))),
             ("engine_close", self.engine.close),
+            ("unpin", self._unpin),
             ("unshare", self._unshare),
             ("unlink", lambda: unlink_quietly(self._shared_path or "")),
             ("store_close", self._close_store),
@@ -425,6 +429,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self.stats["shutdown_errors"] += len(errors)
         if errors and self._strict:
             raise errors[0]
+
+    def _unpin(self) -> None:
+        pinned, self._pinned = self._pinned, []
+        unpin_shared_pool(pinned)
 
     def _close_store(self) -> None:
         store, self._store = self._store, None
