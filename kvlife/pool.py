@@ -225,7 +225,7 @@ def page_lock(
     range out to OS pages, and two ranges must not share one; a mapping starts on one). The
     registered addresses, for :func:`page_unlock`; or None, with every range that was
     registered unregistered again, when a range is refused or torch still does not see the
-    pool as pinned."""
+    pool as pinned (and before an exception of ``register`` goes on)."""
     tensor = pool.tensor
     row = int(tensor.stride(0)) * tensor.element_size()
     total = tensor.numel() * tensor.element_size()
@@ -233,13 +233,17 @@ def page_lock(
     chunk = max(chunk_bytes // unit, 1) * unit
     base = int(tensor.data_ptr())
     done: list[int] = []
-    for offset in range(0, total, chunk):
-        if not register(base + offset, min(chunk, total - offset)):
-            break
-        done.append(base + offset)
-    else:
-        if tensor.is_pinned():
-            return done
+    try:
+        for offset in range(0, total, chunk):
+            if not register(base + offset, min(chunk, total - offset)):
+                break
+            done.append(base + offset)
+        else:
+            if tensor.is_pinned():
+                return done
+    except BaseException:
+        page_unlock(done, unregister)
+        raise
     page_unlock(done, unregister)
     return None
 

@@ -324,3 +324,18 @@ def test_page_lock_of_memory_torch_still_sees_unpinned_is_undone(tmp_path: Path)
     reg = Registrar()
     assert page_lock(pool, reg.register, reg.unregister) is None
     assert not reg.live and [c[0] for c in reg.calls] == ["register", "unregister"]
+
+
+def test_page_lock_undoes_what_it_registered_before_an_error_goes_on(tmp_path: Path) -> None:
+    pool = _shared_pool(tmp_path, 6, 8192)
+    reg = Registrar()
+    second = pool.tensor.data_ptr() + 2 * 8192
+
+    def register(address: int, nbytes: int) -> bool:
+        if address == second:
+            raise RuntimeError("driver gone")
+        return reg.register(address, nbytes)
+
+    with pytest.raises(RuntimeError, match="driver gone"):
+        page_lock(pool, register, reg.unregister, chunk_bytes=2 * 8192)
+    assert not reg.live and [c[0] for c in reg.calls] == ["register", "unregister"]

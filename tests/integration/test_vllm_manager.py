@@ -665,6 +665,22 @@ def test_a_shared_pool_is_not_page_locked_where_vllm_cannot_and_nothing_stays_re
     assert not pool.tensor.is_pinned()
 
 
+def test_a_page_lock_that_raises_is_logged_never_raised_into_vllm(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvlife.integrations.vllm import _common
+
+    def register(address: int, nbytes: int) -> bool:
+        raise OSError("libcudart gone")
+
+    monkeypatch.setattr(_common, "_host_register", lambda: (register, lambda a: None))
+    pool = _common.create_shared_pool(str(tmp_path / "pool"), 4, 8192)
+    assert pool is not None
+    with caplog.at_level(logging.WARNING):
+        assert _common.pin_shared_pool(pool) is None
+    assert any("OSError: libcudart gone" in r.getMessage() for r in caplog.records)
+
+
 def test_the_worker_unlocks_its_shared_pool_after_its_engine_closed(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -224,12 +224,17 @@ def pin_shared_pool(pool: HostPagePool) -> list[int] | None:
     through vLLM's ``host_register``). The registered addresses, or None, logged, with
     nothing left registered (the worker then keeps a private pinned pool)."""
     helpers = _host_register()
-    pinned = None if helpers is None else page_lock(pool, *helpers)
+    why = "refused"
+    try:
+        pinned = None if helpers is None else page_lock(pool, *helpers)
+    except Exception as exc:  # never into vLLM: the private pool serves
+        pinned, why = None, f"{type(exc).__name__}: {exc}"
     if pinned is None:
         logger.warning(
-            "kvlife: the shared host tier (%d B) could not be page-locked: the worker keeps "
-            "a private pinned pool and reads the persistent tier itself",
+            "kvlife: the shared host tier (%d B) could not be page-locked (%s): the worker "
+            "keeps a private pinned pool and reads the persistent tier itself",
             pool.tensor.numel(),
+            why,
         )
     return pinned
 
