@@ -479,6 +479,22 @@ def test_scenario_eviction_keeps_the_prefix_head_a_returning_prompt_reaches() ->
     assert hits == 2
 
 
+def test_scenario_an_offer_longer_than_the_tier_evicts_none_of_its_own_keys() -> None:
+    """Scenario, found by the kit (vLLM 0.32's guards off): a 3-page tier holds ``d`` and
+    ``e``; a request offers ``a, b, c, d``, more keys than the tier. Before, the manager kept
+    the leading three and evicted ``d``, a held key the same call offers, to store them.
+    Now the rest of an offer is protected too: with ``e`` the only page to take, the store
+    does not fit and is refused, nothing evicted (vLLM's CPU manager keeps ``d`` alike)."""
+    m = manager(pages=3)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(4), key(5))
+    before = m.accounting()
+    assert m.prepare_store([key(1), key(2), key(3), key(4)], ctx) is None
+    assert m.lookup(key(4), ctx) is LookupResult.HIT and m.lookup(key(5), ctx) is LookupResult.HIT
+    assert m.accounting() == {**before, "dropped_host_full": before["dropped_host_full"] + 1}
+
+
 def test_kv_events_announce_a_removal_before_the_store_that_reuses_its_page() -> None:
     m = manager(pages=1)
     ctx = ReqContext("r")

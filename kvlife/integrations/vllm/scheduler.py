@@ -417,8 +417,11 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         offered = list(keys)
-        del offered[self.tier.capacity :]  # more keys than the tier: store the leading ones
-        plan = self.tier.prepare_store(offered)
+        # More keys than the tier: store the leading ones, and evict none of the rest (a
+        # held key the same call offers stays, as in vLLM's CPU manager).
+        rest = offered[self.tier.capacity :]
+        del offered[self.tier.capacity :]
+        plan = self.tier.prepare_store(offered, protected=rest)
         if plan is None:
             return None
         lifecycle = self._life(req_context, "store")
