@@ -237,8 +237,12 @@ def test_checker_finds_each_seeded_bug_with_its_shortest_trace(name: str) -> Non
 
 
 #: Bugs that need a rarer interleaving (a resume while the retracted life's flush is in
-#: flight) get more examples.
-EXAMPLES = {"sglang-resume-reuses-record": 300, "load-transfer-done-by-rid": 400}
+#: flight; a load still reading when its pages are reused) get more examples.
+EXAMPLES = {
+    "sglang-resume-reuses-record": 300,
+    "load-transfer-done-by-rid": 400,
+    "load-unpinned": 200,
+}
 
 
 def _kit_failure(name: str) -> KitFailure:

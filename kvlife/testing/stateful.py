@@ -24,7 +24,7 @@ from kvlife.testing.events import Close, Finish, Poll, Resume, Return, Start, St
 from kvlife.testing.options import KitOptions
 from kvlife.testing.oracle import Oracle
 from kvlife.testing.report import KitFailure, rule_of
-from kvlife.testing.strategies import RIDS, copy_outcomes, decode_tokens, prompts
+from kvlife.testing.strategies import RIDS, copy_outcomes, decode_tokens, prompts, sampled
 
 __all__ = ["KIT_SETTINGS", "RuntimeMachine", "run_kit"]
 
@@ -70,7 +70,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         """A request life begins, often with a rid a draining life still uses."""
         free = self.oracle.idle(self.rids)
         if free:
-            rid = data.draw(st.sampled_from(free), label="rid")
+            rid = data.draw(sampled(free), label="rid")
             self._run(self.oracle.apply, Start(rid, prompt))
 
     @precondition(lambda self: bool(self.oracle.running()))
@@ -79,7 +79,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         """A running life decodes a few steps; its runtime offloads what is due after each."""
         growing = self.oracle.growing(self.max_tokens)
         if growing:
-            life = data.draw(st.sampled_from(growing), label="life")
+            life = data.draw(sampled(growing), label="life")
             for tokens in steps:
                 self._run(self.oracle.apply, Step(life.index, tokens))
 
@@ -94,8 +94,8 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         """A running life finishes, is aborted, or is retracted (as the options allow)."""
-        life = data.draw(st.sampled_from(self.oracle.running()), label="life")
-        reason: FinishReason = data.draw(st.sampled_from(self.options.reasons), label="reason")
+        life = data.draw(sampled(self.oracle.running()), label="life")
+        reason: FinishReason = data.draw(sampled(self.options.reasons), label="reason")
         self._run(self.oracle.apply, Finish(life.index, reason))
 
     @precondition(
@@ -108,7 +108,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def resume(self, data: st.DataObject) -> None:
         """A retracted request resumes as a new life (same rid, its tokens as the prompt)."""
-        life = data.draw(st.sampled_from(self.oracle.resumable()), label="retracted")
+        life = data.draw(sampled(self.oracle.resumable()), label="retracted")
         self._run(self.oracle.apply, Resume(life.index))
 
     @precondition(
@@ -122,7 +122,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     def return_(self, data: st.DataObject) -> None:
         """A conversation returns (often while its earlier life still drains): a new life on
         its rid whose prompt extends its tokens; the runtime loads what it holds of it."""
-        life = data.draw(st.sampled_from(self.oracle.returnable(self.max_tokens)), label="life")
+        life = data.draw(sampled(self.oracle.returnable(self.max_tokens)), label="life")
         self._run(self.oracle.apply, Return(life.index))
 
     @precondition(lambda self: self.oracle.progress == "poll" and bool(self.oracle.in_flight()))
@@ -132,9 +132,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         ok = data.draw(copy_outcomes() if self.options.failures else st.just(True), label="ok")
         waiting = self.oracle.in_flight()
         late = [c for c in waiting if not self.oracle.owner(c).running]
-        choices = [st.just(waiting[0]), st.just(waiting[-1]), st.sampled_from(waiting)]
+        choices = [sampled(waiting[:1]), sampled(waiting[-1:]), sampled(waiting)]
         if late:
-            choices.append(st.sampled_from(late))
+            choices.append(sampled(late))
         copy = data.draw(st.one_of(choices), label="copy")
         self._run(self.oracle.complete, copy, ok, poll)
 

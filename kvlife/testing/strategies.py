@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import chain
+from typing import TypeVar
 
 from hypothesis import strategies as st
 
@@ -36,15 +37,27 @@ __all__ = [
     "prompts",
     "replay",
     "rids",
+    "sampled",
 ]
+
+_T = TypeVar("_T")
 
 #: The rid pool: small, so reuse is frequent.
 RIDS = ("r0", "r1", "r2")
 
 
+def sampled(options: Sequence[_T]) -> st.SearchStrategy[_T]:
+    """``st.sampled_from(options)``, drawn by index. Hypothesis labels a ``sampled_from`` by
+    its elements' ``hash()``, which for ``str``, enums and most objects differs from one
+    process to the next (``PYTHONHASHSEED``, addresses), and the labels steer its search: a
+    derandomized run would test other cases in each process. A ``range`` hashes alike
+    everywhere."""
+    return st.sampled_from(range(len(options))).map(tuple(options).__getitem__)
+
+
 def rids(pool: Sequence[str] = RIDS) -> st.SearchStrategy[str]:
     """A rid from a small pool."""
-    return st.sampled_from(tuple(pool))
+    return sampled(pool)
 
 
 def prompts(max_tokens: int = 7) -> st.SearchStrategy[tuple[int, ...]]:
@@ -59,7 +72,7 @@ def decode_tokens(max_tokens: int = 4) -> st.SearchStrategy[tuple[int, ...]]:
 
 def finish_reasons() -> st.SearchStrategy[FinishReason]:
     """Finished, aborted or retracted."""
-    return st.sampled_from(tuple(FinishReason))
+    return sampled(tuple(FinishReason))
 
 
 def copy_outcomes() -> st.SearchStrategy[bool]:

@@ -47,6 +47,7 @@ from kvlife.errors import ConfigError
 from kvlife.testing.oracle import InvariantViolation
 from kvlife.testing.report import format_trace, rule_of
 from kvlife.testing.stateful import KIT_SETTINGS
+from kvlife.testing.strategies import sampled
 
 __all__ = [
     "ManagerKitFailure",
@@ -836,7 +837,7 @@ class _ManagerMachine(RuleBasedStateMachine):
         choice, swarm testing, starves actions that need state); one the state does not allow
         becomes the first that it does of complete, compute, schedule, arrive, step end. A
         fixed menu keeps most steps' meaning when shrinking deletes others."""
-        what = data.draw(st.sampled_from(_MENU), label="action")
+        what = data.draw(sampled(_MENU), label="action")
         if not self._able(what):  # the first of these the state allows: step end always
             what = next(
                 w
@@ -848,26 +849,26 @@ class _ManagerMachine(RuleBasedStateMachine):
             self._run(StepEnd())
         elif what == "arrive":
             busy = {r.rid for r in o.live()}
-            rid = data.draw(st.sampled_from([r for r in RIDS if r not in busy]), label="rid")
+            rid = data.draw(sampled([r for r in RIDS if r not in busy]), label="rid")
             prompt = data.draw(st.text(VOCAB, min_size=1, max_size=5), label="prompt")
             self._run(Arrive(rid, prompt))
         elif what == "schedule":
-            req = data.draw(st.sampled_from(o.schedulable()), label="req")
-            cached = data.draw(st.sampled_from([0, 0, 0, 1, 2]), label="cached")
+            req = data.draw(sampled(o.schedulable()), label="req")
+            cached = data.draw(sampled([0, 0, 0, 1, 2]), label="cached")
             self._run(Schedule(req.index, cached))
         elif what == "compute":
-            req = data.draw(st.sampled_from(self._busy()), label="req")
-            self._run(Compute(req.index, data.draw(st.sampled_from([1, 2, 2, 0]), label="blocks")))
+            req = data.draw(sampled(self._busy()), label="req")
+            self._run(Compute(req.index, data.draw(sampled([1, 2, 2, 0]), label="blocks")))
         elif what in ("finish", "preempt"):
-            req = data.draw(st.sampled_from(o.in_state("running")), label="req")
+            req = data.draw(sampled(o.in_state("running")), label="req")
             self._run(Finish(req.index) if what == "finish" else Preempt(req.index))
         elif what == "abort":
-            req = data.draw(st.sampled_from(o.live()), label="req")
+            req = data.draw(sampled(o.live()), label="req")
             self._run(Finish(req.index, aborted=True))
         elif what == "complete":
             self._complete(data)
         elif what == "touch":
-            self._run(Touch(data.draw(st.sampled_from(o.live()), label="req").index))
+            self._run(Touch(data.draw(sampled(o.live()), label="req").index))
         else:
             self._run(Reset())
 
@@ -875,16 +876,16 @@ class _ManagerMachine(RuleBasedStateMachine):
         """A job completes: the oldest, the newest, a finished request's late one, or any."""
         jobs = list(self.oracle.jobs.values())
         late = [j for j in jobs if j.req.state == "finished"]
-        pick = [st.just(jobs[0]), st.just(jobs[-1]), st.sampled_from(jobs)]
+        pick = [sampled(jobs[:1]), sampled(jobs[-1:]), sampled(jobs)]
         if late:
-            pick.append(st.sampled_from(late))
+            pick.append(sampled(late))
         job = data.draw(st.one_of(pick), label="job")
         hows: list[How] = ["all", "all"]
         if self.options.split_completions:
             hows += ["part"] if job.load else ["part", "superset"]
         if self.options.failures and not job.load:
             hows.append("fail")
-        self._run(Complete(job.index, data.draw(st.sampled_from(hows), label="how")))
+        self._run(Complete(job.index, data.draw(sampled(hows), label="how")))
 
     def teardown(self) -> None:
         if self._clean:
