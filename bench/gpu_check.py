@@ -142,8 +142,8 @@ def check_shared_pool() -> bool:
     fill_random_bits(layout, seed=3)
     pages = 16
     with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
-        f.truncate(pages * layout.page_nbytes)
         nbytes = pages * layout.page_nbytes
+        f.truncate(nbytes)
         raw = torch.from_file(f.name, shared=True, size=nbytes, dtype=torch.int8)
         host = HostPagePool.over(raw.view(torch.bfloat16).view(pages, -1))
         locked = page_lock(host, register, unregister, chunk_bytes=5 * layout.page_nbytes)

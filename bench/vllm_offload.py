@@ -323,7 +323,7 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
     }
     names = list(timed)
     for r in range(rounds + 1):  # round 0 warms up
-        for name in names[r % 3 :] + names[: r % 3]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             spent = timed[name](r)
             if r:
                 times[name].append(spent)

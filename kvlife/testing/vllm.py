@@ -550,8 +550,11 @@ class ManagerOracle:
             for key in keys:
                 self.entries[key].pins -= 1
         else:
-            extra = [k for k in job.offer if k in self.entries and self.entries[k].job is None]
-            given = key_set([*keys, *extra] if how == "superset" else keys)
+            named = keys
+            if how == "superset":  # also offered keys already ready: a no-op for them
+                held = [k for k in job.offer if k in self.entries and self.entries[k].job is None]
+                named = [*keys, *held]
+            given = key_set(named)
             ok = how != "fail"
             self._call("complete_store", self.manager.complete_store, given, req.ctx, success=ok)
             for key in keys:
