@@ -725,6 +725,29 @@ def test_two_loads_may_read_one_host_page(engines: Callable[..., CpuCopyEngine])
     engine.check([5], [h])  # free to write again once both are acked
 
 
+def test_a_page_two_loads_read_stays_busy_until_the_last_is_acked(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """Loads overlapping in one host page: acking one frees its other pages at once (a store
+    may write them) and leaves the shared page busy until the other load is acked too."""
+    _, host, engine = setup(engines)
+    owner = object()
+    h0, h1, h2 = host.alloc(3, owner) or []
+    first, second = engine.hold_next(), engine.hold_next()
+    done = engine.submit(load(Lifecycle("a", page_size=PAGE), 2), [1, 2], [h0, h1])
+    engine.submit(load(Lifecycle("b", page_size=PAGE), 2), [3, 4], [h1, h2])
+    first.open()
+    done.synchronize(timeout=10.0)
+    assert [a.host_pages for a in engine.poll()] == [(h0, h1)]
+    engine.check([5], [h0])  # only the first load read it: free
+    for page in (h1, h2):
+        with pytest.raises(PageBusy, match="being read by a load"):
+            engine.check([5], [page])
+    second.open()
+    assert [a.host_pages for a in engine.drain()] == [(h1, h2)]
+    engine.check([5, 6, 7], [h0, h1, h2])  # every page free again
+
+
 def full_state(engine: CpuCopyEngine, host: HostPagePool, layout: KVLayout) -> tuple[object, ...]:
     return (*engine_state(engine, host), device_state(layout))
 

@@ -23,7 +23,7 @@ import torch
 
 from kvlife._checks import finite_seconds, positive_int
 from kvlife._lifecycle import LoadTicket, Ticket
-from kvlife.engine.base import Ack, PageCopyEngine, host_runs
+from kvlife.engine.base import Ack, PageCopyEngine, host_runs, page_index
 from kvlife.errors import ConfigError, CopyFault, DrainTimeout
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
@@ -217,7 +217,7 @@ class CpuCopyEngine(PageCopyEngine):
             load,
             dev,
             hst,
-            torch.tensor(dev, dtype=torch.int64),
+            page_index(dev),
             host_runs(hst),
             delay,
             gate,
