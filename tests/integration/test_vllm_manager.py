@@ -697,6 +697,25 @@ def test_a_page_lock_that_raises_is_logged_never_raised_into_vllm(
     assert any("OSError: libcudart gone" in r.getMessage() for r in caplog.records)
 
 
+def test_a_vllm_without_host_register_is_one_warning_that_says_why(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, a vLLM whose build has no ``host_register`` logged two warnings for one
+    fallback (the import's, then the fallback's)."""
+    import sys
+
+    from kvlife.integrations.vllm import _common
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.kv_offload.cpu.host_register", None)
+    pool = _common.create_shared_pool(str(tmp_path / "pool"), 4, 8192)
+    assert pool is not None
+    with caplog.at_level(logging.WARNING, logger="kvlife"):
+        assert _common.pin_shared_pool(pool) is None
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "vLLM has no host_register" in record.getMessage()
+    assert "could not be page-locked" in record.getMessage()
+
+
 def test_the_worker_unlocks_its_shared_pool_after_its_engine_closed(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

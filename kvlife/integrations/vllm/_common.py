@@ -206,16 +206,17 @@ def attach_shared_pool(path: str, pages: int, row: int) -> HostPagePool | None:
         return None
 
 
-def _host_register() -> tuple[Callable[[int, int], bool], Callable[[int], None]] | None:
-    try:  # vLLM's own helpers for its shared offload region: cudaHostRegister, and a
-        # failure drained (cudaGetLastError), so no later CUDA call reports it
+def _host_register() -> tuple[Callable[[int, int], bool], Callable[[int], None]] | str:
+    """vLLM's own helpers for its shared offload region (cudaHostRegister, and a failure
+    drained by cudaGetLastError, so no later CUDA call reports it), or why there are none:
+    the caller logs it, once."""
+    try:
         from vllm.v1.kv_offload.cpu.host_register import (  # type: ignore[import-not-found]
             host_register,
             host_unregister,
         )
     except ImportError as exc:
-        logger.warning("kvlife: vLLM has no host_register (%s): nothing page-locked", exc)
-        return None
+        return f"vLLM has no host_register: {exc}"
     return host_register, host_unregister
 
 
@@ -224,9 +225,9 @@ def pin_shared_pool(pool: HostPagePool) -> list[int] | None:
     through vLLM's ``host_register``). The registered addresses, or None, logged, with
     nothing left registered (the worker then keeps a private pinned pool)."""
     helpers = _host_register()
-    why = "refused"
+    why = helpers if isinstance(helpers, str) else "refused"
     try:
-        pinned = None if helpers is None else page_lock(pool, *helpers)
+        pinned = None if isinstance(helpers, str) else page_lock(pool, *helpers)
     except Exception as exc:  # never into vLLM: the private pool serves
         pinned, why = None, f"{type(exc).__name__}: {exc}"
     if pinned is None:
@@ -242,7 +243,7 @@ def pin_shared_pool(pool: HostPagePool) -> list[int] | None:
 def unpin_shared_pool(addresses: Sequence[int]) -> None:
     """Undo :func:`pin_shared_pool` (once no copy reads or writes the pool)."""
     helpers = _host_register() if addresses else None
-    if helpers is not None:
+    if isinstance(helpers, tuple):  # addresses were registered, so vLLM had the helpers
         page_unlock(addresses, helpers[1])
 
 
