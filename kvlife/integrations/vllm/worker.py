@@ -353,18 +353,19 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         host_ids = spec.block_ids
         device_ids: list[int] = dst_spec.block_ids.tolist()
         job, lifecycle = self._start(job_id, True, len(device_ids))
-        disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
-        if disk:
-            ticket = lifecycle.load([spec.keys[i].hex() for i in disk])
-            names = [self._names(spec.keys[i]) for i in disk]
+        keys, device, host = spec.keys, device_ids, list(host_ids)
+        if FROM_STORE in host_ids:  # blocks the persistent tier holds: read here, first
+            disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
+            ticket = lifecycle.load([keys[i].hex() for i in disk])
+            names = [self._names(keys[i]) for i in disk]
             self._load_from_store(job, names, [device_ids[i] for i in disk])
             lifecycle.ack(ticket)
-        on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
-        if on_host:
-            ticket = lifecycle.load([spec.keys[i].hex() for i in on_host])
-            self._submit(
-                job, ticket, [device_ids[i] for i in on_host], [host_ids[i] for i in on_host]
-            )
+            on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
+            keys = [spec.keys[i] for i in on_host]
+            device = [device_ids[i] for i in on_host]
+            host = [host_ids[i] for i in on_host]
+        if host:  # the rest (every block, in the common case) from host pages: one chunk
+            self._submit(job, lifecycle.load(_hex_keys(keys, 1, None)), device, host)
         lifecycle.finish(FinishReason.FINISHED)
         return True
 
