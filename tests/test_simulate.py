@@ -49,8 +49,11 @@ def test_kvlife_run_verifies_every_page(layout: str) -> None:
 
 
 def test_kvlife_run_with_faults_loses_nothing() -> None:
-    """Copy and store failures drop pages from the store, never misfile or leak them."""
-    cfg = SimConfig(**SMALL, seed=5, copy_fail_rate=0.2, store_fail_rate=0.2, host_pages=24)
+    """Copy and store failures drop pages from the store, never misfile or leak them.
+
+    8 host pages run out at once whatever the copy thread's pace (24 ran out in most runs
+    and in none in 2 of 10: the test failed in CI)."""
+    cfg = SimConfig(**SMALL, seed=5, copy_fail_rate=0.2, store_fail_rate=0.2, host_pages=8)
     report = run_simulation(cfg)
     assert report.ok, report.violations
     assert report.copy_failures > 0 and report.store_failures > 0
