@@ -16,6 +16,7 @@ pool and loads it back into other blocks, through its copy engine, against a
 contiguous ``copy_`` of the same bytes; interleaved rounds, each in another order, medians.
 
     python bench/vllm_offload.py [--reps 30] [--prompts 32] [--bw-blocks 512] [--bw-rounds 9]
+    python bench/vllm_offload.py --real-only --bw-rounds 11   # the realistic shape alone
 
 Needs vLLM (see docs/vllm.md). The last line is one JSON object.
 """
@@ -38,6 +39,7 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -65,7 +67,7 @@ from kvlife.integrations.vllm import (
     live_workers,
     transfer_config,
 )
-from kvlife.layout import KVLayout
+from kvlife.layout import KVLayout, _rowcopy
 from kvlife.pool import HostPagePool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -360,8 +362,10 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
 
 
 def copy_paths(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dict[str, float]:
-    """The worker layout's two CPU copy paths side by side, each round against a contiguous
-    copy of the same bytes: 16-byte words through one ``index_select`` / ``index_copy_``
+    """The worker layout's CPU copy paths side by side, each round against a contiguous
+    copy of the same bytes: what a job runs (``store_copy``/``load_copy``: streamed through
+    ``kvlife._rowcopy`` when it is built, these jobs being larger than ``STREAM_BYTES``),
+    torch's 16-byte words through one ``index_select`` / ``index_copy_``
     per view (what it uses when the views are 16-byte aligned) and the row loop (numpy
     slice per row for a store, the core's row copies for a load: what it used before), and
     the same words copied in order, nothing scattered (``rows_in_order``: the access
@@ -376,7 +380,11 @@ def copy_paths(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dic
     src_rows = flat_src.view(-1, int(views[0].shape[1])).view(torch.complex128)
     dst_rows = flat_dst.view(-1, int(views[0].shape[1])).view(torch.complex128)
     in_order = torch.arange(src_rows.shape[0])
+    whole = [(0, 0, blocks)]
     paths: dict[str, Any] = {
+        # What a job runs: the layout's copy, streamed when kvlife._rowcopy is built.
+        "store_copy": lambda: layout.gather_runs(src, host, whole),
+        "load_copy": lambda: layout.scatter_runs(dst, host, whole),
         "store_words": lambda: layout._gather_into(src, host),
         "store_rows": lambda: layout._gather_rows(src, host),
         "load_words": lambda: layout._scatter_from(dst, host),
@@ -386,6 +394,20 @@ def copy_paths(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dic
         # in order, contiguous to contiguous (the ceiling a row-wise copy reaches here).
         "rows_in_order": lambda: torch.index_select(src_rows, 0, in_order, out=dst_rows),
     }
+    if _rowcopy is not None:
+        # A contiguous copy streamed as the jobs are (8 MiB pieces over torch's threads):
+        # the same stores with nothing scattered, against torch's copy_.
+        piece = 8 << 20
+        starts = np.arange(0, flat_src.numel(), piece, dtype=np.uint64)
+        pieces = (
+            starts + np.uint64(flat_dst.data_ptr()),
+            starts + np.uint64(flat_src.data_ptr()),
+            np.array([piece], dtype=np.uint64),
+        )
+        if flat_src.numel() % piece == 0:
+            paths["contiguous_streamed"] = lambda: _rowcopy.copy_rows(
+                *pieces, torch.get_num_threads()
+            )
     times: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for r in range(rounds + 1):  # round 0 warms up; each round another order, as above
@@ -407,8 +429,11 @@ def realistic_views(layers: int, layer_block_bytes: int, blocks: int) -> tuple[t
     """Block views of a realistic KV cache, one ``(num_blocks, layer_block_bytes)`` int8
     tensor per layer as vLLM hands them to a worker (e.g. 32 layers x 64 KiB: 16 tokens x
     8 KV heads x head dim 128 x K,V x bf16), with room for two scattered sets of blocks."""
+    # Random bytes, not zeros: an untouched zero tensor's pages all map one zero page, and
+    # a store reading them would read from the cache.
     return tuple(
-        torch.zeros(2 * blocks + 1, layer_block_bytes, dtype=torch.int8) for _ in range(layers)
+        torch.randint(-128, 127, (2 * blocks + 1, layer_block_bytes), dtype=torch.int8)
+        for _ in range(layers)
     )
 
 
@@ -425,6 +450,9 @@ def main() -> None:
         default=256,
         help="blocks per job of the realistic shape (32 layers x 64 KiB); 0: skip it",
     )
+    parser.add_argument(
+        "--real-only", action="store_true", help="the realistic shape alone (no vLLM engine)"
+    )
     args = parser.parse_args()
     # The realistic shape first, before vLLM runs in this process (its engine's threads
     # and memory binding stay, and slow every copy measured after it alike).
@@ -432,7 +460,8 @@ def main() -> None:
     if args.real_blocks:
         views = realistic_views(32, 64 << 10, args.real_blocks)
         real = worker_bandwidth(views, args.real_blocks, max(7, args.bw_rounds))
-        real.update(copy_paths(views, args.real_blocks, max(7, args.bw_rounds)))
+        paths = copy_paths(views, args.real_blocks, max(7, args.bw_rounds))
+        real.update(paths)
         del views
         realistic = {f"real_{k}": v for k, v in real.items()}
         print(
@@ -444,14 +473,13 @@ def main() -> None:
             f"(median of the rounds' ratios: store {real['store_vs_contiguous_per_round']}x, "
             f"load {real['load_vs_contiguous_per_round']}x)"
         )
-        words = {k: real[f"{k}_vs_contiguous"] for k in ("store_words", "store_rows")}
-        words.update({k: real[f"{k}_vs_contiguous"] for k in ("load_words", "load_rows")})
         print(
-            "copy paths (per-round ratios to a contiguous copy): "
-            f"store {words['store_words']}x as 16-byte words, {words['store_rows']}x by rows; "
-            f"load {words['load_words']}x as words, {words['load_rows']}x by rows; "
-            f"the same rows in order, nothing scattered: {real['rows_in_order_vs_contiguous']}x"
+            "copy paths (per-round ratios to a contiguous copy_): "
+            + ", ".join(f"{k.removesuffix('_vs_contiguous')} {v}x" for k, v in paths.items())
         )
+    if args.real_only:
+        print(json.dumps({**realistic, "torch_threads": torch.get_num_threads()}))
+        return
     trace, pages, views = record_trace(args.prompts, args.host_bytes)
     steps = sum(1 for name, _, _ in trace if name == "on_schedule_end")
     counts = {name: sum(1 for n, _, _ in trace if n == name) for name in CALLS}

@@ -21,6 +21,11 @@ import torch
 from kvlife._checks import buffer_spec, device_of, positive_int
 from kvlife.errors import ConfigError
 
+try:
+    from kvlife import _rowcopy
+except ImportError:  # installed where it could not be built: torch's copies alone
+    _rowcopy = None  # type: ignore[assignment]
+
 __all__ = [
     "KVLayout",
     "LayerFirstLayout",
@@ -33,6 +38,9 @@ __all__ = [
 _MIN_RUN = 4
 #: Scattered page rows this large or larger are restored with one ``copy_`` each.
 _BIG_ROW_BYTES = 1 << 20
+#: CPU copies of this many bytes or more go through ``kvlife._rowcopy``: streaming stores
+#: on torch's thread count. Smaller ones stay in the cache and are faster through torch.
+STREAM_BYTES = 32 << 20
 
 
 def staging_windows(
@@ -236,6 +244,8 @@ class KVLayout:
         """Both directions of :meth:`gather_runs` and :meth:`scatter_runs`: they cannot differ."""
         self._check_rows("host", host)
         if host.device == self.device:
+            if self._stream(load, pages, host, runs):
+                return
             for offset, row, length in runs:
                 on_device, on_host = pages[offset : offset + length], host[row : row + length]
                 if load:
@@ -256,6 +266,47 @@ class KVLayout:
                 dst.copy_(src, non_blocking=non_blocking)
             if load:
                 self._scatter_from(pages[lo:hi], staging)
+
+    def _stream(
+        self,
+        load: bool,
+        pages: torch.Tensor,
+        host: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+    ) -> bool:
+        """A CPU copy of ``STREAM_BYTES`` or more: every (page, buffer) row in one call of
+        ``kvlife._rowcopy``, by address, without the GIL, split over torch's thread count,
+        with streaming stores (docs/engines.md). False, nothing copied, when it does not
+        apply; the caller then copies through torch."""
+        n = int(pages.numel())
+        if (
+            _rowcopy is None
+            or self.device.type != "cpu"
+            or n * self.page_nbytes < STREAM_BYTES
+            or host.stride(1) != 1
+        ):
+            return False
+        # Raw addresses: every page and host row is checked here, whatever the caller did.
+        self._check_index(pages)
+        rows = torch.full((n,), -1, dtype=torch.int64)
+        for offset, row, length in runs:
+            if not (0 <= offset <= offset + length <= n and 0 <= row <= row + length <= len(host)):
+                raise ConfigError(
+                    f"host run {(offset, row, length)}: not within {n} pages, {len(host)} host rows"
+                )
+            rows[offset : offset + length] = torch.arange(row, row + length)
+        if sum(length for _, _, length in runs) != n or (n and int(rows.min()) < 0):
+            raise ConfigError(f"host runs {list(runs)} do not cover {n} pages once each")
+        size = self.dtype.itemsize
+        bases = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64)
+        strides = torch.tensor([r.stride(0) * size for r in self._rows], dtype=torch.int64)
+        cols = torch.tensor([c.start * size for _, c in self._blocks], dtype=torch.int64)
+        widths = np.array([int(r.shape[1]) * size for r in self._rows], dtype=np.uint64)
+        on_device = pages.view(-1, 1) * strides + bases
+        on_host = rows.view(-1, 1) * (host.stride(0) * size) + (host.data_ptr() + cols)
+        dst, src = (on_device, on_host) if load else (on_host, on_device)
+        _rowcopy.copy_rows(dst.numpy(), src.numpy(), widths, torch.get_num_threads())
+        return True
 
     def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
         for row, cols in self._blocks:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -255,13 +257,18 @@ def test_issue23_a_device_that_cannot_be_used_is_a_config_error_naming_it(device
 # The CPU restore takes one of three paths; each test runs through all of them:
 # row-wise numpy scatter (scattered pages), one copy_ per consecutive device run,
 # and one copy_ per big row (a page-first page of a real model).
-PATHS = ["rows", "runs", "big_rows"]
+PATHS = ["rows", "runs", "big_rows", "stream"]
 
 
 def restore_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     import kvlife.layout as layout_module
 
-    if path == "runs":
+    monkeypatch.setattr(layout_module, "STREAM_BYTES", 1 << 62)
+    if path == "stream":
+        if layout_module._rowcopy is None:
+            pytest.skip("kvlife._rowcopy is not built (no C compiler at install)")
+        monkeypatch.setattr(layout_module, "STREAM_BYTES", 0)
+    elif path == "runs":
         monkeypatch.setattr(layout_module, "_MIN_RUN", 2)
     elif path == "big_rows":
         monkeypatch.setattr(layout_module, "_BIG_ROW_BYTES", 1)
@@ -418,3 +425,117 @@ def test_the_staged_path_copies_what_the_direct_path_copies(kind: str) -> None:
     assert all(
         torch.equal(bits(a), bits(b)) for a, b in zip(staged_buffers, restored_buffers, strict=True)
     )
+
+
+def test_the_row_copy_extension_is_built_where_a_compiler_is() -> None:
+    """Without it CPU copies still work, through torch, slower: an install that silently
+    lost it is a failure here wherever it could have been built."""
+    import kvlife.layout as layout_module
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: kvlife installs without kvlife._rowcopy")
+    assert layout_module._rowcopy is not None
+
+
+def _rowcopy_or_skip() -> Any:
+    import kvlife.layout as layout_module
+
+    if layout_module._rowcopy is None:
+        pytest.skip("kvlife._rowcopy is not built")
+    return layout_module._rowcopy
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 17])
+def test_row_copies_move_every_byte_at_any_alignment(threads: int) -> None:
+    """Rows of 0 to 300 bytes from and to addresses at every offset mod 16 (the streaming
+    stores need 16-byte aligned targets: the head and tail go by memcpy), on 1 to 17
+    threads (more than rows, more than the C side's cap of 16)."""
+    rowcopy = _rowcopy_or_skip()
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(-128, 127, (8192,), dtype=torch.int8, generator=g)
+    dst = torch.zeros(8192, dtype=torch.int8)
+    widths = [0, 1, 15, 16, 63, 64, 65, 129, 300]
+    sources, targets, expected = [], [], dst.clone()
+    at = 0
+    for i, width in enumerate(widths):
+        s_off, d_off = 7 * i + 1, at + (i % 16)
+        sources.append(src.data_ptr() + s_off)
+        targets.append(dst.data_ptr() + d_off)
+        expected[d_off : d_off + width] = src[s_off : s_off + width]
+        at = d_off + width + 32
+    # Widths are per column (entry i takes width i % len(widths)): one row per column here.
+    rowcopy.copy_rows(
+        np.array(targets, dtype=np.uint64),
+        np.array(sources, dtype=np.uint64),
+        np.array(widths, dtype=np.uint64),
+        threads,
+    )
+    assert torch.equal(dst, expected)
+
+
+def test_row_copies_refuse_mismatched_address_buffers() -> None:
+    rowcopy = _rowcopy_or_skip()
+    two, three = np.zeros(2, dtype=np.uint64), np.zeros(3, dtype=np.uint64)
+    for args in (
+        (two, three, np.ones(1, dtype=np.uint64)),  # dst and src differ in length
+        (three, three, np.ones(2, dtype=np.uint64)),  # not a whole number of rows
+        (two, two, np.zeros(0, dtype=np.uint64)),  # no row widths
+        (b"abc", b"abc", np.ones(1, dtype=np.uint64)),  # not uint64 addresses
+    ):
+        with pytest.raises(ValueError):
+            rowcopy.copy_rows(*args, 2)
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(0, 0, 3), (2, 5, 3)],  # overlapping runs: page 2 has two host rows
+        [(0, 0, 2), (1, 5, 2)],  # overlapping runs leave pages 3 and 4 with none
+        [(0, 0, 4)],  # page 4 has no host row
+        [(0, 6, 5)],  # host rows past the pool's 8
+        [(0, -1, 5)],  # a negative host row
+        [(0, 0, 6)],  # more pages than the chunk's 5
+    ],
+)
+def test_a_streamed_copy_with_bad_runs_is_refused_and_copies_nothing(
+    monkeypatch: pytest.MonkeyPatch, runs: list[tuple[int, int, int]]
+) -> None:
+    """The streamed copy writes by raw address: every run and page is checked first."""
+    _rowcopy_or_skip()
+    restore_path(monkeypatch, "stream")
+    layout = make("layer_first", torch.float32, num_pages=12)
+    fill_random_bits(layout, seed=6)
+    before = snapshot(layout)
+    host = torch.randn(8, layout.page_numel)
+    host_before = host.clone()
+    pages = torch.tensor([1, 3, 5, 7, 9])
+    for copy in (layout.scatter_runs, layout.gather_runs):
+        with pytest.raises(ConfigError):
+            copy(pages, host, runs)
+        assert unchanged(layout, before) and torch.equal(host, host_before)
+    with pytest.raises(ConfigError):  # a page out of range
+        layout.scatter_runs(torch.tensor([1, 3, 5, 7, 12]), host, [(0, 0, 5)])
+    assert unchanged(layout, before)
+
+
+def test_int8_rows_of_odd_widths_at_odd_offsets_stream_bit_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Page rows as a runtime may hand them: int8, odd widths, a storage offset of 3 (no
+    row 16-byte aligned); a round trip through the streamed copy against index_select."""
+    _rowcopy_or_skip()
+    restore_path(monkeypatch, "stream")
+    g = torch.Generator().manual_seed(3)
+    flat = [
+        torch.randint(-128, 127, (3 + 20 * w,), dtype=torch.int8, generator=g) for w in (1, 65, 333)
+    ]
+    rows = [f[3:].view(20, -1) for f in flat]
+    layout = KVLayout(rows, page_size=1)
+    pages = torch.tensor([19, 2, 7, 3, 11])
+    host = torch.zeros(9, layout.page_numel, dtype=torch.int8)
+    layout.gather_runs(pages, host, [(0, 4, 2), (2, 0, 3)])
+    expected = torch.cat([r[pages] for r in rows], dim=1)
+    assert torch.equal(host[4:6], expected[:2]) and torch.equal(host[0:3], expected[2:])
+    targets = torch.tensor([0, 1, 4, 5, 6])
+    layout.scatter_runs(targets, host, [(0, 4, 2), (2, 0, 3)])
+    assert all(torch.equal(r[targets], r[pages]) for r in rows)

@@ -106,11 +106,11 @@ class BlockViewsLayout(KVLayout):
         self._words = _as_words(self._blocks, self.page_numel)
 
     def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
-        """A store's copy on a CPU: each view's rows as 16-byte words, one ``index_select``
-        per view straight into the host page columns (torch's own loop, in C++ and on its
-        threads: 0.9x a contiguous copy of the same bytes for 64 KiB rows, where int8
-        elements are copied one by one at 0.6x); views that are not 16-byte aligned by the
-        rows below."""
+        """A store's copy on a CPU below ``STREAM_BYTES`` (larger ones are streamed by
+        ``KVLayout``): each view's rows as 16-byte words, one ``index_select`` per view
+        straight into the host page columns (torch's own loop, in C++ and on its threads:
+        0.9x a contiguous copy of the same bytes for 64 KiB rows, where int8 elements are
+        copied one by one at 0.6x); views that are not 16-byte aligned by the rows below."""
         words = self._words
         if words is not None and self.device.type == "cpu" and pages.numel():
             host = out.view(_WORD)
@@ -120,8 +120,8 @@ class BlockViewsLayout(KVLayout):
         self._gather_rows(pages, out)
 
     def _scatter_from(self, pages: torch.Tensor, src: torch.Tensor) -> None:
-        """A load's copy on a CPU, as the store's: one ``index_copy_`` of 16-byte words per
-        view (0.9x a contiguous copy; the core's row loop is 0.6x here)."""
+        """A load's copy on a CPU below ``STREAM_BYTES``, as the store's: one ``index_copy_``
+        of 16-byte words per view (0.9x a contiguous copy; the core's row loop is 0.6x)."""
         words = self._words
         if words is not None and self.device.type == "cpu" and pages.numel():
             host = src.view(_WORD)

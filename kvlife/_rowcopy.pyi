@@ -1,0 +1,3 @@
+# Each of dst, src and row_bytes: a contiguous buffer of uint64 (a numpy array, an
+# array.array('Q')); checked in C.
+def copy_rows(dst: object, src: object, row_bytes: object, threads: int, /) -> None: ...
