@@ -72,6 +72,17 @@ def _per_layer(
     return [torch.zeros(shape, dtype=dtype, device=on) for _ in range(num_layers)]
 
 
+def _plain_rows(rows: torch.Tensor) -> bool:
+    """Rows a byte copy by address reads or writes as torch would: contiguous, apart, and
+    no lazy conjugation or negation."""
+    return (
+        rows.stride(1) == 1
+        and rows.stride(0) >= rows.shape[1]
+        and not rows.is_conj()
+        and not rows.is_neg()
+    )
+
+
 class KVLayout:
     """A device KV pool cut into pages; copies whole pages to and from page-major rows.
 
@@ -283,10 +294,13 @@ class KVLayout:
             _rowcopy is None
             or self.device.type != "cpu"
             or n * self.page_nbytes < STREAM_BYTES
-            or host.stride(1) != 1
+            or not _plain_rows(host)
+            or not all(_plain_rows(row) for row in self._rows)
         ):
-            return False
-        # Raw addresses: every page and host row is checked here, whatever the caller did.
+            return False  # torch's paths copy it, or refuse it (overlapping rows) as they do
+        # Raw addresses: every page and host row is checked here, whatever the caller did,
+        # on a private copy of the pages (no other thread can change them once checked).
+        pages, runs = pages.clone(), list(runs)
         self._check_index(pages)
         rows = torch.full((n,), -1, dtype=torch.int64)
         for offset, row, length in runs:

@@ -539,3 +539,26 @@ def test_int8_rows_of_odd_widths_at_odd_offsets_stream_bit_exact(
     targets = torch.tensor([0, 1, 4, 5, 6])
     layout.scatter_runs(targets, host, [(0, 4, 2), (2, 0, 3)])
     assert all(torch.equal(r[targets], r[pages]) for r in rows)
+
+
+def test_rows_a_byte_copy_would_get_wrong_are_left_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Host rows that overlap (an expanded tensor) and a lazily conjugated host are refused
+    as torch's paths refuse them, never copied as raw bytes by the streamed copy."""
+    _rowcopy_or_skip()
+    restore_path(monkeypatch, "stream")
+    layout = make("layer_first", torch.float32, num_pages=12)
+    fill_random_bits(layout, seed=8)
+    before = snapshot(layout)
+    overlapping = torch.zeros(1, layout.page_numel).expand(4, -1)
+    with pytest.raises(RuntimeError):
+        layout.gather_runs(torch.tensor([1, 2, 3, 4]), overlapping, [(0, 0, 4)])
+    assert unchanged(layout, before)
+    rows = [torch.randn(6, 8, dtype=torch.complex64) for _ in range(2)]
+    complex_layout = KVLayout(rows, page_size=1)
+    kept = [r.clone() for r in rows]
+    host = torch.randn(3, complex_layout.page_numel, dtype=torch.complex64)
+    with pytest.raises(RuntimeError):
+        complex_layout.scatter_runs(torch.tensor([5, 0, 2]), host.conj(), [(0, 0, 3)])
+    assert all(torch.equal(a, b) for a, b in zip(rows, kept, strict=True))
