@@ -7,6 +7,9 @@ Docs tooling, not shipped. The docs site shows pictures that need no network
   table) through Graphviz's ``dot``, stamped with the SHA-256 of that dot source
   so ``tests/test_docs_sync.py`` can tell a stale picture without Graphviz;
 * ``table.md`` -- the transition table (:func:`kvlife.diagrams.table_markdown`);
+* ``guards.md`` -- each guard of the table, by what it holds for: every guard
+  evaluated on the nine in-flight classes the table is compiled over
+  (:func:`guards_markdown`), so the docs cannot describe a guard the code lacks;
 * ``race.svg`` -- the reused-rid race, *run*: once against the rid-keyed straw
   man (:class:`rid_keyed_manager.RidKeyedBook`), once against real
   :class:`~kvlife.Lifecycle` objects; every note shows a value observed in that
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rid_keyed_manager import RidKeyedBook
 
 from kvlife import FinishReason, Lifecycle, LifecycleError
+from kvlife._lifecycle import GUARDS, INFLIGHT_CLASSES, TABLE
 from kvlife.diagrams import dot_to_image, lifecycle_dot, lifecycle_mermaid, table_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,6 +248,46 @@ def sequence_svg(participants: dict[str, str], steps: list[Step]) -> str:
     )
 
 
+# ------------------------------------------------------------------ the guards
+
+_COUNT = {0: "0", 1: "1", 2: "2 or more"}
+
+
+def _counts(values: set[int]) -> str:
+    """A set of in-flight classes (0, 1, 2 = "2 or more") in words."""
+    if values == {0, 1, 2}:
+        return "any"
+    if values == {1, 2}:
+        return "1 or more"
+    if values == {0, 1}:
+        return "0 or 1"
+    return " or ".join(_COUNT[v] for v in sorted(values))
+
+
+def guards_markdown() -> str:
+    """Each guard, by the (stores, loads) in flight it holds for, and the rows that use it.
+
+    Evaluated, not written: each guard of :data:`kvlife._lifecycle.GUARDS` is run on the
+    in-flight classes the table is compiled over.
+    """
+    lines = ["| guard | stores in flight | loads in flight | rows |", "|---|---|---|---|"]
+    for name, guard in GUARDS.items():
+        holds = [c for c in INFLIGHT_CLASSES if guard(*c)]
+        stores, loads = {s for s, _ in holds}, {n for _, n in holds}
+        if set(holds) == {(s, n) for s in stores for n in loads}:
+            where = f"{_counts(stores)} | {_counts(loads)}"
+        else:  # not a product of the two counts: list the pairs
+            pairs = ", ".join(f"({s}, {n})" for s, n in holds)
+            where = f"(stores, loads) in {pairs} | (paired with stores)"
+        rows = ", ".join(
+            f"`{r.source.name}` `{r.event.value}` → `{r.dest.name}`"
+            for r in TABLE
+            if r.guard == name
+        )
+        lines.append(f"| `{name}` | {where} | {rows or 'none'} |")
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------ the lifecycle picture
 
 
@@ -298,12 +342,13 @@ def generated_files() -> dict[str, str]:
     return {
         "README.md": _README,
         "table.md": table_markdown(),
+        "guards.md": guards_markdown(),
         "race.svg": sequence_svg(PARTICIPANTS, race_steps()),
     }
 
 
 #: Every file in docs/generated: the ones above and the Graphviz-drawn lifecycle.
-ALL_FILES = ("README.md", "table.md", "race.svg", "lifecycle.svg")
+ALL_FILES = ("README.md", "table.md", "guards.md", "race.svg", "lifecycle.svg")
 
 README_BEGIN = "<!-- generated: kvlife diagram (tests/docs_gen.py) -->"
 README_END = "<!-- end generated -->"
