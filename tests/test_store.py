@@ -619,7 +619,7 @@ def test_writer_killed_mid_page_leaves_no_partial_page(tmp_path: Path) -> None:
         # The half page is on disk, in a temporary file only.
         pages_dir = tmp_path / "model" / "rank0" / "@pages"
         temps = list(pages_dir.rglob("*.tmp"))
-        header = len(frame_page(cut, b""))
+        header = len(frame_page(cut, b"", "model/rank0"))
         assert len(temps) == 1 and temps[0].stat().st_size == header + (1 << 16) * 4 // 2
         proc.send_signal(signal.SIGKILL)
     finally:

@@ -183,20 +183,21 @@ def test_invalid_keys_and_puts_are_refused_before_anything(store: MooncakeStore)
 
 @pytest.mark.parametrize(
     "damage",
-    ["truncated", "flipped", "other_key", "extended", "header_only"],
+    ["truncated", "flipped", "other_key", "other_namespace", "extended", "header_only"],
 )
 def test_damaged_page_is_a_counted_miss_and_the_next_put_replaces_it(
     store: MooncakeStore, damage: str
 ) -> None:
     k, other = key(1, 6), key(2, 6)
     payload = as_bytes(pages_for(1, tag=6)[0])
-    whole = frame_page(k, payload) + payload
+    whole = frame_page(k, payload, store.namespace) + payload
     bad = {
         "truncated": whole[:-100],
         "flipped": whole[:-1] + bytes([whole[-1] ^ 1]),
-        "other_key": frame_page(other, payload) + payload,
+        "other_key": frame_page(other, payload, store.namespace) + payload,
+        "other_namespace": frame_page(k, payload, store.namespace + "x") + payload,
         "extended": whole + b"\0",
-        "header_only": frame_page(k, payload),
+        "header_only": frame_page(k, payload, store.namespace),
     }[damage]
     assert store.client.put(store.object_key(k), bad) == 0
     assert store.get(k) is None
@@ -205,6 +206,30 @@ def test_damaged_page_is_a_counted_miss_and_the_next_put_replaces_it(
     result = put_one(store, [k], pages_for(1, tag=6))
     assert result.ok, result.error  # not a mismatch: the bad page is replaced
     assert store.get(k) == payload
+
+
+def test_issue36_5_an_object_copied_from_another_namespace_is_a_counted_miss(
+    cluster: LocalMooncake, store: MooncakeStore
+) -> None:
+    """Scenario: the object of a page of namespace A is copied, byte for byte, to the same
+    key's object in namespace B. B does not serve it (it is A's KV): a counted miss, and
+    B's put of the key stores B's page; A keeps serving its own."""
+    k = key(1, 11)
+    a_page, b_page = pages_for(1, tag=1), pages_for(1, tag=2)
+    assert put_one(store, [k], a_page).ok
+    copied = store.client.get(store.object_key(k))
+    assert len(copied) > len(as_bytes(a_page[0]))
+    other = MooncakeStore(cluster.master, cluster.metadata, fresh_namespace())
+    try:
+        assert other.client.put(other.object_key(k), copied) == 0
+        assert other.get(k) is None and not other.contains(k)
+        assert other.stats().pages_corrupt == 2
+        result = put_one(other, [k], b_page)
+        assert result.ok, result.error
+        assert other.get(k) == as_bytes(b_page[0])
+        assert store.get(k) == as_bytes(a_page[0])
+    finally:
+        other.close()
 
 
 def test_large_page_read_by_a_new_reader(cluster: LocalMooncake, store: MooncakeStore) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "StoreResult",
     "StoreStats",
     "Written",
+    "check_frame_namespace",
     "check_key",
     "frame_into",
     "frame_page",
@@ -149,12 +150,16 @@ def check_key(key: object) -> str:
 
 #: First bytes of every stored page.
 PAGE_MAGIC = b"KVLP"
-#: Version of the page format; a page of another version is a miss.
-PAGE_VERSION = 1
-# magic, version, key length, payload length, XXH3-64 of the payload (little-endian, no
-# padding); the key's ASCII digits follow, then the payload. Why XXH3 and not CRC32:
-# docs/store-tier.md, "Throughput".
-_HEADER = struct.Struct("<4sBBQQ")
+#: Version of the page format; a page of another version is a miss. Version 1 bound the
+#: key alone, so a page copied or linked into another namespace was served there;
+#: version 2 binds the namespace too, and a version 1 page is a counted miss.
+PAGE_VERSION = 2
+# magic, version, key length, namespace length, payload length, XXH3-64 of the payload
+# (little-endian, no padding); the key's ASCII digits follow, then the namespace's
+# ASCII, then the payload. Why XXH3 and not CRC32: docs/store-tier.md, "Throughput".
+_HEADER = struct.Struct("<4sBBHQQ")
+#: The longest namespace a page header holds (its length field is 16 bits).
+MAX_NAMESPACE_BYTES = 0xFFFF
 _B = TypeVar("_B", bytes, memoryview)
 
 #: The largest page payload a store takes and believes by default (64 MiB: a page of 64
@@ -198,31 +203,53 @@ def same_bytes(held: bytes | memoryview, payload: Payload) -> bool:
     return True
 
 
-def frame_page(key: str, payload: bytes | memoryview | Payload) -> bytes:
-    """The header that precedes ``payload`` when it is stored under ``key``: a stored page
-    is ``frame_page(key, payload) + payload`` (the fields: ``docs/store.md``)."""
+def check_frame_namespace(namespace: object) -> str:
+    """Return ``namespace`` if a page header can hold it (ASCII, at most
+    :data:`MAX_NAMESPACE_BYTES`), else raise ConfigError."""
+    if not isinstance(namespace, str) or not namespace.isascii():
+        raise ConfigError(f"a page namespace must be an ASCII str, got {namespace!r:.60}")
+    if len(namespace) > MAX_NAMESPACE_BYTES:
+        raise ConfigError(
+            f"a page namespace of {len(namespace)} characters is longer than a page header "
+            f"holds ({MAX_NAMESPACE_BYTES})"
+        )
+    return namespace
+
+
+def frame_page(key: str, payload: bytes | memoryview | Payload, namespace: str = "") -> bytes:
+    """The header that precedes ``payload`` when it is stored under ``key`` in
+    ``namespace``: a stored page is ``frame_page(key, payload, namespace) + payload`` (the
+    fields: ``docs/store.md``). It binds the key and the namespace: a page is served only
+    under both."""
     digits = key.encode("ascii")
+    name = namespace.encode("ascii")
     check = _checksum(payload)
     size = payload_nbytes(payload)
-    return _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), size, check) + digits
+    head = _HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(digits), len(name), size, check)
+    return head + digits + name
 
 
-def header_size(key: str) -> int:
-    """Bytes of the header (with the key's digits) that precede the payload of ``key``."""
-    return _HEADER.size + len(key)
+def header_size(key: str, namespace: str = "") -> int:
+    """Bytes of the header (with the key's digits and the namespace) that precede the
+    payload of ``key`` in ``namespace``."""
+    return _HEADER.size + len(key) + len(namespace)
 
 
-def parse_header(key: str, head: bytes | memoryview) -> tuple[int, int] | None:
-    """(payload length, checksum) if ``head`` begins with a header of a page of ``key``
-    (magic, version and key match), else None. Nothing after the header is looked at."""
-    if len(head) < header_size(key):
+def parse_header(key: str, head: bytes | memoryview, namespace: str = "") -> tuple[int, int] | None:
+    """(payload length, checksum) if ``head`` begins with a header of a page of ``key`` in
+    ``namespace`` (magic, version, key and namespace match), else None. Nothing after the
+    header is looked at; a page of another format version is None, never misread."""
+    if len(head) < _HEADER.size:
         return None
-    magic, version, key_len, length, check = _HEADER.unpack_from(head)
+    magic, version, key_len, name_len, length, check = _HEADER.unpack_from(head)
+    if magic != PAGE_MAGIC or version != PAGE_VERSION:
+        return None
+    end = _HEADER.size + key_len + name_len
     if (
-        magic != PAGE_MAGIC
-        or version != PAGE_VERSION
-        or key_len != len(key)
-        or head[_HEADER.size : _HEADER.size + key_len] != key.encode("ascii")
+        key_len != len(key)
+        or name_len != len(namespace)
+        or len(head) < end
+        or bytes(head[_HEADER.size : end]) != (key + namespace).encode("ascii")
     ):
         return None
     return int(length), int(check)
@@ -233,17 +260,21 @@ def checksum_matches(payload: bytes | memoryview | Payload, check: int) -> bool:
     return _checksum(payload) == check
 
 
-def frame_size(key: str, payload_nbytes: int) -> int:
-    """Bytes of the stored page of ``key`` with a payload of ``payload_nbytes`` bytes."""
-    return _HEADER.size + len(key) + payload_nbytes
+def frame_size(key: str, payload_nbytes: int, namespace: str = "") -> int:
+    """Bytes of the stored page of ``key`` in ``namespace`` with a payload of
+    ``payload_nbytes`` bytes."""
+    return header_size(key, namespace) + payload_nbytes
 
 
-def frame_into(out: memoryview, key: str, payload: bytes | memoryview | Payload) -> int:
-    """Write the stored page of ``key`` (``frame_page(key, payload) + payload``) at ``out[0:]``.
+def frame_into(
+    out: memoryview, key: str, payload: bytes | memoryview | Payload, namespace: str = ""
+) -> int:
+    """Write the stored page of ``key`` in ``namespace`` (``frame_page(key, payload,
+    namespace) + payload``) at ``out[0:]``.
 
     One copy of the payload, none of it in intermediate bytes; returns the bytes written.
     """
-    header = frame_page(key, payload)
+    header = frame_page(key, payload, namespace)
     at = len(header)
     out[:at] = header
     for part in payload if isinstance(payload, tuple) else (payload,):
@@ -252,12 +283,12 @@ def frame_into(out: memoryview, key: str, payload: bytes | memoryview | Payload)
     return at
 
 
-def unframe_page(key: str, stored: _B) -> _B | None:
-    """The payload of ``stored`` if it is a whole page of ``key`` (magic, version, key,
-    length and checksum match), else None. A memoryview is checked in place and its
-    payload is a view of it."""
-    fields = parse_header(key, stored)
-    start = header_size(key)
+def unframe_page(key: str, stored: _B, namespace: str = "") -> _B | None:
+    """The payload of ``stored`` if it is a whole page of ``key`` in ``namespace`` (magic,
+    version, key, namespace, length and checksum match), else None. A memoryview is
+    checked in place and its payload is a view of it."""
+    fields = parse_header(key, stored, namespace)
+    start = header_size(key, namespace)
     if fields is None or len(stored) != start + fields[0]:
         return None
     payload = stored[start:]
@@ -469,7 +500,10 @@ class QueuedStore(abc.ABC):
         seed: int = 0,
         name: str = "store",
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+        page_namespace: str = "",
     ) -> None:
+        #: The namespace every page header of this store binds (:func:`frame_page`).
+        self._page_namespace = check_frame_namespace(page_namespace)
         self._fail_rate = _check_rate(fail_rate)
         self._max_page = _check_max_page(max_page_bytes)
         self._rng = random.Random(seed)
@@ -669,11 +703,12 @@ class QueuedStore(abc.ABC):
     # -- internals
 
     def _verify(self, key: str, stored: _B | None, *, count: bool = True) -> _B | None:
-        """The payload of ``stored`` if it is a whole page of ``key``, else None; a stored
-        page failing verification is counted in ``pages_corrupt`` (when ``count``)."""
+        """The payload of ``stored`` if it is a whole page of ``key`` in this store's
+        namespace, else None; a stored page failing verification (another namespace's
+        page among them) is counted in ``pages_corrupt`` (when ``count``)."""
         if stored is None:
             return None
-        payload = unframe_page(key, stored)
+        payload = unframe_page(key, stored, self._page_namespace)
         if payload is None and count:
             self._count("pages_corrupt")
         return payload

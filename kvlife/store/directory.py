@@ -30,6 +30,7 @@ from kvlife.store.base import (
     Written,
     _check_max_page,
     _pieces,
+    check_frame_namespace,
     check_held,
     check_key,
     checksum_matches,
@@ -40,7 +41,7 @@ from kvlife.store.base import (
     payload_nbytes,
 )
 
-__all__ = ["LocalDirectoryStore", "check_namespace"]
+__all__ = ["DEFAULT_MODE", "LocalDirectoryStore", "check_mode", "check_namespace"]
 
 #: Name of the directory that holds a namespace's pages (``@`` is never in a component).
 PAGES_DIR = "@pages"
@@ -59,6 +60,18 @@ _READ_FLAGS = (
     | getattr(os, "O_NONBLOCK", 0)
     | getattr(os, "O_CLOEXEC", 0)
 )
+# How every temporary page file is created: new, never through a symlink, never
+# inherited by a child.
+_WRITE_FLAGS = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+#: Permission bits of page files by default: the owner's alone (KV pages reveal prompts);
+#: the directories the store creates get 0o700 (:func:`directory_mode`).
+DEFAULT_MODE = 0o600
 # preadv takes at most this many buffers in one call (IOV_MAX on Linux).
 _IOV_MAX = 1024
 
@@ -105,9 +118,13 @@ class LocalDirectoryStore(QueuedStore):
         fsync: bool = False,
         clean_temps: bool = True,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+        mode: int = DEFAULT_MODE,
     ) -> None:
         parts = check_namespace(namespace)
-        _check_max_page(max_page_bytes)  # before anything is created
+        check_frame_namespace(namespace)  # before anything is created
+        self._mode = check_mode(mode)
+        self._dir_mode = directory_mode(self._mode)
+        _check_max_page(max_page_bytes)
         self._root = Path(root)
         self._namespace = namespace
         self._directory = self._root.joinpath(*parts, PAGES_DIR)
@@ -125,11 +142,16 @@ class LocalDirectoryStore(QueuedStore):
                 f"paths of up to {longest} bytes; the file system takes {limit - 1} "
                 f"({culprit} is too long)"
             )
-        _make_directories(self._directory)
+        _make_directories(self._directory, self._dir_mode)
+        _tighten(self._directory, self._dir_mode)
         if clean_temps:
             self.clean_stale_temps()
         super().__init__(
-            fail_rate=fail_rate, seed=seed, name="directory-store", max_page_bytes=max_page_bytes
+            fail_rate=fail_rate,
+            seed=seed,
+            name="directory-store",
+            max_page_bytes=max_page_bytes,
+            page_namespace=namespace,
         )
 
     @property
@@ -141,6 +163,12 @@ class LocalDirectoryStore(QueuedStore):
     def namespace(self) -> str:
         """This store's namespace (e.g. model and rank)."""
         return self._namespace
+
+    @property
+    def mode(self) -> int:
+        """The permission bits of every page file this store writes (directories it
+        creates get the same bits, with search where read is given)."""
+        return self._mode
 
     @property
     def directory(self) -> Path:
@@ -174,7 +202,7 @@ class LocalDirectoryStore(QueuedStore):
             return None
         fd, length, check = opened
         try:
-            payload = os.pread(fd, length, header_size(key))
+            payload = os.pread(fd, length, header_size(key, self._namespace))
         except OSError:
             self._count("read_errors")
             return None
@@ -194,7 +222,7 @@ class LocalDirectoryStore(QueuedStore):
             return False
         fd, length, check = opened
         try:
-            done, at = 0, header_size(key)
+            done, at = 0, header_size(key, self._namespace)
             for start in range(0, len(out), _IOV_MAX):
                 done += os.preadv(fd, out[start : start + _IOV_MAX], at + done)
         except OSError:
@@ -226,7 +254,8 @@ class LocalDirectoryStore(QueuedStore):
         try:
             info = os.fstat(fd)
             if stat.S_ISREG(info.st_mode):
-                fields = parse_header(key, os.pread(fd, header_size(key), 0))
+                head = os.pread(fd, header_size(key, self._namespace), 0)
+                fields = parse_header(key, head, self._namespace)
         except OSError:
             os.close(fd)
             self._count("read_errors")
@@ -234,7 +263,7 @@ class LocalDirectoryStore(QueuedStore):
         whole = (
             fields is not None
             and fields[0] <= self.max_page_bytes
-            and info.st_size == header_size(key) + fields[0]
+            and info.st_size == header_size(key, self._namespace) + fields[0]
         )
         if fields is not None and whole and (expect is None or fields[0] == expect):
             return fd, fields[0], fields[1]
@@ -313,11 +342,17 @@ class LocalDirectoryStore(QueuedStore):
                 final = self.path(key)
                 if check_held(key, self._read(final, key), page, kept):
                     continue
-                final.parent.mkdir(exist_ok=True)
+                _make_shard(final.parent, self._dir_mode)
                 temp = _temp_name(final, key)
+                fd = os.open(temp, _WRITE_FLAGS, self._mode)
                 temps[i] = (temp, final)
-                with open(temp, "xb") as file:
-                    file.write(frame_page(key, page))
+                try:  # exactly the store's mode, whatever the umask took away
+                    os.fchmod(fd, self._mode)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                with os.fdopen(fd, "wb") as file:
+                    file.write(frame_page(key, page, self._namespace))
                     for part in page:
                         self._write_page(file, part)
                     if self._fsync:
@@ -382,8 +417,44 @@ class LocalDirectoryStore(QueuedStore):
                 aside.unlink()
 
 
-def _make_directories(directory: Path) -> None:
-    """Create ``directory`` and its missing parents, or none of them.
+def check_mode(mode: object) -> int:
+    """Return ``mode`` if it is permission bits a store's page files can have (0 to 0o777,
+    the owner able to read and write them), else raise ConfigError."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ConfigError(f"mode must be permission bits 0o000 to 0o777, got {mode!r}")
+    if mode & 0o600 != 0o600:
+        raise ConfigError(
+            f"mode {mode:#o} does not let the store's owner read and write its pages (0o600)"
+        )
+    return mode
+
+
+def directory_mode(mode: int) -> int:
+    """The bits of a directory the store creates for page files of ``mode``: the same,
+    with search (x) for whoever may read (0o600 -> 0o700, 0o640 -> 0o750)."""
+    return mode | (mode & 0o444) >> 2
+
+
+def _make_shard(directory: Path, mode: int) -> None:
+    """Create the shard ``directory`` with exactly ``mode`` unless it exists."""
+    try:
+        os.mkdir(directory, mode)
+    except FileExistsError:
+        return
+    os.chmod(directory, mode)
+
+
+def _tighten(directory: Path, mode: int) -> None:
+    """Give the ``@pages`` directory exactly ``mode`` if this user owns it: a store opened
+    on pages an older version (or another mode) left readable makes them this mode's."""
+    with contextlib.suppress(OSError):
+        info = os.stat(directory)
+        if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != mode:
+            os.chmod(directory, mode)
+
+
+def _make_directories(directory: Path, mode: int) -> None:
+    """Create ``directory`` and its missing parents with exactly ``mode``, or none of them.
 
     Raises ConfigError (nothing created) when a parent is a file, or the
     file system refuses (permissions, read-only, name too long).
@@ -394,18 +465,19 @@ def _make_directories(directory: Path) -> None:
         path = directory
         while True:
             try:
-                mode = os.stat(path).st_mode
+                found = os.stat(path).st_mode
             except FileNotFoundError:
                 missing.append(path)
                 path = path.parent
                 continue
-            if not stat.S_ISDIR(mode):
+            if not stat.S_ISDIR(found):
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
             break
         for path in reversed(missing):
             try:
-                os.mkdir(path)
+                os.mkdir(path, mode)
                 created.append(path)
+                os.chmod(path, mode)  # exactly: the umask may have taken bits away
             except FileExistsError:  # another process made it meanwhile: not ours to remove
                 if not path.is_dir():
                     raise

@@ -65,7 +65,7 @@ class MemoryStore(QueuedStore):
         for i, key in enumerate(keys):
             if fault_at == i:
                 raise StoreError(f"injected failure before page {i} of {len(keys)}")
-            framed.append(b"".join((frame_page(key, pages[i]), *pages[i])))
+            framed.append(b"".join((frame_page(key, pages[i], self._page_namespace), *pages[i])))
         if fault_at == len(keys):
             raise StoreError(f"injected failure before committing {len(keys)} pages")
         new: dict[str, bytes] = {}

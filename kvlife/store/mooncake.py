@@ -41,6 +41,7 @@ from kvlife.store.base import (
     Written,
     _copy_into,
     _pieces,
+    check_frame_namespace,
     check_held,
     check_key,
     fault_steps,
@@ -155,6 +156,7 @@ class MooncakeStore(QueuedStore):
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         check_namespace(namespace)
+        check_frame_namespace(namespace)  # before a client is set up
         if not isinstance(master, str) or not master or not isinstance(metadata, str):
             raise ConfigError(
                 f"master must be HOST:PORT and metadata a URL, got {master!r}, {metadata!r}"
@@ -210,7 +212,11 @@ class MooncakeStore(QueuedStore):
         self._known_lock = threading.Lock()
         self._client_closed = False
         super().__init__(
-            fail_rate=fail_rate, seed=seed, name="mooncake-store", max_page_bytes=max_page_bytes
+            fail_rate=fail_rate,
+            seed=seed,
+            name="mooncake-store",
+            max_page_bytes=max_page_bytes,
+            page_namespace=namespace,
         )
 
     @classmethod
@@ -309,7 +315,7 @@ class MooncakeStore(QueuedStore):
 
     def _seen(self, key: str, payload_nbytes: int) -> None:
         """A verified page of ``key`` has ``payload_nbytes``: batched reads make room for it."""
-        self._slot = max(self._slot, frame_size(key, payload_nbytes))
+        self._slot = max(self._slot, frame_size(key, payload_nbytes, self._namespace))
 
     def _read_each(
         self,
@@ -329,7 +335,7 @@ class MooncakeStore(QueuedStore):
         page of this store can be that large, else it is a counted miss.
         """
         if expect is not None:
-            slots = [frame_size(k, n) for k, n in zip(keys, expect, strict=True)]
+            slots = [frame_size(k, n, self._namespace) for k, n in zip(keys, expect, strict=True)]
         else:
             slots = [max(self._slot, 4096)] * len(names)
         offsets = [0]
@@ -357,7 +363,9 @@ class MooncakeStore(QueuedStore):
             return None
         if size < 0:
             raise _error(f"get_size ({call})", size, name)
-        if size > frame_size(key, self.max_page_bytes):  # no page of this store is that large
+        if size > frame_size(
+            key, self.max_page_bytes, self._namespace
+        ):  # no page of this store is that large
             self._count("pages_corrupt")
             return None
         one = _Buffer(self._client, "large read")
@@ -474,7 +482,7 @@ class MooncakeStore(QueuedStore):
         checksum taken from the caller's memory) and put them, batch by batch."""
         if not indices:
             return
-        frame = max(frame_size(keys[i], payload_nbytes(pages[i])) for i in indices)
+        frame = max(frame_size(keys[i], payload_nbytes(pages[i]), self._namespace) for i in indices)
         per_batch = max(1, self._max_batch // frame)
         buffer = self._put_buffer
         buffer.ensure(frame * min(per_batch, len(indices)))
@@ -484,7 +492,7 @@ class MooncakeStore(QueuedStore):
             ptrs, sizes = [], []
             offset = 0
             for i in batch:
-                end = offset + frame_into(view[offset:], keys[i], pages[i])
+                end = offset + frame_into(view[offset:], keys[i], pages[i], self._namespace)
                 ptrs.append(base + offset)
                 sizes.append(end - offset)
                 offset = end
