@@ -26,7 +26,7 @@ import torch
 
 from kvlife.errors import InvalidPut
 from kvlife.store import LocalDirectoryStore, MemoryStore
-from kvlife.store.base import QueuedStore, frame_page
+from kvlife.store.base import QueuedStore, frame_page, parse_header
 
 
 def key(i: int) -> str:
@@ -199,7 +199,7 @@ def test_defect23_2_a_huge_sparse_file_is_not_read(store: LocalDirectoryStore) -
     path.parent.mkdir()
     payload = raw(page(1))
     with open(path, "wb") as f:
-        f.write(frame_page(k, payload) + payload)
+        f.write(frame_page(k, payload, store.namespace) + payload)
         f.truncate(512 << 20)
     misses_reading_little(store, k)
 
@@ -211,8 +211,9 @@ def test_defect23_2_a_header_declaring_a_huge_payload_is_not_believed(
     path = store.path(k)
     path.parent.mkdir()
     payload = raw(page(1))
-    head = bytearray(frame_page(k, payload))
-    head[6:14] = (1 << 62).to_bytes(8, "little")  # the payload length field
+    head = bytearray(frame_page(k, payload, store.namespace))
+    head[8:16] = (1 << 62).to_bytes(8, "little")  # the payload length field
+    assert parse_header(k, head, store.namespace) is not None  # a header of this page
     path.write_bytes(bytes(head) + payload)
     misses_reading_little(store, k)
 
