@@ -68,7 +68,7 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 from kvlife.errors import (
     ConfigError,
@@ -280,24 +280,27 @@ _ON_FINISH = _flat(_rows_of(_NEXT, _FINISH))
 _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
 
 
-#: One submitted chunk, as a plain tuple ``(lifecycle, seq, keys, first_page)``; unpack it.
-#: ``lifecycle`` submitted the chunk (the ack reaches it, never a rid); ``seq`` is the
-#: chunk's number inside it (0, 1, 2, ... in page order); ``keys`` holds the storage key
-#: of each page, in page order; ``first_page`` is the index of the chunk's first page
-#: among the pages that Lifecycle submitted. The engine carries it to the ack. Not a
+#: One submitted chunk, as a plain tuple ``(owner, seq, keys, first_page)``; unpack it.
+#: ``owner`` is whoever the chunk's ack must reach, and only it: the :class:`Lifecycle`
+#: that submitted the chunk (a request life), or a host's own record of one operation (a
+#: vLLM transfer job, an SGLang linker operation), never a rid. ``seq`` is the chunk's
+#: number inside its owner (0, 1, 2, ... in page order); ``keys`` holds the storage key of
+#: each page, in page order (a Lifecycle's are hex digests; a host record's are its own
+#: key type); ``first_page`` is the index of the chunk's first page among the pages that
+#: owner submitted. The engine carries it to the ack and reads only its shape. Not a
 #: NamedTuple: a plain tuple comes from CPython's free list, and a ticket is made on
 #: every submit (docs/benchmarks.md prices the difference).
-Ticket = tuple["Lifecycle", int, tuple[str, ...], int]
+Ticket = tuple[Any, int, tuple[Any, ...], int]
 
 
 def is_ticket(obj: object) -> TypeGuard[Ticket]:
-    """Whether ``obj`` has a chunk :data:`Ticket`'s shape: a plain tuple of a Lifecycle, an
-    int seq, a non-empty tuple of keys and an int first page. Engines and the agreement
-    refuse anything else before they change anything."""
+    """Whether ``obj`` has a chunk :data:`Ticket`'s shape: a plain tuple of an owner (any
+    object but ``None``), an int seq, a non-empty tuple of keys and an int first page.
+    Engines refuse anything else before they change anything."""
     return (
         type(obj) is tuple
         and len(obj) == 4
-        and isinstance(obj[0], Lifecycle)
+        and obj[0] is not None
         and type(obj[1]) is int
         and type(obj[2]) is tuple
         and len(obj[2]) > 0
@@ -317,16 +320,17 @@ def _check_tokens(
 
 class LoadTicket(NamedTuple):
     """One load (host pages copied back into device pages); acked like a chunk, to its own
-    Lifecycle. Loads have their own sequence numbers and never move ``last_hash``. Its first
-    three fields line up with a chunk :data:`Ticket`'s; ``type(t) is LoadTicket`` tells the two
-    apart."""
+    owner. A Lifecycle's loads have their own sequence numbers and never move ``last_hash``.
+    Its first three fields line up with a chunk :data:`Ticket`'s; ``type(t) is LoadTicket``
+    tells the two apart."""
 
-    #: The Lifecycle that started the load.
-    lifecycle: Lifecycle
-    #: Sequence number among this Lifecycle's loads: 0, 1, 2, ...
+    #: Whoever the load's ack must reach: the :class:`Lifecycle` that started it, or a host's
+    #: own record of the operation (see :data:`Ticket`).
+    owner: Any
+    #: Sequence number among the owner's loads: 0, 1, 2, ...
     seq: int
     #: Storage key of each page loaded, in page order.
-    keys: tuple[str, ...]
+    keys: tuple[Any, ...]
 
     @property
     def n_pages(self) -> int:
@@ -623,7 +627,8 @@ class Lifecycle:
         if other:
             raise self._ack_refusal(seq, chunk)
         if not index:  # an equal copy of the oldest chunk's ticket: settle the original
-            return self.ack(chunk)  # type: ignore[arg-type]
+            self.ack(chunk)
+            return None
         dest = self._ack_next_state(_ON_ACK, _ACK)
         # An earlier chunk is still in flight: remember this one's last key (from the
         # ticket it issued, not the copy). That earlier chunk keeps the Lifecycle from
@@ -663,7 +668,7 @@ class Lifecycle:
         return ticket
 
     def _ack_load(self, ticket: LoadTicket) -> None:
-        owner, seq = ticket.lifecycle, ticket.seq
+        owner, seq = ticket.owner, ticket.seq
         if owner is not self:
             raise self._refuse(ForeignAck, _LOAD_ACK, f"load {seq!r} belongs to {owner!r}")
         loads = self._loads or {}

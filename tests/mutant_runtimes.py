@@ -142,8 +142,8 @@ class NewestByRid(OffloadManager):
         return lc
 
     def _apply_ack(self, ack: Ack) -> None:
-        newest = self._newest[ack.lifecycle.rid]._lifecycle
-        if newest is not ack.lifecycle and newest.chunks_in_flight():
+        newest = self._newest[ack.owner.rid]._lifecycle
+        if newest is not ack.owner and newest.chunks_in_flight():
             ack = replace(ack, ticket=newest.chunks_in_flight()[0])  # the bug
         super()._apply_ack(ack)
 
@@ -643,7 +643,7 @@ class DropLateLoadAck(OffloadManager):
     the life never drains and the blocks and the pinned host pages leak for good."""
 
     def _apply_ack(self, ack: Ack) -> None:
-        if ack.is_load and ack.lifecycle.finish_reason is not None:
+        if ack.is_load and ack.owner.finish_reason is not None:
             return  # the bug: "the request is gone, ignore its load"
         super()._apply_ack(ack)
 

@@ -201,7 +201,7 @@ def test_injected_fault_arrives_as_a_failed_ack_and_pages_stay_accounted(
     assert failed.host_pages == tuple(h0) and good.ok
     assert host.num_used == 3 and host.owned_by(t0) == h0  # still accounted, still owned
     for ack in acks:
-        ack.lifecycle.ack(ack.ticket)
+        ack.owner.ack(ack.ticket)
         host.free(ack.host_pages, ack.ticket)
     assert host.num_used == 0 and lc.state is State.IDLE and lc.inflight == 0
 
@@ -261,11 +261,11 @@ def test_acks_move_only_their_own_lifecycle_even_out_of_order(
     while engine.inflight > 1:  # chunk 1 and the old life's chunk complete; chunk 0 is held
         for ack in engine.poll():
             assert ack.ticket in (t1, other)
-            ack.lifecycle.ack(ack.ticket)
+            ack.owner.ack(ack.ticket)
     assert new.inflight == 1 and new.last_hash is None and old.inflight == 0
     gate.open()
     (ack,) = engine.drain()
-    assert ack.ticket is t0 and ack.lifecycle is new
+    assert ack.ticket is t0 and ack.owner is new
     new.ack(ack.ticket)
     assert new.last_hash == t1[2][-1] and new.state is State.IDLE
 
@@ -292,7 +292,7 @@ def test_poll_never_blocks_and_returns_each_ack_once(
     assert engine.inflight == 0 and engine.poll() == [] and engine.drain() == []
     for a in seen:
         assert a.submitted_at <= a.completed_at
-        assert a.device_pages == (a.seq,) and a.lifecycle is lc
+        assert a.device_pages == (a.seq,) and a.owner is lc
 
 
 def test_drain_timeout_keeps_everything_for_later(engines: Callable[..., CpuCopyEngine]) -> None:
@@ -321,7 +321,7 @@ def test_ack_is_frozen_and_says_what_it_is(engines: Callable[..., CpuCopyEngine]
     assert pages is not None
     engine.submit(t, [4], pages)
     (ack,) = engine.drain()
-    assert (ack.lifecycle, ack.seq, ack.ok, ack.device_pages) == (lc, 0, True, (4,))
+    assert (ack.owner, ack.seq, ack.ok, ack.device_pages) == (lc, 0, True, (4,))
     assert ack.keys == t[2] and not ack.is_load
     with pytest.raises(dataclasses.FrozenInstanceError):
         ack.error = None  # type: ignore[misc]
@@ -373,7 +373,7 @@ def test_every_refusal_leaves_engine_and_pool_unchanged(
         (ticket, [2, 3], [1, 2], HOST_BUSY),
         ("not a ticket", [2, 3], mine, NOT_A_TICKET),
         (ticket[:3], [2, 3], mine, NOT_A_TICKET),  # a Ticket is a 4-tuple
-        (("x", 1, ticket[2], 0), [2, 3], mine, NOT_A_TICKET),  # of a Lifecycle, ...
+        ((None, 1, ticket[2], 0), [2, 3], mine, NOT_A_TICKET),  # of an owner, ...
         ((lc, "1", ticket[2], 0), [2, 3], mine, NOT_A_TICKET),  # ... an int seq, ...
         ((*ticket[:2], list(ticket[2]), ticket[3]), [2, 3], mine, NOT_A_TICKET),  # keys: a tuple
     ]
@@ -576,7 +576,7 @@ def test_store_then_load_into_other_device_pages_is_bit_exact(
     ticket_in = load(lc, 6)
     engine.submit(ticket_in, loaded_into, host_pages)
     (ack,) = engine.drain()
-    assert ack.ok and ack.is_load and ack.ticket is ticket_in and ack.lifecycle is lc
+    assert ack.ok and ack.is_load and ack.ticket is ticket_in and ack.owner is lc
     assert ack.device_pages == tuple(loaded_into) and ack.host_pages == tuple(host_pages)
     lc.ack(ack.ticket)
     assert lc.state is State.IDLE and lc.inflight == 0
@@ -631,7 +631,7 @@ def test_a_failed_load_is_an_ack_with_its_error(engines: Callable[..., CpuCopyEn
     assert "load 1" in str(second.error)
     assert device_unchanged(layout, before) and engine.copy_errors == 0
     for ack in (first, second):
-        ack.lifecycle.ack(ack.ticket)
+        ack.owner.ack(ack.ticket)
         host.free(ack.host_pages, ack.ticket)
     assert lc.inflight == 0 and host.num_used == 0
     # the pages are free again for the next load
@@ -694,14 +694,14 @@ def test_loads_and_stores_in_flight_at_once_copy_right(
     assert sum(ack.is_load for ack in acks) == 2
     for ack in acks:
         if ack.is_load:
-            pages, rows = loaded_rows[ack.lifecycle.rid]
+            pages, rows = loaded_rows[ack.owner.rid]
             assert ack.device_pages == tuple(pages)
             for d, h in zip(pages, rows, strict=True):
                 assert torch.equal(layout.read_page(d), host.page(h))
         else:
             for d, h in zip(ack.device_pages, ack.host_pages, strict=True):
                 assert torch.equal(bits(host.page(h)), bits(originals[d]))
-        ack.lifecycle.ack(ack.ticket)
+        ack.owner.ack(ack.ticket)
     assert a.inflight == b.inflight == 0 and engine.inflight == 0
 
 
@@ -812,3 +812,31 @@ def test_every_load_refusal_leaves_engine_pool_and_device_unchanged(
     # acked: every page is free for any direction again
     engine.check([2], [2], load=True)
     engine.check([1, 2], [2, 1])
+
+
+def test_a_ticket_of_any_owner_is_copied_and_acked_to_that_owner(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """Scenario: a host whose unit of work is not a request life (a vLLM transfer job)
+    submits a store and a load under its own small record, with its own key type (bytes).
+    The engine copies both and each ack carries that record: no Lifecycle is made for an
+    operation, and the bytes land where they belong."""
+    layout, host, engine = setup(engines)
+
+    class Job:  # a host's record: no Lifecycle, no state machine
+        pass
+
+    job = Job()
+    pages = host.alloc(2, job)
+    assert pages is not None
+    engine.submit((job, 0, (b"k0", b"k1"), 0), [3, 5], pages)
+    (stored,) = engine.drain()
+    assert stored.owner is job and stored.ok and not stored.is_load
+    assert stored.keys == (b"k0", b"k1")
+    expected = torch.stack([layout.read_page(3), layout.read_page(5)])
+    assert torch.equal(host.tensor[pages], expected)
+    engine.submit(LoadTicket(job, 0, (b"k0", b"k1")), [6, 7], pages)
+    (loaded,) = engine.drain()
+    assert loaded.owner is job and loaded.ok and loaded.is_load
+    assert torch.equal(layout.read_page(6), expected[0])
+    assert torch.equal(layout.read_page(7), expected[1])

@@ -132,7 +132,7 @@ def test_acks_in_order_and_poll_returns_each_once() -> None:
     assert [a.ticket for a in acks] == tickets
     assert engine.poll() == [] and engine.inflight == 0
     for a in acks:
-        a.lifecycle.ack(a.ticket)
+        a.owner.ack(a.ticket)
     assert lc.last_hash == tickets[-1][2][-1]
 
 

@@ -63,8 +63,8 @@ class _LoadAckByRid(Lifecycle):
 
     def ack(self, ticket: Any) -> None:
         target = _LoadAckByRid.newest[self.rid]
-        if isinstance(ticket, LoadTicket) and target is not ticket.lifecycle:
-            ticket = ticket._replace(lifecycle=target)
+        if isinstance(ticket, LoadTicket) and target is not ticket.owner:
+            ticket = ticket._replace(owner=target)
             target._loads[ticket.seq] = ticket
             Lifecycle.ack(target, ticket)
             return
@@ -107,7 +107,7 @@ def late_load_ack_after_rid_reuse(cls: type[Lifecycle]) -> None:
     old.finish(FinishReason.ABORTED)
     new = cls("r", page_size=PAGE, on_release=released.append)
     new_load = new.load(["k9"])
-    load.lifecycle.ack(load)
+    load.owner.ack(load)
     assert released == [old], "the late load ack did not release its own life"
     assert new.inflight == 1 and new.state is State.LOADING
     assert new.loads_in_flight() == (new_load,)

@@ -1,10 +1,11 @@
 """What every copy engine shares: the ack, the engine protocol, and chunk validation.
 
-A copy engine copies a *chunk* (whole device pages of one Lifecycle) into host
-pages of a :class:`~kvlife.pool.HostPagePool` (a store, :data:`~kvlife.Ticket`)
-or back (a load, :class:`~kvlife.LoadTicket`), asynchronously, and later reports
-its :class:`Ack`. The ack carries the ticket, and the ticket its Lifecycle: a
-late ack can only reach the life that submitted it. One thread (the
+A copy engine copies a *chunk* (whole device pages) into host pages of a
+:class:`~kvlife.pool.HostPagePool` (a store, :data:`~kvlife.Ticket`) or back (a
+load, :class:`~kvlife.LoadTicket`), asynchronously, and later reports its
+:class:`Ack`. The ack carries the ticket, and the ticket its owner (a request's
+Lifecycle, or a host's own record of one operation): a late ack can only reach
+the owner that submitted it. The engine reads a ticket's shape, never its owner. One thread (the
 scheduler's) drives an engine; the runtime leaves a chunk's device pages alone
 until its ack. The engine calls, the refusals (:class:`~kvlife.errors.EngineError`
 and its subclasses) and what copies in flight may share: ``docs/engines.md``.
@@ -15,11 +16,11 @@ from __future__ import annotations
 import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket, is_ticket
+from kvlife._lifecycle import LoadTicket, Ticket, is_ticket
 from kvlife.errors import ConfigError, EngineClosed, EngineError, PageBusy, UnallocatedHostPage
 
 if TYPE_CHECKING:
@@ -36,9 +37,9 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Ack:
-    """One chunk's completion: its ticket (hence its Lifecycle), its pages, success or error."""
+    """One chunk's completion: its ticket (hence its owner), its pages, success or error."""
 
-    #: The chunk's ticket; its Lifecycle (``ticket[0]``) is the only one this ack may move.
+    #: The chunk's ticket; its owner (``ticket[0]``) is the only one this ack may move.
     #: A :class:`~kvlife.LoadTicket` for a load (host -> device).
     ticket: Ticket | LoadTicket
     #: Device pages of the chunk in page order: read by a store, written by a load.
@@ -55,17 +56,17 @@ class Ack:
     completed_at: float = 0.0
 
     @property
-    def lifecycle(self) -> Lifecycle:
-        """The Lifecycle that submitted the chunk."""
+    def owner(self) -> Any:
+        """Who submitted the chunk: a request's Lifecycle, or a host's record of one operation."""
         return self.ticket[0]
 
     @property
     def seq(self) -> int:
-        """The chunk's sequence number inside its Lifecycle."""
+        """The chunk's sequence number inside its owner."""
         return self.ticket[1]
 
     @property
-    def keys(self) -> tuple[str, ...]:
+    def keys(self) -> tuple[Any, ...]:
         """The storage key of each page of the chunk, in page order."""
         return self.ticket[2]
 
@@ -176,7 +177,7 @@ class PageCopyEngine:
             if not load and not is_ticket(ticket):
                 raise EngineError(
                     f"expected a Ticket or a LoadTicket, got {ticket!r:.80}; a Ticket is the "
-                    f"tuple (lifecycle, seq, keys, first_page)"
+                    f"tuple (owner, seq, keys, first_page)"
                 )
             n = len(ticket[2])
             if len(device_pages) != n or len(host_pages) != n:

@@ -40,7 +40,8 @@ class ScriptedCopy:
     @property
     def lifecycle(self) -> Lifecycle:
         """The Lifecycle that submitted the chunk."""
-        return self.ticket[0]
+        owner: Lifecycle = self.ticket[0]
+        return owner
 
     def __repr__(self) -> str:
         return (

@@ -316,7 +316,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def _collect(self, acks: Iterable[Ack]) -> None:
         """Ack each engine ack to its job's Lifecycle (never looked up by job id)."""
         for ack in acks:
-            job = self._by_life.get(ack.lifecycle)
+            job = self._by_life.get(ack.owner)
             if job is None:  # every ticket the engine holds is a job's: never raise in vLLM
                 self._error_once("unknown_acks", repr(ack.ticket))
                 continue
@@ -332,7 +332,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                     self._store.put(job.job_id, names, rows)
                 except StoreError as exc:
                     self._error_once("store_put_refused", repr(exc))
-            ack.lifecycle.ack(ack.ticket)
+            ack.owner.ack(ack.ticket)
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, **kwargs: Any
