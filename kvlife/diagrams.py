@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 
-from kvlife._lifecycle import TABLE, State
+from kvlife._lifecycle import TABLE, State, Transition
 from kvlife.errors import ConfigError, KVLifeError, MissingDependency
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "lifecycle_dot",
     "lifecycle_mermaid",
     "render",
+    "row_label",
     "table_markdown",
 ]
 
@@ -77,21 +78,41 @@ def lifecycle_mermaid() -> str:
     return "\n".join(lines) + "\n"
 
 
+def row_label(row: Transition) -> str:
+    """A row as the diagrams draw it: ``event`` or ``event [guard]``."""
+    return row.event.value + (f" [{row.guard}]" if row.guard else "")
+
+
+#: States whose self-loop is drawn on their west side: top to bottom, OFFLOADING's east
+#: side takes the arc from LOADING (submit), which would cross the loop's label there.
+_WEST_LOOPS = frozenset({State.OFFLOADING})
+
+
 def lifecycle_dot() -> str:
-    """The lifecycle state diagram as Graphviz dot source, written from the table."""
+    """The lifecycle state diagram as Graphviz dot source, written from the table.
+
+    Drawn to be read at a docs page's width: top to bottom (five states side by side are
+    too wide), and one arc per (source, dest) pair, so a state's self-loop carries one
+    label that lists its rows, one per line, instead of a loop and a label per row.
+    """
     terminal = _terminal()
     lines = [
         f'digraph "{TITLE}" {{',
-        "  rankdir=LR;",
+        "  rankdir=TB;",
         '  node [shape=box, style="rounded,filled", fillcolor=white, fontname=Helvetica];',
-        "  edge [fontname=Helvetica, fontsize=10];",
+        "  edge [fontname=Helvetica, fontsize=11];",
         '  __start [shape=point, label=""];',
     ]
     lines += [f"  {s.name}" + (" [peripheries=2];" if s in terminal else ";") for s in State]
     lines.append(f"  __start -> {State.IDLE.name};")
+    arcs: dict[tuple[State, State], list[str]] = {}
     for row in TABLE:
-        label = row.event.value + (f" [{row.guard}]" if row.guard else "")
-        lines.append(f'  {row.source.name} -> {row.dest.name} [label="{label}"];')
+        arcs.setdefault((row.source, row.dest), []).append(row_label(row))
+    for (source, dest), labels in arcs.items():
+        # Several rows: one line each, left-justified (dot's "\l" ends a line).
+        label = labels[0] if len(labels) == 1 else "".join(f"{lab}\\l" for lab in labels)
+        ports = "tailport=w, headport=w, " if source is dest and source in _WEST_LOOPS else ""
+        lines.append(f'  {source.name} -> {dest.name} [{ports}label="{label}"];')
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -17,6 +17,7 @@ from kvlife.diagrams import (
     dot_to_image,
     lifecycle_dot,
     lifecycle_mermaid,
+    row_label,
     table_markdown,
 )
 from kvlife.errors import KVLifeError, MissingDependency
@@ -50,8 +51,11 @@ def test_lifecycle_mermaid_has_every_row_and_nothing_else(tmp_path: Path) -> Non
 def test_lifecycle_dot_has_every_row() -> None:
     text = lifecycle_dot()
     assert text.lstrip().startswith("digraph")
+    arcs = {line.split(" [", 1)[0].strip(): line for line in text.splitlines() if " -> " in line}
     for row in TABLE:
-        assert f"{row.source.name} -> {row.dest.name}" in text
+        arc = arcs[f"{row.source.name} -> {row.dest.name}"]  # one arc per pair of states
+        lines = arc.split('label="', 1)[1].split('"', 1)[0].split("\\l")
+        assert row_label(row) in lines, f"row {row} is not on its arc's label"
     for state in State:
         assert state.name in text
 

@@ -14,6 +14,8 @@ import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import docs_gen
 
 from kvlife import TABLE, State
+from kvlife.diagrams import lifecycle_dot, row_label
 
 ROOT = docs_gen.ROOT
 GENERATED = docs_gen.GENERATED
@@ -47,11 +50,149 @@ def test_lifecycle_svg_is_drawn_from_the_table_the_code_runs() -> None:
     for state in State:
         assert f">{state.name}</text>" in svg
     for row in TABLE:
-        label = row.event.value + (f" [{row.guard}]" if row.guard else "")
-        assert f">{label}</text>" in svg, label
+        assert f">{row_label(row)}</text>" in svg, row_label(row)
     drawn_by = docs_gen.graphviz_version(svg)
     if drawn_by is not None and drawn_by == docs_gen.installed_graphviz_version():
         assert svg == docs_gen.lifecycle_svg(), f"run: {FIX}"
+
+
+# ------------------------------------------------------------------ readable at the docs' width
+
+#: The docs' content column, in CSS px: mkdocs-material's 61rem grid (20 px a rem) less
+#: its two 12.1rem sidebars and the content's 1.2rem margins, on a desktop screen. An
+#: image wider than this is scaled down to it.
+DOCS_WIDTH_PX = 688
+#: The smallest label size, in CSS px, the page may show (its body text is 16 px).
+MIN_LABEL_PX = 12.0
+
+_SVG = "{http://www.w3.org/2000/svg}"
+#: Helvetica/Arial advance widths, in thousandths of an em, of the characters the labels
+#: use that are not 556 (lowercase and digits) or about 700 (capitals).
+_ADVANCE = (
+    dict.fromkeys(" !'[].,:;|ftI", 278)
+    | dict.fromkeys("ijl", 222)
+    | dict.fromkeys("r()-", 333)
+    | dict.fromkeys("ckvsxyz", 500)
+    | {"m": 833, "w": 722, "M": 833, "W": 944}
+)
+
+Box = tuple[float, float, float, float]  # x0, y0, x1, y1
+
+
+def _text_width(text: str, size: float) -> float:
+    return size / 1000 * sum(_ADVANCE.get(c, 700 if c.isupper() else 556) for c in text)
+
+
+def _points(text: str) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in re.findall(r"(-?[\d.]+),(-?[\d.]+)", text)]
+
+
+def _curve(points: list[tuple[float, float]], steps: int = 24) -> list[tuple[float, float]]:
+    """Points along a path of cubic Bezier segments (Graphviz's ``M p C p p p p p p ...``)."""
+    out = points[:1]
+    for i in range(1, len(points) - 2, 3):
+        p0, p1, p2, p3 = points[i - 1 : i + 3]
+        for k in range(1, steps + 1):
+            t = k / steps
+            u = 1 - t
+            out.append(
+                (
+                    u**3 * p0[0] + 3 * u * u * t * p1[0] + 3 * u * t * t * p2[0] + t**3 * p3[0],
+                    u**3 * p0[1] + 3 * u * u * t * p1[1] + 3 * u * t * t * p2[1] + t**3 * p3[1],
+                )
+            )
+    return out
+
+
+def svg_layout(
+    svg: str,
+) -> tuple[list[tuple[str, float, Box]], list[Box], list[list[tuple[float, float]]]]:
+    """A Graphviz SVG's arc labels (text, font size, box), states (boxes) and arcs (points)."""
+    root = ET.fromstring(svg[svg.index("<svg") :])
+    labels: list[tuple[str, float, Box]] = []
+    states: list[Box] = []
+    arcs: list[list[tuple[float, float]]] = []
+    for group in root.iter(f"{_SVG}g"):
+        kind = group.get("class")
+        if kind == "edge":
+            for text in group.iter(f"{_SVG}text"):
+                size, x, y = (float(text.get(a, "0")) for a in ("font-size", "x", "y"))
+                width = _text_width(text.text or "", size)
+                anchor = text.get("text-anchor", "start")
+                x0 = {"start": x, "middle": x - width / 2, "end": x - width}[anchor]
+                labels.append(
+                    (text.text or "", size, (x0, y - 0.75 * size, x0 + width, y + 0.2 * size))
+                )
+            arcs += [_curve(_points(p.get("d", ""))) for p in group.iter(f"{_SVG}path")]
+            arcs += [_points(p.get("points", "")) for p in group.iter(f"{_SVG}polygon")]
+        elif kind == "node":
+            for shape in [*group.iter(f"{_SVG}path"), *group.iter(f"{_SVG}polygon")]:
+                if shape.get("fill") not in (None, "none"):
+                    pts = _points(shape.get("d") or shape.get("points") or "")
+                    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                    states.append((min(xs), min(ys), max(xs), max(ys)))
+    return labels, states, arcs
+
+
+def svg_overlaps(svg: str, margin: float = 1.0) -> list[str]:
+    """Where an arc label of a Graphviz SVG meets another label, a state or an arc."""
+    labels, states, arcs = svg_layout(svg)
+
+    def meet(a: Box, b: Box) -> bool:
+        return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+    def inside(p: tuple[float, float], b: Box) -> bool:
+        return b[0] + margin < p[0] < b[2] - margin and b[1] + margin < p[1] < b[3] - margin
+
+    found = []
+    for i, (text, _, box) in enumerate(labels):
+        found += [f"{text!r} overlaps {other!r}" for other, _, o in labels[i + 1 :] if meet(box, o)]
+        found += [f"{text!r} overlaps a state" for state in states if meet(box, state)]
+        if any(inside(p, box) for arc in arcs for p in arc):
+            found.append(f"an arc crosses {text!r}")
+    return found
+
+
+def smallest_label_px(svg: str, page_px: float = DOCS_WIDTH_PX) -> float:
+    """The smallest arc label's size in CSS px when the SVG is shown at most ``page_px`` wide."""
+    found = re.search(r'<svg width="([\d.]+)pt"', svg)
+    assert found, "lifecycle.svg has no width in pt"
+    natural_px = float(found.group(1)) * 4 / 3
+    scale = min(1.0, page_px / natural_px)
+    return min(size for _, size, _ in svg_layout(svg)[0]) * 4 / 3 * scale
+
+
+def test_lifecycle_dot_draws_one_arc_and_one_label_per_pair_of_states() -> None:
+    """A self-loop per row put four labels on OFFLOADING's loops; now each pair of states
+    has one arc whose label lists its rows, one per line."""
+    arcs = Counter(re.findall(r"^  (\w+) -> (\w+)\b", lifecycle_dot(), re.MULTILINE))
+    assert arcs == Counter(
+        {(r.source.name, r.dest.name): 1 for r in TABLE} | {("__start", "IDLE"): 1}
+    )
+
+
+def test_lifecycle_svg_is_readable_at_the_docs_width() -> None:
+    """At the docs' content width, every arc label is at least 12 px and meets no other
+    label, no state and no arc (boxes from Helvetica's widths; no Graphviz needed)."""
+    svg = (GENERATED / "lifecycle.svg").read_text(encoding="utf-8")
+    assert smallest_label_px(svg) >= MIN_LABEL_PX, f"labels too small at {DOCS_WIDTH_PX} px"
+    assert svg_overlaps(svg) == []
+
+
+def test_the_overlap_check_sees_an_overlap() -> None:
+    """Two labels drawn on one spot, and an arc through a label, are found."""
+    svg = (
+        '<svg width="100pt" height="50pt" xmlns="http://www.w3.org/2000/svg"><g class="edge">'
+        '<path fill="none" d="M0,-5C20,-5 40,-5 60,-5"/>'
+        '<text text-anchor="middle" x="30" y="-2" font-size="11.00">load</text>'
+        '<text text-anchor="middle" x="32" y="-3" font-size="11.00">submit</text></g></svg>'
+    )
+    assert svg_overlaps(svg) == [
+        "'load' overlaps 'submit'",
+        "an arc crosses 'load'",
+        "an arc crosses 'submit'",
+    ]
+    assert smallest_label_px(svg) == pytest.approx(11 * 4 / 3)
 
 
 def test_no_stale_files_in_generated() -> None:
