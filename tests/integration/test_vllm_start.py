@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import socket
 import struct
 import time
 import uuid
@@ -26,8 +28,9 @@ pytest.importorskip(
 
 import torch
 
+from kvlife.errors import ConfigError
 from kvlife.integrations.vllm import KVLifeOffloadingSpec
-from kvlife.integrations.vllm._common import shared_pool_path
+from kvlife.integrations.vllm._common import _SHARED_POOLS, create_shared_pool, shared_pool_path
 
 pytestmark = pytest.mark.vllm
 
@@ -158,3 +161,88 @@ def test_a_checkpoint_kvlife_cannot_find_is_a_warning_naming_model_id(
         KVLifeOffloadingSpec(offloading_config("no-such-org/no-such-model", model_id="v1"))
     (record,) = [r for r in caplog.records if "no checkpoint" in r.getMessage()]
     assert "set model_id" in record.getMessage()
+
+
+# ---------------------------------------------------------- a failed start leaks nothing
+
+
+def test_a_store_dir_under_a_file_is_refused_before_the_host_tier_is_allocated(
+    tmp_path: Path,
+) -> None:
+    """Scenario: ``store_dir`` names a path under a regular file. Before, the spec took it;
+    the worker created and reserved its shared host tier in /dev/shm (host_bytes of RAM),
+    then the store raised ConfigError and the file stayed there."""
+    (tmp_path / "FILE").write_text("not a directory")
+    value = str(tmp_path / "FILE" / "kv")
+    config = offloading_config(store_dir=value)
+    with pytest.raises(ConfigError) as caught:
+        KVLifeOffloadingSpec(config).get_worker(kv_caches())
+    assert worker_pool_files(config) == [], "a failed start left its host tier in /dev/shm"
+    assert f"['store_dir'] = {value!r}" in str(caught.value), caught.value
+    assert f"{config.engine_id}/0" not in _SHARED_POOLS
+
+
+def test_a_store_dir_spoiled_before_the_worker_starts_leaks_no_host_tier(
+    tmp_path: Path,
+) -> None:
+    """Scenario: the spec checked ``store_dir``, then it became unusable (replaced by a
+    file) before vLLM asked for the worker. Before, ``get_worker`` allocated the shared host
+    tier first and the store's ConfigError left it in /dev/shm. A good start beforehand
+    shows that a worker with a store does make that file."""
+    store = tmp_path / "kv"
+    good = offloading_config(store_dir=str(store))
+    worker = KVLifeOffloadingSpec(good).get_worker(kv_caches())
+    assert len(worker_pool_files(good)) == 1  # the shared host tier, in /dev/shm
+    worker.shutdown()
+    assert worker_pool_files(good) == []
+
+    config = offloading_config(store_dir=str(store))
+    spec = KVLifeOffloadingSpec(config)  # the directory is fine now
+    import shutil
+
+    shutil.rmtree(store)
+    store.write_text("a file now")
+    with pytest.raises(ConfigError):
+        spec.get_worker(kv_caches())
+    assert worker_pool_files(config) == [], "a failed start left its host tier in /dev/shm"
+    assert f"{config.engine_id}/0" not in _SHARED_POOLS
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_mooncake_master_leaks_no_host_tier() -> None:
+    """Scenario: ``store="mooncake"`` with a master that is not running. Before, the worker
+    reserved its shared host tier in /dev/shm, then the Mooncake client's setup failed and
+    the file stayed."""
+    pytest.importorskip("mooncake.store", reason="Mooncake's client is not installed")
+    from kvlife.errors import StoreError
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    config = offloading_config(
+        store="mooncake",
+        mooncake_master=f"127.0.0.1:{_closed_port()}",
+        mooncake_metadata="P2PHANDSHAKE",
+    )
+    with pytest.raises(StoreError, match="is the master running"):
+        KVLifeOffloadingSpec(config).get_worker(kv_caches())
+    assert worker_pool_files(config) == [], "a failed start left its host tier in /dev/shm"
+    assert f"{config.engine_id}/0" not in _SHARED_POOLS
+
+
+def test_a_scheduler_whose_store_fails_unlinks_every_worker_pool(tmp_path: Path) -> None:
+    """Scenario (vLLM's multiprocess layout): the worker (a child process, played here by
+    this process) shared its host tier; the scheduler's store then fails to open. No
+    process will map the worker's file any more: it goes with the failed start."""
+    store = tmp_path / "kv"
+    config = offloading_config(store_dir=str(store))
+    spec = KVLifeOffloadingSpec(config)
+    path = shared_pool_path(spec._engine, os.getpid(), 0)  # the worker's, for this process
+    assert create_shared_pool(path, spec.capacity, spec.page_bytes) is not None
+    store.write_text("a file now")
+    with pytest.raises(ConfigError):
+        spec.get_manager()
+    assert not os.path.exists(path)

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,9 @@ from kvlife.integrations.vllm._common import (
     create_shared_pool,
     pin_shared_pool,
     shared_pool_path,
+    shut_down,
     unlink_quietly,
+    unpin_shared_pool,
 )
 from kvlife.integrations.vllm.metrics import METRICS
 from kvlife.integrations.vllm.scheduler import KVLifeOffloadingManager
@@ -74,8 +76,9 @@ def _memory_bytes() -> int | None:
 
 
 def _directory(extra: Mapping[str, Any], key: str, *, probe: bool) -> str | None:
-    """A directory key: None, or a non-empty path (``probe``: created and written now, so an
-    unwritable one fails at start, not at shutdown)."""
+    """A directory key: None, or a non-empty path that can be written (``probe``: created
+    and written now, so an unwritable one fails at start, not at shutdown; otherwise
+    checked without creating anything: :func:`_check_writable`)."""
     value = extra.get(key)
     if value is None:
         return None
@@ -91,7 +94,26 @@ def _directory(extra: Mapping[str, Any], key: str, *, probe: bool) -> str | None
                 pass
         except OSError as exc:
             raise _bad(key, value, f"cannot be written ({exc.strerror or exc})") from None
+    else:
+        _check_writable(key, value, path)
     return path
+
+
+def _check_writable(key: str, value: object, path: str) -> None:
+    """Refuse a directory that cannot be made or written, creating nothing: the path is a
+    directory, or its nearest existing parent is one; either takes a file (an unnamed one,
+    gone when closed, so nothing is left there). The store makes the rest, with its mode."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is not a directory" if existing == os.path.abspath(path) else "is under a file"
+        raise _bad(key, value, f"{where} ({existing!r})")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise _bad(key, value, f"cannot be written ({exc.strerror or exc})") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,40 +298,66 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            # One process: the worker built the pool first; allocate from that same memory.
-            pool: HostPagePool | None = None
-            rank_pools: list[HostPagePool] = []
-            built = _SHARED_POOLS.get(self._pool_key)
-            if built is not None and built[0].capacity == self.capacity:
-                del _SHARED_POOLS[self._pool_key]
-                pool = built[0]
-                unlink_quietly(built[1] or "")  # mapped here already: the name may go
-            if pool is None:  # multiprocess: every rank's worker shared its pool's memory
-                shared = self._attach_workers()
-                if shared is not None:
-                    pool, rank_pools = (
-                        shared[self._rank],
-                        shared[: self._rank] + shared[self._rank + 1 :],
-                    )
-            holds_bytes = pool is not None
-            if pool is None:  # page indices here, the bytes in the worker processes
-                pool = HostPagePool(self.capacity, 1, torch.int8, pin_memory=False)
-            self._manager = KVLifeOffloadingManager(
-                pool,
-                strict=self.strict,
-                disk=self._open_store(),
-                report_dir=self.report_dir,
-                pending_timeout=self.settings.pending_timeout,
-                holds_bytes=holds_bytes,
-                other_ranks=[
-                    store
-                    for ns in self.rank_namespaces
-                    if ns != self.namespace and (store := self._open_store(ns)) is not None
-                ],
-                rank_pools=rank_pools,
-                page_bytes=self.page_bytes,
-            )
+            # The persistent tier first: an unusable one (a store_dir that cannot be made, an
+            # unreachable Mooncake master) is refused before a pool is taken or mapped, and
+            # every worker's shared pool is unlinked (no process maps it any more).
+            stores: list[PersistentTier] = []
+            try:
+                disk = self._open_store()
+                stores += [disk] if disk is not None else []
+                for ns in self.rank_namespaces:
+                    if ns != self.namespace and (store := self._open_store(ns)) is not None:
+                        stores.append(store)
+                self._manager = self._build_manager(disk, stores[1:] if disk else stores)
+            except BaseException:
+                steps = [(f"close {s.namespace}", s.close) for s in stores]
+                steps.append(("unlink", self._unlink_shared))
+                shut_down("manager start", steps)
+                raise
         return self._manager
+
+    def _build_manager(
+        self, disk: PersistentTier | None, others: list[PersistentTier]
+    ) -> KVLifeOffloadingManager:
+        # One process: the worker built the pool first; allocate from that same memory.
+        pool: HostPagePool | None = None
+        rank_pools: list[HostPagePool] = []
+        built = _SHARED_POOLS.get(self._pool_key)
+        if built is not None and built[0].capacity == self.capacity:
+            del _SHARED_POOLS[self._pool_key]
+            pool = built[0]
+            unlink_quietly(built[1] or "")  # mapped here already: the name may go
+        if pool is None:  # multiprocess: every rank's worker shared its pool's memory
+            shared = self._attach_workers()
+            if shared is not None:
+                pool, rank_pools = (
+                    shared[self._rank],
+                    shared[: self._rank] + shared[self._rank + 1 :],
+                )
+        holds_bytes = pool is not None
+        if pool is None:  # page indices here, the bytes in the worker processes
+            pool = HostPagePool(self.capacity, 1, torch.int8, pin_memory=False)
+        return KVLifeOffloadingManager(
+            pool,
+            strict=self.strict,
+            disk=disk,
+            report_dir=self.report_dir,
+            pending_timeout=self.settings.pending_timeout,
+            holds_bytes=holds_bytes,
+            other_ranks=others,
+            rank_pools=rank_pools,
+            page_bytes=self.page_bytes,
+        )
+
+    def _unlink_shared(self) -> None:
+        """Remove the names of the shared pools this engine's workers made for this process
+        (a failed start: nobody maps them now; mappings already made stay valid)."""
+        built = _SHARED_POOLS.get(self._pool_key)
+        if built is not None:
+            unlink_quietly(built[1] or "")
+        if self._has_store():
+            for r in range(self._world_size):
+                unlink_quietly(shared_pool_path(self._engine, os.getpid(), r))
 
     def _has_store(self) -> bool:
         return self.settings.store == "mooncake" or self.store_dir is not None
@@ -336,30 +384,60 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         if self._worker is None:
             views = _block_views(kv_caches)
             row = sum(int(view.shape[1]) for view in views)
-            pool, shared_path, pinned = None, None, None
-            device = views[0].device.type
-            if self._has_store() and device in ("cpu", "cuda"):
-                # Shared with the scheduler process, so it promotes persistent-tier pages
-                # into host memory itself; for a KV cache on CUDA, page-locked as well.
-                shared_path = shared_pool_path(self._engine, os.getppid(), self._rank)
-                pool = create_shared_pool(shared_path, self.capacity, row)
-                if pool is not None and device == "cuda":
-                    pinned = pin_shared_pool(pool)
-                    if pinned is None:
-                        unlink_quietly(shared_path)
-                        pool = None
-            if pool is None:
-                pool, shared_path = HostPagePool(self.capacity, row, torch.int8), None
-            _SHARED_POOLS[self._pool_key] = (pool, shared_path)
-            self._worker = KVLifeWorker(
-                kv_caches,
-                pool,
-                store=self._open_store(),
-                report_dir=self.report_dir,
-                strict=self.strict,
-                pool_key=self._pool_key,
-                tokens_per_block=self.tokens_per_block[0],
-                shared_path=shared_path,
-                pinned=pinned or (),
-            )
+            # The persistent tier first: an unusable one (a store_dir that cannot be made, an
+            # unreachable Mooncake master) is refused before the host tier is allocated.
+            store = self._open_store()
+            pool: HostPagePool | None = None
+            shared_path: str | None = None
+            pinned: list[int] | None = None
+            try:
+                device = views[0].device.type
+                if store is not None and device in ("cpu", "cuda"):
+                    # Shared with the scheduler process, so it promotes persistent-tier pages
+                    # into host memory itself; for a KV cache on CUDA, page-locked as well.
+                    shared_path = shared_pool_path(self._engine, os.getppid(), self._rank)
+                    pool = create_shared_pool(shared_path, self.capacity, row)
+                    if pool is not None and device == "cuda":
+                        pinned = pin_shared_pool(pool)
+                        if pinned is None:
+                            unlink_quietly(shared_path)
+                            pool = None
+                if pool is None:
+                    pool, shared_path = HostPagePool(self.capacity, row, torch.int8), None
+                _SHARED_POOLS[self._pool_key] = (pool, shared_path)
+                self._worker = KVLifeWorker(
+                    kv_caches,
+                    pool,
+                    store=store,
+                    report_dir=self.report_dir,
+                    strict=self.strict,
+                    pool_key=self._pool_key,
+                    tokens_per_block=self.tokens_per_block[0],
+                    shared_path=shared_path,
+                    pinned=pinned or (),
+                )
+            except BaseException:  # a failed start leaves nothing: no name, lock or entry
+                self._abandon_worker(store, pool, shared_path, pinned or [])
+                raise
         return self._worker
+
+    def _abandon_worker(
+        self,
+        store: PersistentTier | None,
+        pool: HostPagePool | None,
+        shared_path: str | None,
+        pinned: list[int],
+    ) -> None:
+        def unshare() -> None:
+            built = _SHARED_POOLS.get(self._pool_key)
+            if built is not None and built[0] is pool:
+                del _SHARED_POOLS[self._pool_key]
+
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("unpin", lambda: unpin_shared_pool(pinned)),
+            ("unlink", lambda: unlink_quietly(shared_path or "")),
+            ("unshare", unshare),
+        ]
+        if store is not None:
+            steps.append(("store_close", store.close))
+        shut_down("worker start", steps)
