@@ -83,6 +83,28 @@ def _plain_rows(rows: torch.Tensor) -> bool:
     )
 
 
+def _check_live(what: str, tensor: torch.Tensor) -> None:
+    """ConfigError unless every element of ``tensor`` lies inside its storage as it is
+    now: a buffer whose storage was released or shrunk after the layout was built
+    (``untyped_storage().resize_(0)``) keeps its shape and strides, and a copy by address
+    would read or write memory it no longer owns (torch's own copies check it and raise)."""
+    if tensor.numel() == 0:
+        return
+    storage = tensor.untyped_storage()
+    start, held = storage.data_ptr(), storage.nbytes()
+    size = tensor.element_size()
+    first = tensor.data_ptr()
+    extent = (
+        sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True)) + 1
+    ) * size
+    if held == 0 or first < start or first + extent > start + held:
+        raise ConfigError(
+            f"{what} {tuple(tensor.shape)} needs {extent} bytes at offset {first - start} of "
+            f"its storage, which holds {held}: its storage was released or shrunk "
+            "(untyped_storage().resize_); nothing was copied"
+        )
+
+
 class KVLayout:
     """A device KV pool cut into pages; copies whole pages to and from page-major rows.
 
@@ -299,7 +321,11 @@ class KVLayout:
         ):
             return False  # torch's paths copy it, or refuse it (overlapping rows) as they do
         # Raw addresses: every page and host row is checked here, whatever the caller did,
-        # on a private copy of the pages (no other thread can change them once checked).
+        # on a private copy of the pages (no other thread can change them once checked),
+        # and every buffer and the host pool lie inside their storage as it is now.
+        for i, buffer in enumerate(self._rows):
+            _check_live(f"KV buffer {i}", buffer)
+        _check_live("the host pool", host)
         pages, runs = pages.clone(), list(runs)
         self._check_index(pages)
         rows = torch.full((n,), -1, dtype=torch.int64)

@@ -562,3 +562,85 @@ def test_rows_a_byte_copy_would_get_wrong_are_left_to_torch(
     with pytest.raises(RuntimeError):
         complex_layout.scatter_runs(torch.tensor([5, 0, 2]), host.conj(), [(0, 0, 3)])
     assert all(torch.equal(a, b) for a, b in zip(rows, kept, strict=True))
+
+
+def _in_a_child(call: Any, timeout: float = 30.0) -> tuple[int, str]:
+    """Run ``call()`` (returning a str) in a forked child process, so a crash kills the
+    child, not pytest: the child's wait status and what ``call`` returned or raised."""
+    import os
+    import select
+    import signal
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running pytest's teardown
+        try:
+            os.close(read)
+            torch.set_num_threads(1)  # the parent's OpenMP pool is not in the child
+            try:
+                said = call()
+            except BaseException as exc:  # reported to the parent
+                said = f"raised {type(exc).__name__}: {exc}"
+            os.write(write, said.encode()[:60000])
+        finally:
+            os._exit(0)
+    os.close(write)
+    chunks = []
+    try:
+        while select.select([read], [], [], timeout)[0]:
+            chunk = os.read(read, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(read)
+    _, status = os.waitpid(pid, 0)
+    return status, b"".join(chunks).decode()
+
+
+@pytest.mark.parametrize("released", ["kv_buffer", "host", "host_shrunk"])
+def test_issue36_8_a_streamed_copy_of_released_storage_is_refused_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, released: str
+) -> None:
+    """Scenario: a KV buffer's (or the host pool's) storage is released after the layout
+    was built (``untyped_storage().resize_(0)``, or shrunk to half), then a CPU copy runs
+    both ways through the C row copy (the path of copies of ``STREAM_BYTES`` and more,
+    taken here by small ones too). The old code copied by address into freed memory and
+    the process died of SIGSEGV; now each copy is a ConfigError and no live byte changes.
+    Run in a forked child, so the old crash fails this test instead of killing pytest."""
+    import os
+
+    restore_path(monkeypatch, "stream")
+    layout = make("layer_first", torch.float32, num_pages=12)
+    fill_random_bits(layout, seed=9)
+    host = torch.randn(12, layout.page_numel)
+    pages = torch.tensor([11, 0, 7, 3, 5, 9, 1, 2])
+    before, host_before = snapshot(layout), host.clone()
+
+    def copies() -> str:
+        live = list(range(len(before)))
+        if released == "kv_buffer":
+            layout.buffers()[1].untyped_storage().resize_(0)
+            live.remove(1)
+        elif released == "host":
+            host.untyped_storage().resize_(0)
+        else:
+            host.untyped_storage().resize_(host.untyped_storage().nbytes() // 2)
+        said = []
+        for copy in (layout.gather_runs, layout.scatter_runs):
+            try:
+                copy(pages, host, [(0, 4, 8)])
+                said.append("copied")
+            except ConfigError as exc:
+                said.append("refused" if "released or shrunk" in str(exc) else str(exc))
+            same = all(torch.equal(bits(layout.buffers()[i]), bits(before[i])) for i in live)
+            if released == "kv_buffer":
+                same = same and torch.equal(host, host_before)
+            said.append("unchanged" if same else "changed")
+        return " ".join(said)
+
+    status, said = _in_a_child(copies)
+    assert os.WIFEXITED(status), f"the copy killed its process (status {status:#x}): {said}"
+    assert said == "refused unchanged refused unchanged", said
