@@ -467,3 +467,38 @@ class DecodeScheduler:
         while req.kit_written < whole:
             self.device.write(req.kit_pages[req.kit_written], req.kit_keys[req.kit_written])
             req.kit_written += 1
+
+
+def refuse_writes(controller: CpuCacheController, calls: set[int]) -> list[int]:
+    """Make ``controller.write`` answer ``None`` at its ``calls``-th calls (1 is the first), as
+    SGLang's ``HiCacheController.write`` does when its host pool's ``alloc`` finds no pages:
+    nothing allocated, nothing queued. Returns the node ids refused, appended as they are."""
+    write = controller.write
+    refused: list[int] = []
+    made = [0]
+
+    def refusing(
+        device_indices: torch.Tensor,
+        priority: int | None = None,
+        node_id: int = -1,
+        extra_pools: object = None,
+    ) -> torch.Tensor | None:
+        made[0] += 1
+        if made[0] in calls:
+            refused.append(node_id)
+            return None
+        return write(device_indices, priority, node_id, extra_pools)
+
+    controller.write = refusing  # type: ignore[method-assign]
+    return refused
+
+
+def reachable_pages(controller: CpuCacheController, keys: Sequence[str]) -> int:
+    """How many of ``keys`` (a request's page keys, in page order) a prefix lookup finds
+    stored: the leading run of them the store holds."""
+    n = 0
+    for key in keys:
+        if controller.store.get(key) is None:
+            break
+        n += 1
+    return n

@@ -114,7 +114,7 @@ def test_37026_a_late_ack_of_the_old_request_leaves_the_new_one_alone() -> None:
     sched.close()
     assert [r.request for r in sched.device.releases] == [old, new]
     assert sched.device.allocated() == 0 and sched.host.num_used == 0
-    assert stored_ok(sched) == 6 and sched.mgr.refusals == {}
+    assert stored_ok(sched) == 6 and sched.mgr.refusals.total == 0
 
 
 def test_retraction_with_a_copy_in_flight_is_safe_not_refused() -> None:
@@ -145,7 +145,7 @@ def test_retraction_with_a_copy_in_flight_is_safe_not_refused() -> None:
     sched.close()
     assert [r.request for r in sched.device.releases] == [req, req]
     assert sched.device.allocated() == 0 and sched.host.num_used == 0
-    assert sched.mgr.refusals == {}
+    assert sched.mgr.refusals.total == 0
 
 
 def test_sglangs_own_drain_refuses_while_it_tracks_a_copy() -> None:
@@ -177,7 +177,7 @@ def test_a_refusal_is_counted_not_raised_unless_strict() -> None:
     # The finished life's release waits for its ack; one more offload of it is refused.
     req.finished_reason = None
     assert sched.mgr.offload_kv_cache(req) is False
-    assert sched.mgr.refusals["offload"] == 1
+    assert sched.mgr.refusals.count("offload") == 1
     strict = DecodeScheduler(strict=True)
     other = strict.start("r", [1, 2, 3])
     assert strict.step(other, [4, 5, 6, 7])
@@ -188,6 +188,50 @@ def test_a_refusal_is_counted_not_raised_unless_strict() -> None:
     for s in (sched, strict):
         s.close()
         assert s.device.allocated() == 0
+
+
+def test_defect36_3_a_refused_write_leaves_the_chunk_to_be_offered_again() -> None:
+    """Scenario: a request (one prompt page, stored by the prefill side) decodes 7 pages, one
+    token a step, offloaded in chunks of 2 pages (page 2, stride 4). The cache controller
+    refuses the write of the first chunk (``write`` returns ``None``: no host pages). SGLang's
+    own manager submits nothing and offers that chunk again, grown, at the next step. kvlife's
+    acked the refused chunk as copied and moved past it, so every later page chained onto a
+    page that was never stored: a prefix lookup found none of them. Now the refused write
+    changes nothing (the life, the copies, the host and device pages as before) and both
+    managers, on the same calls, store the same pages, all reachable by prefix."""
+    from sglang_stubs import reachable_pages, refuse_writes
+
+    stored, reachable = [], []
+    for kvlife in (False, True):
+        sched = DecodeScheduler(kvlife=kvlife, page_size=2, stride=4, host_pages=8, strict=False)
+        refused = refuse_writes(sched.cc, {1})
+        req = sched.start("r", [1, 2, 3])  # KV of [1, 2]: one prompt page
+        for t in (4, 5, 6):
+            assert not sched.step(req, [t])  # nothing due; kvlife's life exists from here
+        if kvlife:
+            mgr, life = sched.mgr, life_of(sched, req)
+            before = life.snapshot()
+        assert not sched.step(req, [7])  # 4 tokens due: the write is refused
+        assert refused == [1]
+        if kvlife:
+            assert life_of(sched, req) is life and life.snapshot() == before
+            assert not mgr.ongoing_offload and not mgr._tickets and not mgr._pins
+            assert sched.host.num_used == 0 and sched.device.releases == []
+            assert mgr.writes_refused == 1 and mgr.refusals.total == 0
+        assert sched.step(req, [8])  # due again: 4 tokens of 5, the same first page
+        for t in range(9, 18):
+            sched.step(req, [t])
+            sched.poll()
+        sched.finish(req)
+        sched.close()
+        assert sched.device.allocated() == 0 and sched.host.num_used == 0
+        decoded = req.kit_keys[1:]  # the pages after the prompt's, in page order
+        assert len(decoded) == 7
+        stored.append(sorted(sched.cc.store.keys()))
+        reachable.append(reachable_pages(sched.cc, decoded))
+        assert stored_ok(sched) == len(stored[-1])
+    assert reachable == [6, 6]  # SGLang's, kvlife's: every stored page by prefix
+    assert stored[0] == stored[1]
 
 
 # ----------------------------------------------------------------------------- the kit

@@ -34,7 +34,7 @@ import torch.distributed as dist
 sglang_stubs.install()
 pytest.importorskip("sglang.srt.disaggregation.decode_kvcache_offload_manager")
 
-from sglang_stubs import DecodeScheduler  # noqa: E402
+from sglang_stubs import DecodeScheduler, refuse_writes  # noqa: E402
 
 from kvlife import State  # noqa: E402
 from kvlife.errors import GroupBroken  # noqa: E402
@@ -231,7 +231,8 @@ def workload(rank: int, mutant: str) -> dict[str, Any]:
             cc.store.get(k) == page_bytes_of(k, sched.layout.page_nbytes)
             for k in cc.store.keys()  # noqa: SIM118 (a store, not a dict)
         ),
-        refusals=dict(mgr.refusals),
+        refusals=mgr.refusals.snapshot(),
+        host_pool_exhausted=mgr.host_pool_exhausted,
         lives=lives,
         released=mgr.released,
         leaks={
@@ -297,6 +298,70 @@ def retraction_after_skew(rank: int, kvlife: bool) -> dict[str, Any]:
     return out
 
 
+def refused_write_on_one_rank(rank: int) -> dict[str, Any]:
+    """Rank 0's cache controller refuses two writes (``write`` returns ``None``: no host
+    pages) that rank 1's takes: b's first chunk, then a later chunk of b just before b is
+    retracted. The same scheduler calls on both ranks."""
+    sched = DecodeScheduler(
+        page_size=PAGE,
+        stride=STRIDE,
+        host_pages=8,
+        device_pages=64,
+        tp_group=dist.group.WORLD,
+        tp_world_size=WORLD,
+        strict=False,  # as inside SGLang
+    )
+    mgr, cc = sched.mgr, sched.cc
+    refused = refuse_writes(cc, {2, 5}) if rank == 0 else []
+    tl = Timeline(sched)
+    out: dict[str, Any] = {"offloaded": []}
+    offloaded = out["offloaded"]
+    try:
+        a = tl.run(sched.start, "a", [1, 2, 3])
+        b = tl.run(sched.start, "b", [11, 12, 13])
+        offloaded.append(tl.run(sched.step, a, [4, 5, 6, 7]))  # write 1
+        offloaded.append(tl.run(sched.step, b, [14, 15, 16, 17]))  # write 2: refused on rank 0
+        out["b_first_chunk"] = list(b.kit_keys[1:3])
+        out["after_refusal"] = [sched.host.num_used, mgr.has_inflight_device_transfer()]
+        tl.run(sched.poll)  # the group fails b's chunk on both ranks
+        out["after_poll"] = [sched.host.num_used, mgr.chunks_failed]
+        offloaded.append(tl.run(sched.step, b, [18]))  # write 3: b's chunk again, 4 tokens of 5
+        offloaded.append(tl.run(sched.step, a, [8, 9, 10, 11]))  # write 4
+        tl.run(sched.poll)
+        offloaded.append(tl.run(sched.step, b, [19, 20, 21, 22]))  # write 5: refused on rank 0
+        tl.run(sched.retract, b)  # its row's free waits for the group's verdict on both ranks
+        out["held_at_retraction"] = mgr.deferred_frees
+        tl.run(sched.resume, b, sched.tokens(b))
+        tl.run(sched.poll)  # failed on both ranks: the held free runs at this call on both
+        offloaded.append(tl.run(sched.step, b, [23, 24, 25, 26]))  # write 6
+        tl.run(sched.finish, a)
+        tl.run(sched.finish, b)
+        tl.run(sched.poll)
+        tl.run(sched.close)
+    except Exception as exc:
+        out["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        with contextlib.suppress(Exception):
+            sched.engine.close()
+    out.update(
+        refused_here=refused,
+        writes_refused=mgr.writes_refused,
+        chunks_failed=mgr.chunks_failed,
+        applied=tl.applied,
+        frees=tl.frees,
+        admits=tl.admits,
+        stored=sorted(cc.store.keys()),
+        stored_ok=all(
+            cc.store.get(k) == page_bytes_of(k, sched.layout.page_nbytes)
+            for k in cc.store.keys()  # noqa: SIM118 (a store, not a dict)
+        ),
+        refusals=mgr.refusals.snapshot(),
+        host_pool_exhausted=mgr.host_pool_exhausted,
+        released=mgr.released,
+        leaks=[sched.device.allocated(), sched.host.num_used, len(mgr._pins), unreleased(sched)],
+    )
+    return out
+
+
 def ranks_main(rank: int, world: int, port: int, out_dir: str, mutants: list[str]) -> None:
     """One rank: each workload in turn (the clean one, then the seeded bugs), one gloo group;
     then the retraction after skewed host pools, on SGLang's manager and on kvlife's."""
@@ -310,6 +375,8 @@ def ranks_main(rank: int, world: int, port: int, out_dir: str, mutants: list[str
         for kvlife in (False, True):
             dist.barrier()
             result[f"skew_kvlife={kvlife}"] = retraction_after_skew(rank, kvlife)
+        dist.barrier()
+        result["refused_write"] = refused_write_on_one_rank(rank)
     except Exception:
         result["error"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -320,7 +387,7 @@ def ranks_main(rank: int, world: int, port: int, out_dir: str, mutants: list[str
 # ---------------------------------------------------------------- the comparison (here)
 
 
-AGREED = ("applied", "frees", "stored", "refusals", "released")
+AGREED = ("applied", "frees", "stored", "refusals", "host_pool_exhausted", "released")
 
 
 def divergence(r0: dict[str, Any], r1: dict[str, Any]) -> list[str]:
@@ -342,7 +409,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     assert codes == [0] * WORLD, (codes, results)
     for r in results:
         assert r is not None and "error" not in r, r
-    names = [*MUTANTS, "skew_kvlife=False", "skew_kvlife=True"]
+    names = [*MUTANTS, "skew_kvlife=False", "skew_kvlife=True", "refused_write"]
     return {m: [r[m] for r in results if r is not None] for m in names}
 
 
@@ -371,14 +438,14 @@ def test_ranks_apply_the_same_acks_free_the_same_pages_and_leak_nothing(
     assert r0["frees"][0] == r1["frees"][0] and r0["frees"][0][1] == "a"
     assert divergence(r0, r1) == []
     # Host admission was agreed, and it mattered: rank 0 alone would have admitted more.
-    assert r0["refusals"].get("host_pool_exhausted", 0) > 0
+    assert r0["host_pool_exhausted"] > 0
     assert any(not ok and here >= pages for _, pages, ok, here in r0["admits"])
     assert len(r0["applied"]) > 15
     for r in (r0, r1):
         assert r["stored_ok"] and len(r["stored"]) > 30
         assert r["leaks"] == {k: 0 for k in r["leaks"]}, r["leaks"]
         assert r["released"] == r["lives"]  # each life released once, the retracted one too
-        assert set(r["refusals"]) <= {"host_pool_exhausted"}
+        assert r["refusals"] == {}
 
 
 def test_local_admission_is_caught_as_a_divergence_on_every_rank(
@@ -429,3 +496,34 @@ def test_sglangs_drain_refuses_after_skewed_host_pools_and_kvlifes_retracts(
         assert k["refused"] is None and k["leaks"] == [0, 0, 0]
         assert k["released"] == 2  # b, and a's retracted life, though a never came back
     assert k0["stored"] == k1["stored"] and len(k0["stored"]) == 6
+
+
+def test_defect36_2_a_write_refused_on_one_rank_breaks_no_rank(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Scenario: at TP=2 rank 0's cache controller refuses the write of b's first chunk
+    (``write`` returns ``None``), which rank 1's takes. kvlife acked it at once on rank 0 and
+    never told the agreement, so rank 1 reported a chunk rank 0 never submitted, and the next
+    progress check raised ``GroupBroken`` into SGLang's scheduler on both ranks. Now every rank
+    submits the chunk and answers True; the check fails it on both ranks (rank 1's host pages
+    go back unwritten) and b offers it again at its next step, with the same keys, on both.
+    A second refusal on rank 0 comes just before b is retracted: the retraction's free of b's
+    row waits for the group's verdict on both ranks (rank 0 has no copy) and runs at the same
+    call. The ranks apply, free, admit and store alike, every page of b's first chunk is
+    stored, and nothing leaks."""
+    r0, r1 = runs["refused_write"]
+    for r in (r0, r1):
+        assert "error" not in r, r["error"]
+    assert r0["refused_here"] == [2, 5] and r1["refused_here"] == []
+    assert [r0["writes_refused"], r1["writes_refused"]] == [2, 0]
+    assert r0["offloaded"] == r1["offloaded"] == [True] * 6
+    assert r0["after_refusal"] == [2, True] and r1["after_refusal"] == [4, True]
+    assert r0["after_poll"] == r1["after_poll"] == [0, 1]  # a's backed up, b's given back
+    assert r0["held_at_retraction"] == r1["held_at_retraction"] == 1
+    assert divergence(r0, r1) == []
+    assert r0["chunks_failed"] == r1["chunks_failed"] == 2
+    for r in (r0, r1):
+        assert r["refusals"] == {} and r["stored_ok"]
+        assert set(r["b_first_chunk"]) <= set(r["stored"])  # offered again, stored
+        assert r["leaks"] == [0, 0, 0, 0], r["leaks"]
+    assert [f[1] for f in r0["frees"]] == ["b", "a", "b"]  # the retracted row, then at finish

@@ -17,8 +17,11 @@ the per-request bookkeeping:
   retraction SGLang's scheduler runs next frees the request's row, and the retracted life
   keeps its pages until its acks. The retracted life ends ``RETRACTED`` and the resumed
   request gets a new life whose hash chain continues where the old one's pages end;
+* a write SGLang's cache controller refuses (``write`` returns ``None``: no host pages) leaves
+  the chunk to be offered again, as SGLang's manager does: at one rank nothing was submitted;
 * with more than one rank, the chunk admission (host pages free on every rank) and the acks
-  applied are the same on every rank.
+  applied are the same on every rank; a write refused on one rank only is a chunk every rank
+  submitted and the whole group fails at the next progress check, then offers again.
 
 Switch it on in the launcher, before SGLang builds its scheduler (in the scheduler process)::
 
@@ -30,8 +33,10 @@ the only name SGLang's scheduler constructs the decode offload manager by (with
 docs/sglang.md.
 
 Inside SGLang a kvlife refusal (:class:`~kvlife.errors.KVLifeError`) never reaches the
-scheduler: it is counted in ``refusals`` and logged, and the call answers as SGLang's would
-for a request it cannot offload (``False``); ``strict=True`` raises it instead (for tests).
+scheduler: kvlife's one refusal policy (:class:`~kvlife.refusals.Refusals`, in ``refusals``)
+counts it and logs its kind once, and the call answers as SGLang's would for a request it
+cannot offload (``False``); ``strict=True`` raises it instead (for tests). A full host pool is
+no refusal: it is counted (``host_pool_exhausted``, ``writes_refused``) and never raised.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +53,7 @@ from kvlife._lifecycle import FinishReason, Lifecycle, State, Ticket
 from kvlife.engine.base import Ack
 from kvlife.errors import ConfigError, KVLifeError, ManagerError
 from kvlife.hashing import sglang_page_hashes
+from kvlife.refusals import Refusals
 
 __all__ = ["decode_manager_class", "install", "uninstall"]  # and KVLifeDecodeOffloadManager
 
@@ -150,8 +155,14 @@ class _KVLifeDecodeOffload:
 
     def _init_kvlife(self, *, strict: bool) -> None:
         self.strict = strict
-        #: Refusals by kind, counted (and logged) instead of raised into SGLang.
-        self.refusals: Counter[str] = Counter()
+        #: Refusals by kind: counted, logged once per kind, raised only with ``strict``.
+        self.refusals = Refusals(strict=strict, logger=logger)
+        #: Chunks not submitted because the host pages were not free (on every rank, with
+        #: more than one); writes this rank's cache controller refused (no host pages);
+        #: chunks every rank failed because some rank's write was refused, offered again.
+        self.host_pool_exhausted = 0
+        self.writes_refused = 0
+        self.chunks_failed = 0
         #: Lifecycles released, retractions drained, copies waited for in those drains.
         self.released = 0
         self.retractions_drained = 0
@@ -162,6 +173,12 @@ class _KVLifeDecodeOffload:
         self._lives: weakref.WeakKeyDictionary[Any, _Life] = weakref.WeakKeyDictionary()
         self._tickets: dict[int, Ticket] = {}
         self._pins: dict[int, torch.Tensor] = {}  # ack id -> device indices its copy reads
+        # With an agreement: ack id -> (first token, prior key) of its chunk, where the
+        # request's chunks start again if the group fails it; and the failed acks of chunks
+        # whose write this rank's controller refused, for the next agreement.
+        self._restart: dict[int, tuple[int, str | None]] = {}
+        self._refused_here: list[Ack] = []
+        self._orphans: list[int] = []  # copies running with no ticket (its submit refused)
         self._held: list[tuple[torch.Tensor, set[int]]] = []  # frees waiting for those acks
         self._raw_free: Callable[[torch.Tensor], None] | None = None
         allocator = self.token_to_kv_pool_allocator
@@ -181,7 +198,11 @@ class _KVLifeDecodeOffload:
         """Submit the chunk that is due (whole strides of decoded KV); True if one was.
 
         Called after every unfinished decode step and once at finish; at finish a True
-        answer means the life is released after this last copy's ack."""
+        answer means the life is released after this last copy's ack. A write the cache
+        controller refuses (no host pages) submits nothing at one rank: the same chunk is
+        due again at the next step, as in SGLang's manager. With more than one rank every
+        rank submits the chunk (the answer is the same on every rank); the group fails it
+        at the next progress check and the request offers it again from there."""
         if self.cache_controller is None or self.decode_host_mem_pool is None:
             return False
         kv = req.kv
@@ -201,9 +222,8 @@ class _KVLifeDecodeOffload:
             if not self._admit(n):
                 return False
             tokens = _tokens(req, start, start + n)
-            ticket = lc.submit(tokens)  # a typed refusal here changes nothing
         except KVLifeError as exc:
-            return self._refused("offload", exc)
+            return self._refuse("offload", exc)
         indices = self.req_to_token_pool.req_to_token[row][start : start + n].to(torch.int64)
         device_indices, pool_transfers = self._resolve_offload_transfers(indices)
         self.request_counter += 1
@@ -211,14 +231,33 @@ class _KVLifeDecodeOffload:
         host_indices = self.cache_controller.write(
             device_indices=device_indices, node_id=ack_id, extra_pools=pool_transfers
         )
-        if host_indices is None:  # the host pool filled after all: the chunk never started
-            lc.ack(ticket)
-            return self._refused("host_pool_exhausted", ManagerError("no host pages"))
-        if self.agreement is not None:
-            self.agreement.submitted(ticket)
+        agreement = self.agreement
+        if host_indices is None:
+            self._write_refused(req)
+            if agreement is None:  # nothing submitted: the chunk is due again next step
+                return False
+        prior = lc.chain_tail
+        try:
+            ticket = lc.submit(tokens)  # a typed refusal here leaves the Lifecycle as it was
+        except KVLifeError as exc:
+            # The copy may run already (on this rank or another): its device pages stay
+            # guarded, its host pages go back, at the next progress check on every rank.
+            self._pins[ack_id] = device_indices
+            self._orphans.append(ack_id)
+            if host_indices is not None:
+                entry = (req, host_indices, tokens, time.time(), pool_transfers)
+                self.ongoing_offload[ack_id] = entry
+            return self._refuse("offload", exc)
         self._tickets[ack_id] = ticket
-        self._pins[ack_id] = device_indices
-        self.ongoing_offload[ack_id] = (req, host_indices, tokens, time.time(), pool_transfers)
+        self._pins[ack_id] = device_indices  # on every rank, copy or not: frees wait alike
+        if agreement is not None:
+            agreement.submitted(ticket)
+            self._restart[ack_id] = (start, prior)
+            if host_indices is None:  # failed here; the group learns at the next check
+                error = ManagerError(f"the cache controller refused the write of {ticket[:2]!r}")
+                self._refused_here.append(Ack(ticket, (), (), error=error))
+        if host_indices is not None:
+            self.ongoing_offload[ack_id] = (req, host_indices, tokens, time.time(), pool_transfers)
         if req.finished():  # the finish-time flush: released after its ack
             lc.finish(_reason(req))
         return True
@@ -236,23 +275,48 @@ class _KVLifeDecodeOffload:
             ack = queue.pop(0)
             ack.finish_event.synchronize()
             done.extend(ack.node_ids)
+        if self._orphans:  # their copies are over on this rank (and on every rank)
+            for ack_id in self._orphans:
+                self._drop(ack_id)
+            self._orphans = []
+        tickets = self._tickets
         if self.agreement is None:
             for ack_id in done:
-                self._apply(ack_id)
+                if ack_id in tickets:
+                    self._apply(ack_id)
         else:
-            tickets = self._tickets
             local = [Ack(tickets[i], (), ()) for i in done if i in tickets]
-            agreed = self.agreement.agree(local)
+            if self._refused_here:
+                local += self._refused_here
+                self._refused_here = []
+            self._agree(local)
+        backed_up = cc.ack_backup_queue.qsize()
+        if backed_up:
+            self._check_backup_progress(backed_up)
+
+    def _agree(self, local: list[Ack]) -> None:
+        """Agree on ``local`` (this rank's completions) and apply what the group agreed, in
+        submission order: a chunk failed on any rank (its write refused there) fails on every
+        rank. The agreement stops at a failure, so agree again until nothing is pending (every
+        rank drained its copies, so each round agrees one chunk or more: the same number of
+        rounds on every rank)."""
+        agreement = self.agreement
+        tickets = self._tickets
+        while True:
+            before = agreement.chunks_agreed
+            agreed = agreement.agree(local)
+            local = []
             by_ticket = {id(t): i for i, t in tickets.items()}
             for ack in agreed:
                 agreed_id = by_ticket.get(id(ack.ticket))
                 if agreed_id is None:
-                    self._refused("stray_ack", ManagerError(f"no copy for {ack.ticket[:2]!r}"))
+                    self._refuse("stray_ack", ManagerError(f"no copy for {ack.ticket[:2]!r}"))
+                elif ack.error is not None:
+                    self._fail(agreed_id)
                 else:
                     self._apply(agreed_id)
-        backed_up = cc.ack_backup_queue.qsize()
-        if backed_up:
-            self._check_backup_progress(backed_up)
+            if not agreement.pending or agreement.chunks_agreed == before:
+                return
 
     def drain_before_retraction(self) -> None:
         """Retraction is safe, never refused: the allocator guard holds back the retracted
@@ -294,11 +358,13 @@ class _KVLifeDecodeOffload:
             try:
                 lc.finish(_reason(req))
             except KVLifeError as exc:
-                self._refused("finish", exc)
+                self._refuse("finish", exc)
 
     def has_inflight_device_transfer(self) -> bool:
-        """Whether a device -> host copy may still read device KV pages."""
-        return bool(self.ongoing_offload)
+        """Whether a device -> host copy may still read device KV pages (or, with more than
+        one rank, a chunk this rank's write refused is not failed by the group yet: the same
+        answer on every rank)."""
+        return bool(self.ongoing_offload or self._pins)
 
     def release_host_resources(self) -> None:
         """Shutdown: wait for the copies in flight, then free SGLang's host pool."""
@@ -319,6 +385,12 @@ class _KVLifeDecodeOffload:
             old = life.prefill_len + life.lifecycle.tokens_submitted
             if old >= start:
                 start, prior = old, life.lifecycle.chain_tail
+        new = self._new_life(req, start, prior)
+        self._lives[req] = new
+        return new
+
+    def _new_life(self, req: Any, start: int, prior: str | None) -> _Life:
+        """A life of ``req`` whose chunks start at token ``start``, chained from ``prior``."""
         lc = Lifecycle(
             req.rid,
             page_size=self.page_size,
@@ -328,7 +400,6 @@ class _KVLifeDecodeOffload:
         )
         new = _Life(req, lc, start)
         lc.owner = new
-        self._lives[req] = new
         return new
 
     def _prefill_point(self, req: Any) -> tuple[int, str | None]:
@@ -367,7 +438,7 @@ class _KVLifeDecodeOffload:
             try:
                 lc.finish(FinishReason.RETRACTED)
             except KVLifeError as exc:
-                self._refused("finish", exc)
+                self._refuse("finish", exc)
 
     def _admit(self, n_tokens: int) -> bool:
         pages = n_tokens // self.page_size
@@ -376,8 +447,18 @@ class _KVLifeDecodeOffload:
         else:
             ok = int(self.decode_host_mem_pool.available_size()) >= n_tokens
         if not ok:
-            self.refusals["host_pool_exhausted"] += 1
+            self.host_pool_exhausted += 1
         return ok
+
+    def _write_refused(self, req: Any) -> None:
+        """The cache controller had no host pages for a write after all (SGLang logs it)."""
+        self.writes_refused += 1
+        if self.writes_refused == 1:
+            logger.warning(
+                "kvlife: the cache controller refused a write for request %r (no host pages); "
+                "the chunk is offered again. Counted in writes_refused, logged once",
+                req.rid,
+            )
 
     def _apply(self, ack_id: int) -> None:
         """One agreed ack: back the chunk up under its life's keys, then ack the life."""
@@ -395,7 +476,50 @@ class _KVLifeDecodeOffload:
         try:
             ticket[0].ack(ticket)  # may release the life
         except KVLifeError as exc:
-            self._refused("ack", exc)
+            self._refuse("ack", exc)
+
+    def _fail(self, ack_id: int) -> None:
+        """One chunk the group failed (its write was refused on some rank): its host pages
+        go back unwritten, its held frees run, its life acks it; a life still decoding ends
+        (``RETRACTED``, leaving the request to a new life) and the request's chunks start
+        again at this one, so it is offered again with the same keys, as on every rank."""
+        ticket = self._tickets.pop(ack_id)
+        start, prior = self._restart.pop(ack_id)
+        self._drop(ack_id)
+        self.chunks_failed += 1
+        lc = ticket[0]
+        try:
+            lc.ack(ticket)  # may release the life (a finished one)
+        except KVLifeError as exc:
+            self._refuse("ack", exc)
+            return
+        life = lc.owner
+        assert isinstance(life, _Life)
+        req = life.req()
+        if req is None or self._lives.get(req) is not life or lc.state not in _LIVE:
+            return
+        if life.generation != req.retraction_count:
+            return  # retracted: its end and the resumed life are _life_of's
+        self._lives[req] = self._new_life(req, start, prior)  # first: the old one may release
+        try:
+            lc.finish(FinishReason.RETRACTED)  # now, or at its last ack; the request stays
+        except KVLifeError as exc:
+            self._refuse("finish", exc)
+
+    def _drop(self, ack_id: int) -> None:
+        """A copy that stores nothing: its held frees run, its host pages go back unwritten."""
+        self._pins.pop(ack_id, None)
+        if self._held:
+            self._free_held(ack_id)
+        entry = self.ongoing_offload.pop(ack_id, None)
+        if entry is None:
+            return  # refused on this rank: no host pages
+        host_indices, pool_transfers = entry[1], entry[4]
+        pool = self.decode_host_mem_pool
+        for transfer in pool_transfers:
+            if getattr(transfer, "host_indices", None) is not None:
+                pool.get_pool(transfer.name).free(transfer.host_indices)
+        pool.free(host_indices)
 
     def _free_held(self, ack_id: int) -> None:
         assert self._raw_free is not None
@@ -417,15 +541,14 @@ class _KVLifeDecodeOffload:
         self.released += 1
         if life.retracted or life.generation != req.retraction_count:
             return  # its device pages went back with the retraction; kept for the chain's tail
-        if self._lives.get(req) is life:
-            del self._lives[req]
+        if self._lives.get(req) is not life:
+            return  # a chunk of it failed: the request's current life releases it
+        del self._lives[req]
         self._release_finished_req(req)
 
-    def _refused(self, kind: str, exc: KVLifeError) -> bool:
-        self.refusals[kind] += 1
-        if self.strict:
-            raise exc
-        logger.error("kvlife refused %s: %s", kind, exc)
+    def _refuse(self, kind: str, exc: KVLifeError) -> bool:
+        """Count (and log once per kind) or raise, as :class:`Refusals` does; False."""
+        self.refusals.refuse(kind, exc)
         return False
 
 
