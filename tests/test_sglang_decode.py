@@ -24,6 +24,7 @@ from sglang_stubs import DecodeScheduler  # noqa: E402
 
 from kvlife import FinishReason, State  # noqa: E402
 from kvlife.errors import KVLifeError  # noqa: E402
+from kvlife.hashing import sglang_page_hashes  # noqa: E402
 from kvlife.integrations import sglang_decode  # noqa: E402
 from kvlife.testing import (  # noqa: E402
     KIT_SETTINGS,
@@ -232,6 +233,40 @@ def test_defect36_3_a_refused_write_leaves_the_chunk_to_be_offered_again() -> No
         assert stored_ok(sched) == len(stored[-1])
     assert reachable == [6, 6]  # SGLang's, kvlife's: every stored page by prefix
     assert stored[0] == stored[1]
+
+
+def test_a_chunk_refused_after_its_write_started_leaks_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scenario: the cache controller takes a chunk's write, then the life refuses the chunk
+    (its page hasher fails). The copy runs already: its device pages stay guarded and its host
+    pages come back unwritten at the next progress check; the refusal is counted, nothing is
+    stored for it, and the request goes on."""
+    from kvlife.errors import HashingError
+
+    calls = [0]
+
+    def failing_once(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise HashingError("injected")
+        return sglang_page_hashes(tokens, page_size, prior)
+
+    monkeypatch.setattr(sglang_decode, "sglang_page_hashes", failing_once)
+    sched = DecodeScheduler(strict=False)
+    req = sched.start("r", [1, 2, 3])
+    assert not sched.step(req, [4, 5, 6, 7])  # written by the controller, refused by the life
+    mgr = sched.mgr
+    assert mgr.refusals.count("offload") == 1 and sched.cc.writes == 1
+    assert life_of(sched, req).snapshot()[:3] == (State.IDLE, 0, 0)
+    assert mgr.has_inflight_device_transfer() and sched.host.num_used == 2
+    sched.poll()
+    assert not mgr.has_inflight_device_transfer() and sched.host.num_used == 0
+    assert not list(sched.cc.store.keys())
+    assert sched.step(req, [8])  # the same chunk, offered again
+    sched.finish(req)
+    sched.close()
+    assert stored_ok(sched) == 2 and sched.device.allocated() == 0 and sched.host.num_used == 0
 
 
 # ----------------------------------------------------------------------------- the kit
