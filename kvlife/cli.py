@@ -5,21 +5,38 @@ parser to the subparsers and sets ``handler`` (``args -> exit status``). A new
 subcommand is one more function and one more entry. Exit status: 0 done,
 2 refused (bad usage, a :class:`~kvlife.errors.KVLifeError` such as a missing
 Graphviz, or an ``OSError`` such as an ``--out`` that cannot be written), with
-the reason on one line of stderr and no traceback.
+the reason on one line of stderr and no traceback; 128 + the signal's number when a
+stop signal (:data:`STOP_SIGNALS`) ended it, after every process it started was
+ended and every temporary directory it made removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import importlib
+import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import TypeAlias
 
 from kvlife.errors import ConfigError, KVLifeError
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = [
+    "COMMANDS",
+    "STOP_SIGNALS",
+    "Stopped",
+    "build_parser",
+    "child_of_a_command",
+    "die_with_parent",
+    "main",
+    "stop_signals_raise",
+]
 
 _Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -98,6 +115,74 @@ COMMANDS: list[tuple[str, Callable[[_Subparsers], None]]] = [
 ]
 
 
+#: The signals that stop a ``kvlife`` command the way Ctrl-C does: each is raised as
+#: :class:`Stopped` in the main thread, so every ``finally`` runs (ranks and workers
+#: ended by PID, temporary directories removed) before the command exits.
+STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
+
+
+class Stopped(BaseException):  # a BaseException, like KeyboardInterrupt, which it generalizes
+    """A stop signal arrived; raised in the main thread (not an error of the command)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Within the block, each of :data:`STOP_SIGNALS` raises :class:`Stopped` in the main
+    thread; a second one while the first unwinds is ignored, so cleanup is not cut
+    short. The previous handlers come back after the block. Off the main thread (where
+    Python takes no handlers) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping: list[int] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if not stopping:
+            stopping.append(signum)
+            raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent ``parent`` dies, however it
+    dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), and exit at once if it is gone
+    already. A rank or worker then never outlives a parent killed by SIGKILL, which no
+    handler of the parent's can see."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def child_of_a_command(parent: int) -> None:
+    """Set up a worker process of a command (forked or spawned): the stop signals back to
+    their defaults (a forked worker inherits :func:`stop_signals_raise`'s handler; the
+    command ends its workers by PID), Ctrl-C left to the command, which receives it too,
+    and :func:`die_with_parent`."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)
+    die_with_parent(parent)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvlife`` parser with every subcommand in :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(
@@ -118,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        status: int = args.handler(args)
+        with stop_signals_raise():
+            status: int = args.handler(args)
     except (KVLifeError, OSError) as exc:  # a refusal, or a file or directory we cannot use
         print(f"kvlife {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:  # everything it started is ended and removed by now
+        print(f"kvlife {args.command}: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     return status

@@ -279,3 +279,24 @@ def test_returns_are_bounded() -> None:
     for bad in ({"returns": 3}, {"returns": -1}, {"chunks": 1, "return_chunks": 2}):
         with pytest.raises(ConfigError):
             CheckConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_issue36_9_a_stop_signal_ends_every_check_worker(tmp_path: Path) -> None:
+    """Scenario: ``kvlife check --jobs 2`` on a walk of 67 million interleavings gets SIGHUP
+    once both forked workers run. The command terminates both by PID and exits with
+    128 + SIGHUP; the old one died at once and left its workers behind."""
+    import signal
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_simulate import stop_command
+
+    def workers(children: list[int]) -> list[int]:
+        forked = [  # a forked worker has its parent's command line
+            pid for pid in children if b"check" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        return forked if len(forked) == 2 else []
+
+    argv = ["check", "--requests", "2", "--chunks", "3", "--jobs", "2", "--json"]
+    status, left, files = stop_command(argv, tmp_path, signal.SIGHUP, workers)
+    assert (status, left, files) == (128 + signal.SIGHUP, [], [])

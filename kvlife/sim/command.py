@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
-from dataclasses import asdict
+import tempfile
+from dataclasses import asdict, replace
 from typing import Any
 
 from kvlife.sim.runtime import DTYPES, LAYOUTS, STORES, SimConfig, SimReport, run_simulation
@@ -154,6 +156,20 @@ def _simulate(args: argparse.Namespace) -> int:
         else:
             _print_ranks(cfg, result)
         return 0 if result["ok"] and result["ranks_agreed"] else 1
+    cfg.check()  # before a temporary directory is made
+    if cfg.store != "directory" or cfg.store_dir:
+        return _simulate_one(cfg, args)
+    # The temporary store is this command's, removed whatever ends the run (an error, a
+    # stop signal raised as kvlife.cli.Stopped), not only when the simulation returns.
+    store_dir = tempfile.mkdtemp(prefix="kvlife-sim-")
+    try:
+        return _simulate_one(replace(cfg, store_dir=store_dir), args)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _simulate_one(cfg: SimConfig, args: argparse.Namespace) -> int:
+    """One process: simulate ``cfg`` and print its report."""
     if args.json or not sys.stdout.isatty():
         report = run_simulation(cfg)
     else:

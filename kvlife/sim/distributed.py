@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -30,12 +31,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvlife.cli import child_of_a_command
 from kvlife.distributed import TorchAgreement
 from kvlife.errors import ConfigError
 from kvlife.manager import OffloadManager
 from kvlife.sim.runtime import SimConfig, SimManager, Simulation, make_store_dir
 
-__all__ = ["check_store", "init_rank", "run_distributed", "run_rank", "spawn_ranks"]
+__all__ = [
+    "check_store",
+    "init_rank",
+    "run_distributed",
+    "run_rank",
+    "spawn_ranks",
+]
 
 
 MAX_AGREEMENT_TIMEOUT_S = 86_400.0
@@ -52,6 +60,17 @@ def init_rank(rank: int, world_size: int, port: int, timeout: float) -> None:
     )
 
 
+def _end(procs: Sequence[Any]) -> None:
+    """SIGKILL each process still running, by its PID, and reap it."""
+    for proc in procs:
+        if proc.pid is not None and proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join()
+
+
 def spawn_ranks(
     target: Callable[..., object], world_size: int, *args: Any, join_timeout: float = 600.0
 ) -> list[int | None]:
@@ -59,6 +78,8 @@ def spawn_ranks(
 
     Returns each rank's exit code; a rank still running after ``join_timeout``
     seconds is killed and reported as ``None``, so a hung rank never hangs the caller.
+    Whatever ends the wait early (a stop signal raised as an exception, Ctrl-C, an
+    error) kills every rank by its PID before it propagates: no rank outlives the call.
     """
     ctx = mp.get_context("spawn")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -68,15 +89,15 @@ def spawn_ranks(
         ctx.Process(target=target, args=(rank, world_size, port, *args))
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + join_timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    hung = [proc for proc in procs if proc.is_alive()]
-    for proc in hung:
-        proc.kill()
-        proc.join()
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + join_timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        hung = [proc for proc in procs if proc.is_alive()]
+    finally:
+        _end(procs)  # the hung ones; all of them if the wait was cut short
     return [None if proc in hung else proc.exitcode for proc in procs]
 
 
@@ -118,8 +139,10 @@ def _rank_main(
     configs: Sequence[SimConfig],
     timeout: float,
     out_dir: str,
+    parent: int,
 ) -> None:
     """One spawned rank: join the group, simulate ``configs[rank]``, write ``rank<r>.json``."""
+    child_of_a_command(parent)
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.json"
     try:
@@ -177,13 +200,25 @@ def run_distributed(
     for rank_cfg in configs:
         rank_cfg.check(processes=world_size)
     if cfg.store_dir:
-        make_store_dir(cfg.store_dir)  # each rank makes its own where none is given
+        make_store_dir(cfg.store_dir)
     check_store(cfg)
     out_dir = tempfile.mkdtemp(prefix="kvlife-sim-ranks-")
     t0 = time.perf_counter()
     try:
+        if cfg.store == "directory" and not cfg.store_dir:
+            # The ranks' store (namespaces sim/rank<r>) lives in this process's temporary
+            # directory, removed below whatever ends the run: a rank killed by PID never
+            # leaves a directory of its own behind.
+            store_dir = os.path.join(out_dir, "store")
+            configs = [replace(c, store_dir=store_dir) for c in configs]
         codes = spawn_ranks(
-            _rank_main, world_size, configs, timeout, out_dir, join_timeout=max(600.0, 4 * timeout)
+            _rank_main,
+            world_size,
+            configs,
+            timeout,
+            out_dir,
+            os.getpid(),
+            join_timeout=max(600.0, 4 * timeout),
         )
         per_rank: list[dict[str, Any]] = []
         for rank, code in enumerate(codes):

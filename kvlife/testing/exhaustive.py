@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -328,6 +329,15 @@ _NO_UNWIND = 1 << 30
 _WORKER: _Explorer | None = None
 
 
+def _start_worker(parent: int) -> None:
+    """A forked worker: ended with the command that forked it (by PID, on any stop signal,
+    or by the kernel if that process is killed outright), one torch thread."""
+    from kvlife.cli import child_of_a_command
+
+    child_of_a_command(parent)
+    torch.set_num_threads(1)
+
+
 def _work(task: tuple[tuple[KitEvent, ...], _State]) -> tuple[int, int, int, list[Violation]]:
     """Explore one subtree from a frontier prefix (a worker's task)."""
     assert _WORKER is not None
@@ -389,8 +399,11 @@ def check_exhaustively(
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
         _WORKER = explorer
         tasks = _frontier(cfg, jobs * 16, model)
-        try:  # one torch thread per worker: the workers are the parallelism
-            with multiprocessing.get_context("fork").Pool(jobs, torch.set_num_threads, (1,)) as p:
+        pool = multiprocessing.get_context("fork").Pool
+        try:  # one torch thread per worker: the workers are the parallelism. Whatever ends
+            # the walk early (a stop signal raised as kvlife.cli.Stopped, an error) leaves
+            # the block, whose exit terminates every worker by PID.
+            with pool(jobs, _start_worker, (os.getpid(),)) as p:
                 for runs, violating, deferred, found in p.imap(_work, tasks):
                     explorer.interleavings += runs
                     explorer.violating += violating
