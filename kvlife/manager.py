@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import operator
 import threading
-import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from itertools import islice
@@ -40,23 +39,21 @@ from kvlife._lifecycle import (
 from kvlife.engine.base import Ack
 from kvlife.errors import (
     ConfigError,
-    CopyFault,
-    DrainTimeout,
     HashingError,
     KVLifeError,
     LifecycleError,
     ManagerError,
     ReleaseCallbackError,
-    StoreError,
 )
 from kvlife.hashing import PageHasher, namespace_prior, sglang_page_hashes
 from kvlife.host_tier import HostTier, Lookup
 from kvlife.refusals import Refusals
+from kvlife.transfers import Transfers
 
 if TYPE_CHECKING:
     from kvlife.engine.base import CopyEngine
     from kvlife.pool import HostPagePool
-    from kvlife.store.base import Store, StoreResult
+    from kvlife.store.base import Store
 
 __all__ = [
     "Agreement",
@@ -306,19 +303,33 @@ class OffloadManager:
         self._page_bytes = host.tensor[0].numel() * host.tensor.element_size()
         self._thread: int | None = None  # the scheduler thread, bound at the first call
         self._thread_obj: threading.Thread | None = None
-        self._acks: deque[Ack] = deque()  # taken from the engine, not yet applied
-        self._results: deque[StoreResult] = deque()  # taken from the store, not yet applied
         self._live: set[OffloadRequest] = set()  # started, not yet released
         self._released = 0
-        self._refused: Counter[str] = Counter()
+        #: Refusals by kind: a refused call raises its typed error to the caller (counted);
+        #: a refused ack or store write is counted and logged.
+        self.refusals = Refusals()
         #: The host tier: pages kept under their keys (written chunks with ``keep_on_host``,
         #: store pages promoted for a load), pinned while a load reads them.
         self.tier: HostTier[str] = HostTier(host, keep=keep_on_host, refusals=Refusals(strict=True))
-        self._writing: dict[object, tuple[str, ...]] = {}  # store writes in flight: keys
-        #: The counters, mutated in place; :meth:`metrics` copies them.
-        self._metrics = ManagerMetrics(refused_events=self._refused)
-        #: Errors raised by release callbacks, newest last (bounded), for the runtime to log.
-        self.callback_errors: list[ReleaseCallbackError] = []
+        #: The counters, mutated in place (by the pipeline too); :meth:`metrics` copies them.
+        self._metrics = ManagerMetrics()
+        #: The copy pipeline: acks to their requests, pages to the store, freed or kept.
+        self.transfers = Transfers(
+            engine,
+            host,
+            store,
+            refusals=self.refusals,
+            tier=self.tier,
+            agreement=agreement,
+            counts=self._metrics,
+            route=_route,
+            acked=_loaded,
+        )
+
+    @property
+    def callback_errors(self) -> list[ReleaseCallbackError]:
+        """Errors raised by release callbacks, newest last (bounded), for the runtime to log."""
+        return self.transfers.callback_errors
 
     # ------------------------------------------------------------ lifecycles
 
@@ -430,21 +441,13 @@ class OffloadManager:
         except BaseException as exc:
             self.host.free(host_pages, owner=req)
             if isinstance(exc, KVLifeError):
-                self._refused[type(exc).__name__] += 1
+                self.refusals.counted(exc)
             raise
         req.device_pages = device_pages
         req.next_page = end
         self._metrics.chunks_submitted += 1
-        try:
-            self.engine.submit(ticket, chunk_pages, host_pages)
-        except BaseException as exc:
-            # check() passed, so this is the engine failing, not a refusal: the
-            # Lifecycle already holds the chunk, so settle it as a failed copy.
-            fault = CopyFault(f"the engine failed to take chunk {ticket[1]}: {exc!r}")
-            self._apply_ack(Ack(ticket, tuple(chunk_pages), tuple(host_pages), fault))
-            raise
-        if agreement is not None:
-            agreement.submitted(ticket)
+        # check() passed, so an engine failing now is a failed copy, settled there.
+        self.transfers.submit(ticket, chunk_pages, host_pages)
         return ticket
 
     def finish(
@@ -467,10 +470,10 @@ class OffloadManager:
         try:
             req._lifecycle.finish(reason)
         except ReleaseCallbackError as exc:
-            self._record_callback_error(exc)
+            self.transfers.record_callback_error(exc)
         except LifecycleError as exc:  # refused before anything changed
             req.device_pages, req._decoding = kept, decoding
-            self._refused[type(exc).__name__] += 1
+            self.refusals.counted(exc)
             raise
 
     # ------------------------------------------------------------ loads
@@ -538,7 +541,7 @@ class OffloadManager:
             elif (
                 found is not Lookup.MISS
                 or (agreement is not None and not agreement.admit(1))
-                or not self._promote(key)
+                or not self.transfers.promote(key)
             ):
                 break
             else:
@@ -559,18 +562,11 @@ class OffloadManager:
         except BaseException as exc:
             tier.complete_load(ready)
             if isinstance(exc, KVLifeError):
-                self._refused[type(exc).__name__] += 1
+                self.refusals.counted(exc)
             raise
         self._metrics.loads_started += 1
         req.device_pages = device_pages  # the page table the release hands back, as offload's
-        try:
-            self.engine.submit(ticket, device, host_pages)
-        except BaseException as exc:
-            fault = CopyFault(f"the engine failed to take load {ticket.seq}: {exc!r}")
-            self._apply_ack(Ack(ticket, tuple(device), tuple(host_pages), fault))
-            raise
-        if agreement is not None:
-            agreement.submitted(ticket)
+        self.transfers.submit(ticket, device, host_pages)
         return ticket
 
     def _loadable(self, keys: Sequence[str]) -> int:
@@ -578,38 +574,16 @@ class OffloadManager:
         tier, n = self.tier, 0
         for key in keys:
             found = tier.lookup(key)
-            if found is not Lookup.HIT and (found is not Lookup.MISS or not self._in_store(key)):
+            if found is not Lookup.HIT and (
+                found is not Lookup.MISS or not self.transfers.in_store(key)
+            ):
                 break
             n += 1
         return n
 
-    def _promote(self, key: str) -> bool:
-        """Read ``key``'s page from the store into the host tier (verified) and pin it for a
-        load; whether it is there now. A page damaged, gone or of the wrong size is a miss."""
-
-        def fill(page: int) -> bool:
-            try:
-                payload = self.store.get(key)
-            except (StoreError, OSError):
-                return False
-            return payload is not None and self.host.write_bytes(page, payload)
-
-        if self.tier.insert_ready(key, fill, pin=True):
-            self._metrics.pages_promoted += 1
-            return True
-        return False
-
-    def _in_store(self, key: str) -> bool:
-        """Whether the store holds a whole page under ``key``; a store that cannot answer
-        now (a cluster busy or down, a read error) holds nothing a load could use."""
-        try:
-            return self.store.contains(key)
-        except (StoreError, OSError):
-            return False
-
     def _in_flight(self, key: str) -> bool:
         """Whether ``key``'s copy to the host or write to the store is in flight (lookups)."""
-        if any(key in written for written in self._writing.values()):
+        if self.transfers.writing(key):
             return True
         return any(
             key in ticket[2]
@@ -633,11 +607,7 @@ class OffloadManager:
         """
         if get_ident() != self._thread:  # inline: offload and poll run every step
             self._check_thread()
-        acks = self.engine.poll()
-        if self.agreement is not None:
-            acks = self.agreement.agree(acks)
-        self._apply_acks(acks)
-        self._apply_store_results(self.store.poll())
+        self.transfers.poll()
 
     def close(self, timeout: float | None = None) -> None:
         """Drain every copy and every store write; afterwards nothing is in flight or allocated.
@@ -647,123 +617,8 @@ class OffloadManager:
         :class:`~kvlife.errors.DrainTimeout` is raised with nothing lost: what
         was not applied yet is applied by a later :meth:`poll` or :meth:`close`.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         self._check_thread()
-        agreement = self.agreement
-        while True:
-            try:
-                acks = self.engine.drain(_left(deadline))
-                while True:  # with an agreement, until every rank completed its copies
-                    self._apply_acks(acks if agreement is None else agreement.agree(acks))
-                    if agreement is None or not agreement.pending:
-                        break
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise DrainTimeout(
-                            f"{agreement.pending} chunks not yet complete on every rank "
-                            f"after {timeout} s"
-                        )
-                    acks = []
-            finally:
-                self._apply_store_results(self.store.drain(_left(deadline)))
-            pending = agreement is not None and agreement.pending
-            if not (self.engine.inflight or self._acks or self.store.pending or pending):
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise DrainTimeout(f"work still in flight after {timeout} s")
-
-    def _apply_acks(self, acks: list[Ack]) -> None:
-        pending = self._acks
-        pending.extend(acks)
-        while pending:
-            self._apply_ack(pending.popleft())
-
-    def _apply_ack(self, ack: Ack) -> None:
-        ticket = ack.ticket
-        lc = ticket[0]
-        req = getattr(lc, "owner", None)
-        if not isinstance(req, OffloadRequest):  # forged: no manager's to touch
-            self._refused[ManagerError.__name__] += 1
-            return
-        if req.manager is not self:  # an engine shared with another manager: hand it over
-            req.manager._acks.append(ack)
-            return
-        inflight = lc.inflight
-        try:
-            lc.ack(ticket)
-        except ReleaseCallbackError as exc:
-            self._record_callback_error(exc)
-        except LifecycleError as exc:  # a duplicate ack from the engine: its pages are not ours
-            self._refused[type(exc).__name__] += 1
-        finally:  # applied (even if the release callback raised KeyboardInterrupt): settle it
-            if lc.inflight != inflight:
-                if type(ticket) is LoadTicket:
-                    self._settle_load(req, ack)
-                else:
-                    self._settle(req, ack)
-
-    def _settle_load(self, req: OffloadRequest, ack: Ack) -> None:
-        """An applied load ack: the host pages' pins go; the request learns what it got."""
-        keys = ack.ticket[2]
-        self.tier.complete_load(keys)
-        if ack.ok:
-            req.loaded_pages += len(keys)
-            self._metrics.pages_loaded += len(keys)
-        else:
-            req.load_failures += 1
-            self._metrics.load_failures += 1
-
-    def _settle(self, req: OffloadRequest, ack: Ack) -> None:
-        """An applied ack's pages: freed if the copy failed, else handed to the store."""
-        m, pages = self._metrics, ack.host_pages
-        m.chunks_acked += 1
-        latency = ack.completed_at - ack.submitted_at
-        m.ack_latency_count += 1
-        m.ack_latency_sum_s += latency
-        m.ack_latency_max_s = max(m.ack_latency_max_s, latency)
-        if not ack.ok:
-            m.copy_failures += 1
-            self.host.free(pages, owner=req)
-            return
-        m.pages_offloaded += len(pages)  # on the host now, whatever the store does
-        try:  # the host pages as one [n, page_numel] tensor: a view when consecutive
-            first = pages[0]
-            if len(pages) == 1 or all(p == first + i for i, p in enumerate(pages)):
-                rows = self.host.tensor[first : first + len(pages)]
-            else:
-                rows = self.host.tensor[list(pages)]
-            token = (req, pages)
-            self.store.put(token, ack.ticket[2], rows)
-            self._writing[token] = ack.ticket[2]
-        except BaseException as exc:  # refused or broken at once: never stored
-            m.store_failures += 1
-            self.host.free(pages, owner=req)
-            if not isinstance(exc, StoreError):
-                raise
-            self._refused[type(exc).__name__] += 1
-
-    def _apply_store_results(self, results: list[StoreResult]) -> None:
-        pending = self._results
-        pending.extend(results)
-        while pending:
-            result = pending.popleft()
-            token = result.token
-            if type(token) is not tuple or not isinstance(token[0], OffloadRequest):
-                continue  # another writer's put to a shared store (a prefill side): not ours
-            owner: OffloadRequest
-            host_pages: tuple[int, ...]
-            owner, host_pages = token
-            if owner.manager is not self:  # a store shared with another manager
-                owner.manager._results.append(result)
-                continue
-            keys = self._writing.pop(result.token, ())
-            if result.ok and self.tier.keep and len(keys) == len(host_pages):
-                self.tier.adopt(keys, host_pages, owner)  # a cache now, evicted for room
-            else:
-                self.host.free(host_pages, owner=owner)
-            if result.ok:
-                self._metrics.pages_stored += len(result.keys)
-            else:
-                self._metrics.store_failures += 1
+        self.transfers.drain(timeout)
 
     def _on_release(self, lc: Lifecycle) -> None:
         req = lc.owner
@@ -790,16 +645,10 @@ class OffloadManager:
 
     def _refuse(self, message: str) -> ManagerError:
         """Count a refused call; return its error, for the caller to raise."""
-        self._refused[ManagerError.__name__] += 1
-        return ManagerError(message)
+        return self.refusals.counted(ManagerError(message))
 
     def _invalid_step(self, req: OffloadRequest, why: str) -> ManagerError:
         return self._refuse(f"request rid={req.rid!r} id=0x{id(req):x}: {why}")
-
-    def _record_callback_error(self, exc: ReleaseCallbackError) -> None:
-        self._metrics.release_callback_errors += 1
-        self.callback_errors.append(exc)
-        del self.callback_errors[:-100]
 
     def _check_owned(self, req: object) -> None:
         if not isinstance(req, OffloadRequest) or req.manager is not self:
@@ -826,10 +675,23 @@ class OffloadManager:
             host_pages_used=self.host.num_used,
             host_tier_keys=self.tier.counts.entries,
             host_tier_evicted=self.tier.counts.evicted,
-            refused_events=dict(self._refused),
+            refused_events=self.refusals.snapshot(),
         )
 
 
-def _left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (never negative), or ``None`` for no deadline."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+def _route(owner: object) -> tuple[Transfers, object] | None:
+    """The pipeline of the manager that started ``owner`` (a Lifecycle) and the request its
+    host pages belong to; ``None`` for anything no manager started (a forged ack)."""
+    req = getattr(owner, "owner", None)
+    if not isinstance(req, OffloadRequest):
+        return None
+    return req.manager.transfers, req
+
+
+def _loaded(req: object, ack: Ack) -> None:
+    """A load applied: the request learns what it got (the runtime recomputes a failure)."""
+    if ack.is_load and isinstance(req, OffloadRequest):
+        if ack.ok:
+            req.loaded_pages += len(ack.keys)
+        else:
+            req.load_failures += 1

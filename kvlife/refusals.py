@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import TypeVar
 
 from kvlife.errors import KVLifeError
+
+E = TypeVar("E", bound=BaseException)
 
 __all__ = ["Refusals"]
 
@@ -47,6 +50,13 @@ class Refusals:
             self.logger.warning(
                 "kvlife: %s refused (%s); counted, logged once per kind", kind, error
             )
+
+    def counted(self, error: E) -> E:
+        """Count ``error`` under its type's name and hand it back for the caller to raise (a
+        refusal whose contract is a typed error to the caller, as the manager's calls)."""
+        self._by_kind[type(error).__name__] += 1
+        self.total += 1
+        return error
 
     def count(self, kind: str) -> int:
         """How many refusals of ``kind`` were counted."""

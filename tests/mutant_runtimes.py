@@ -92,7 +92,7 @@ class _AckOrderKeys:
         self.manager = manager
 
     def put(self, token: object, keys: Sequence[str], pages: torch.Tensor) -> None:
-        lc: OffloadRequest = token[0]  # type: ignore[index]
+        lc: OffloadRequest = token[1]  # type: ignore[index]  # (pipeline, request, pages)
         tokens = self.manager.chunk_tokens[tuple(keys)]
         head = self.manager.head.get(lc, self.manager.prior[lc])
         rehashed = self.manager.hasher(tokens, self.manager.page_size, head)
@@ -108,7 +108,7 @@ class AckOrderChain(OffloadManager):
 
     def __init__(self, engine: Any, host: Any, store: Store, **kwargs: Any) -> None:
         super().__init__(engine, host, store, **kwargs)
-        self.store = _AckOrderKeys(store, self)
+        self.store = self.transfers.store = _AckOrderKeys(store, self)
         self.chunk_tokens: dict[tuple[str, ...], list[int]] = {}
         self.head: dict[OffloadRequest, str | None] = {}
         self.prior: dict[OffloadRequest, str | None] = {}
@@ -135,17 +135,20 @@ class NewestByRid(OffloadManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._newest: dict[object, OffloadRequest] = {}
+        apply = self.transfers.apply
+
+        def by_rid(ack: Ack) -> None:
+            newest = self._newest[ack.owner.rid]._lifecycle
+            if newest is not ack.owner and newest.chunks_in_flight():
+                ack = replace(ack, ticket=newest.chunks_in_flight()[0])  # the bug
+            apply(ack)
+
+        self.transfers.apply = by_rid  # type: ignore[method-assign]
 
     def start(self, rid: object, *args: Any, **kwargs: Any) -> OffloadRequest:
         lc = super().start(rid, *args, **kwargs)
         self._newest[rid] = lc
         return lc
-
-    def _apply_ack(self, ack: Ack) -> None:
-        newest = self._newest[ack.owner.rid]._lifecycle
-        if newest is not ack.owner and newest.chunks_in_flight():
-            ack = replace(ack, ticket=newest.chunks_in_flight()[0])  # the bug
-        super()._apply_ack(ack)
 
 
 def _adapter(manager: Callable[..., OffloadManager]) -> Callable[[], ManagerAdapter]:
@@ -556,9 +559,15 @@ class SlotCounter(DecodeOffloadManager):
 class DropFailedAck(OffloadManager):
     """(D) A failed copy's ack is dropped: its life never drains, its host pages leak."""
 
-    def _apply_ack(self, ack: Ack) -> None:
-        if ack.ok:
-            super()._apply_ack(ack)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        apply = self.transfers.apply
+
+        def drop_failed(ack: Ack) -> None:
+            if ack.ok:
+                apply(ack)
+
+        self.transfers.apply = drop_failed  # type: ignore[method-assign]
 
 
 def _sglang(manager: type[DecodeOffloadManager]) -> Callable[[], SGLangAdapter]:
@@ -642,10 +651,16 @@ class DropLateLoadAck(OffloadManager):
     """(K) A load's completion after its request ended is filtered out (vllm-ascend #16662):
     the life never drains and the blocks and the pinned host pages leak for good."""
 
-    def _apply_ack(self, ack: Ack) -> None:
-        if ack.is_load and ack.owner.finish_reason is not None:
-            return  # the bug: "the request is gone, ignore its load"
-        super()._apply_ack(ack)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        apply = self.transfers.apply
+
+        def drop_late_load(ack: Ack) -> None:
+            if ack.is_load and ack.owner.finish_reason is not None:
+                return  # the bug: "the request is gone, ignore its load"
+            apply(ack)
+
+        self.transfers.apply = drop_late_load  # type: ignore[method-assign]
 
 
 class TransferDoneByRid(OffloadManager):
@@ -656,36 +671,46 @@ class TransferDoneByRid(OffloadManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lives: dict[object, list[OffloadRequest]] = {}
+        apply = self.transfers.apply
+
+        def settle_by_rid(ack: Ack) -> None:
+            apply(ack)
+            if ack.is_load:
+                for other in self._lives[ack.owner.rid]:  # the bug: settled by rid
+                    for ticket in other._lifecycle.chunks_in_flight():
+                        other._lifecycle.ack(ticket)
+
+        self.transfers.apply = settle_by_rid  # type: ignore[method-assign]
 
     def start(self, rid: object, *args: Any, **kwargs: Any) -> OffloadRequest:
         req = super().start(rid, *args, **kwargs)
         self._lives.setdefault(rid, []).append(req)
         return req
 
-    def _settle_load(self, req: OffloadRequest, ack: Ack) -> None:
-        super()._settle_load(req, ack)
-        for other in self._lives[req.rid]:  # the bug: settled by rid
-            for ticket in other._lifecycle.chunks_in_flight():
-                other._lifecycle.ack(ticket)
-
 
 class PendingServed(OffloadManager):
     """(M) A key served while its store is still in flight: a miss on every tier is
     "found" in the host page an in-flight copy is writing, before that copy completed."""
 
-    def _promote(self, key: str) -> bool:
-        if super()._promote(key):
-            return True
-        for copy in self.engine.in_flight():  # type: ignore[attr-defined]
-            if type(copy.ticket) is tuple and key in copy.ticket[2]:  # the bug: not written yet
-                source = copy.host_pages[copy.ticket[2].index(key)]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        promote = self.transfers.promote
 
-                def fill(page: int, source: int = source) -> bool:
-                    self.host.tensor[page].copy_(self.host.tensor[source])
-                    return True
+        def promote_pending(key: str, name: Any = None) -> bool:
+            if promote(key):
+                return True
+            for copy in self.engine.in_flight():  # type: ignore[attr-defined]
+                if type(copy.ticket) is tuple and key in copy.ticket[2]:  # the bug: not written
+                    source = copy.host_pages[copy.ticket[2].index(key)]
 
-                return self.tier.insert_ready(key, fill, pin=True)
-        return False
+                    def fill(page: int, source: int = source) -> bool:
+                        self.host.tensor[page].copy_(self.host.tensor[source])
+                        return True
+
+                    return self.tier.insert_ready(key, fill, pin=True)
+            return False
+
+        self.transfers.promote = promote_pending  # type: ignore[method-assign]
 
 
 class _UnguardedEngine(ScriptedEngine):
@@ -709,12 +734,17 @@ class UnpinnedLoad(OffloadManager):
             self.tier.complete_load(ticket.keys)  # the bug: unpinned under the copy
         return ticket
 
-    def _settle_load(self, req: OffloadRequest, ack: Ack) -> None:
-        keys = ack.ticket[2]  # the pins are gone already: the rest of the settle only
-        if ack.ok:
-            req.loaded_pages += len(keys)
-        else:
-            req.load_failures += 1
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        counts = self.transfers.counts
+
+        def settle_load(ack: Ack) -> None:  # the pins are gone already: the rest only
+            if ack.ok:
+                counts.pages_loaded += len(ack.keys)
+            else:
+                counts.load_failures += 1
+
+        self.transfers._settle_load = settle_load  # type: ignore[method-assign]
 
 
 class AliasedLoads(OffloadManager):

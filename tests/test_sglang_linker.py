@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,20 +36,27 @@ PS = 2
 class KVPool:
     """The two attributes of SGLang's MHATokenToKVPool the linker reads: per-layer buffers."""
 
-    def __init__(self, slots: int = 64) -> None:
-        self.k_buffer = [torch.zeros(slots, 1, 4) for _ in range(2)]
-        self.v_buffer = [torch.zeros(slots, 1, 4) for _ in range(2)]
+    def __init__(self, slots: int = 64, head_dim: int = 4) -> None:
+        self.k_buffer = [torch.zeros(slots, 1, head_dim) for _ in range(2)]
+        self.v_buffer = [torch.zeros(slots, 1, head_dim) for _ in range(2)]
 
 
 class Allocator:
-    def __init__(self) -> None:
-        self.pool = KVPool()
+    def __init__(self, head_dim: int = 4) -> None:
+        self.pool = KVPool(head_dim=head_dim)
 
     def get_kvcache(self) -> KVPool:
         return self.pool
 
 
-def make(tmp_path: Path, **extra: Any) -> Any:
+def make(
+    tmp_path: Path,
+    model: str = "tiny-model",
+    cp: tuple[int, int] = (0, 1),
+    head_dim: int = 4,
+    **extra: Any,
+) -> Any:
+    """A linker made by SGLang's factory for ``model`` at attention-CP rank ``cp``."""
     flag = json.dumps(
         {
             "linker": "KVLifeCacheLinker",
@@ -57,10 +65,20 @@ def make(tmp_path: Path, **extra: Any) -> Any:
         }
     )
     params = CacheInitParams(
-        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=Allocator(), page_size=PS
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=Allocator(head_dim),
+        page_size=PS,
+        attn_cp_rank=cp[0],
+        attn_cp_size=cp[1],
     )
+    server_args = SimpleNamespace(model_path=model)
     return create_unified_cache_linker(
-        None, params, backend="dynamic", config=json.loads(flag), components={ComponentType.FULL}
+        server_args,
+        params,
+        backend="dynamic",
+        config=json.loads(flag),
+        components={ComponentType.FULL},
     )
 
 
@@ -98,14 +116,15 @@ def test_offload_then_lookup_and_load_back(tmp_path: Path) -> None:
     assert linker.num_completed_offloads() == 0  # the device copy has not finished
     assert linker.lookup("r", kv([], ["a" * 64, "b" * 64])) == []  # nor is it stored
     gate.open()
-    linker._progress(wait=True)
+    linker.transfers.drain()
     assert linker.num_completed_offloads() == 1 and linker.pop_completed_offload() is True
     assert linker.lookup("r", kv([], ["a" * 64, "b" * 64, "c" * 64])) == [1, 2]
     assert linker.load("r", kv([5, 6], ["a" * 64, "b" * 64]))
     index = linker.start_layer_wise_loading()
     assert linker.finish_layer_wise_loading(index)
     assert page_of(linker, 5) == [1.5] * 4 and page_of(linker, 6) == [2.5] * 4
-    assert linker.host.num_used == 0
+    # the loaded pages stay on the host tier, unpinned (a cache, evicted for room)
+    assert linker.host.num_used == len(linker.tier) == 2 and not linker.tier.counts.pinned
     linker.close()
 
 
@@ -116,10 +135,10 @@ def test_completions_are_reported_oldest_first_and_late_ones_wait(tmp_path: Path
     assert linker.offload(kv([1], ["b" * 64]))
     assert linker.num_completed_offloads() == 0  # the second may be done; the first is not
     gate.open()
-    linker._progress(wait=True)
+    linker.transfers.drain()
     assert linker.num_completed_offloads() == 2
     assert [linker.pop_completed_offload(), linker.pop_completed_offload()] == [True, True]
-    assert linker.pop_completed_offload() is False and linker.refusals["pop"] == 1
+    assert linker.pop_completed_offload() is False and linker.refusals.count("pop") == 1
     linker.close()
 
 
@@ -129,12 +148,12 @@ def test_cancel_touches_only_the_rids_current_queued_load(tmp_path: Path) -> Non
     linker = make(tmp_path)
     fill(linker, 0, 7.0)
     assert linker.offload(kv([0], ["a" * 64]))
-    linker._progress(wait=True)
+    linker.transfers.drain()
     linker.pop_completed_offload()
     assert linker.load("r", kv([3], ["a" * 64]))
     gate = linker.engine.hold_next()
     first = linker.layer_done_counter.producer_index + 1
-    started_life = linker._queued["r"].lc
+    started = linker._queued["r"]
     # start_layer_wise_loading waits for its batch: start it on a thread while held
     import threading
 
@@ -144,15 +163,15 @@ def test_cancel_touches_only_the_rids_current_queued_load(tmp_path: Path) -> Non
     while "r" in linker._queued:
         pass
     assert linker.load("r", kv([4], ["a" * 64]))  # the new request on the same rid
-    queued_life = linker._queued["r"].lc
+    queued = linker._queued["r"]
     assert linker.cancel_queued_load("r") is True
     assert linker.cancel_queued_load("r") is False  # nothing queued any more
-    assert queued_life.state.name == "RELEASED" and started_life.inflight == 1
+    assert queued.inflight == 0 and queued.result is None and started.inflight == 1
     gate.open()
     t.join(10)
     assert box == [first] and linker.finish_layer_wise_loading(first)
     assert page_of(linker, 3) == [7.0] * 4 and page_of(linker, 4) == [0.0] * 4
-    assert started_life.state.name == "RELEASED"
+    assert started.inflight == 0 and started.result is True
     linker.close()
 
 
@@ -162,6 +181,72 @@ def test_reset_waits_and_forgets(tmp_path: Path) -> None:
     assert linker.load("q", kv([2], ["z" * 64]))
     linker.reset()
     assert linker.num_completed_offloads() == 0 and linker._queued == {}
-    assert linker.host.num_used == 0
+    # the written page stays on the host tier, unpinned: a cache, evicted for room
+    assert linker.host.num_used == len(linker.tier) == 1 and not linker.tier.counts.pinned
     assert linker.lookup("q", kv([], ["a" * 64])) == [1]  # the write finished before reset
+    linker.close()
+
+
+def test_each_model_and_rank_reads_only_its_own_namespace(tmp_path: Path) -> None:
+    """Scenario: two ranks of one model (attention context parallel 0 and 1) and another
+    model share one store directory. Rank 0 offloads a page; rank 1 and the other model
+    look up the same key: neither finds it (on the old code every rank and model used the
+    one namespace "sglang", so rank 1 would load rank 0's shard)."""
+    rank0 = make(tmp_path, cp=(0, 2))
+    fill(rank0, 0, 3.0)
+    assert rank0.offload(kv([0], ["a" * 64]))
+    rank0.transfers.drain()
+    assert rank0.lookup("r", kv([], ["a" * 64])) == [1]
+    rank1 = make(tmp_path, cp=(1, 2))
+    other = make(tmp_path, model="other-model", cp=(0, 2))
+    assert rank1.lookup("r", kv([], ["a" * 64])) == []
+    assert other.lookup("r", kv([], ["a" * 64])) == []
+    assert len({rank0.namespace, rank1.namespace, other.namespace}) == 3
+    for linker in (rank0, rank1, other):
+        linker.close()
+
+
+def test_a_stored_page_of_another_size_is_a_counted_miss(tmp_path: Path) -> None:
+    """Scenario: the store holds a page under the key, but of another size (a linker with
+    another head size wrote it under the same namespace). The load fails, counted; nothing
+    is raised into SGLang (the old code raised torch's RuntimeError) and no page stays
+    pinned or leaks."""
+    wide = make(tmp_path, head_dim=8)
+    fill(wide, 0, 1.0)
+    assert wide.offload(kv([0], ["a" * 64]))
+    wide.transfers.drain()
+    wide.close()
+    linker = make(tmp_path)
+    assert linker.lookup("r", kv([], ["a" * 64])) == [1]  # the store has a page there
+    assert linker.load("r", kv([3], ["a" * 64]))
+    index = linker.start_layer_wise_loading()
+    assert linker.finish_layer_wise_loading(index) is False
+    assert linker.refusals.count("load_miss") == 1
+    assert page_of(linker, 3) == [0.0] * 4  # nothing written to the device
+    assert linker.host.num_used == 0 and not linker.tier.counts.pinned
+    linker.close()
+
+
+@pytest.mark.parametrize("device_pages", [[40], [1, 1]])
+def test_a_refused_offload_or_load_leaks_nothing_and_raises_nothing(
+    tmp_path: Path, device_pages: list[int]
+) -> None:
+    """Scenario: an offload and a load name device pages the engine refuses (out of the
+    KV pool's range; one page twice). Each is refused and counted, nothing is raised into
+    SGLang, and no host page stays allocated or pinned (the old code leaked the offload's
+    host pages and raised the load's EngineError from start_layer_wise_loading)."""
+    linker = make(tmp_path)
+    keys = ["a" * 64, "b" * 64][: len(device_pages)]
+    assert linker.offload(kv(device_pages, keys)) is False
+    assert linker.refusals.count("offload") == 1 and linker.host.num_used == 0
+    fill(linker, 0, 2.0)
+    fill(linker, 1, 4.0)
+    assert linker.offload(kv([0, 1][: len(keys)], keys))
+    linker.transfers.drain()
+    assert linker.pop_completed_offload() is True
+    assert linker.load("r", kv(device_pages, keys))
+    index = linker.start_layer_wise_loading()
+    assert linker.finish_layer_wise_loading(index) is False
+    assert linker.refusals.count("load") == 1
+    assert not linker.tier.counts.pinned and linker.host.num_used == len(linker.tier)
     linker.close()

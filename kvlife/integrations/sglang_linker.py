@@ -2,14 +2,17 @@
 
 SGLang's unified radix cache reaches an external KV store through a linker whose
 completions carry no identity (a count, and ``pop_completed_offload()`` oldest first) and
-whose loads are cancelled by rid. Here every load and every offload is a kvlife
-:class:`~kvlife.Lifecycle` of its own: a load is ``Lifecycle.load`` (a ``LoadTicket``), an
-offload a chunk ``Ticket``; the copy engine's ack carries the ticket, so a late completion
-can only settle its own life, and ``cancel_queued_load(rid)`` can only reach the rid's
-*current* queued load, never one already started for an earlier request on that rid. An
-offload is reported complete (in submission order) only after its device -> host copy was
-acked and the store answered; lookups read the store, where a key still being written is
-not a hit.
+whose loads are cancelled by rid. Here every load and every offload is a small record
+(:class:`_Op`, not a request life: a linker sees operations, never requests) that owns its
+one ticket; the copy engine's ack carries the ticket, so a late completion can only settle
+its own operation, and ``cancel_queued_load(rid)`` can only reach the rid's *current*
+queued load, never one already started for an earlier request on that rid. The copies go
+through kvlife's one pipeline (:class:`~kvlife.transfers.Transfers`): a load promotes each
+stored page into the host tier (read, verified, pinned) and copies it to the device; an
+offload copies to host pages, then the store writes them. An offload is reported complete
+(in submission order) only after its copy was acked and the store answered; lookups read
+the store, where a key still being written is not a hit. Pages are named in a namespace of
+their model and rank (``<namespace>/<model>/tp<r>of<n>``), so no rank loads another's shard.
 
 Load it from SGLang's own factory::
 
@@ -17,25 +20,30 @@ Load it from SGLang's own factory::
       "linker_module_path": "kvlife.integrations.sglang_linker",
       "linker_extra_config": {"store": "directory", "store_dir": "/path", "host_pages": 4096}}'
 
-``linker_extra_config``: ``store`` (``"directory"``, default, with ``store_dir`` and
-``namespace``; or ``"memory"``), ``host_pages`` (host pages for copies in flight),
-``strict`` (raise kvlife refusals instead of counting them). See docs/sglang.md.
+``linker_extra_config``: ``store`` (``"directory"``, default, with ``store_dir``; or
+``"memory"``), ``namespace`` (the prefix of every rank's namespace, default
+``"sglang-linker"``), ``host_pages`` (host pages for copies in flight and loaded pages
+kept), ``strict`` (raise kvlife refusals instead of counting them). See docs/sglang.md.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from kvlife._lifecycle import FinishReason, Lifecycle, LoadTicket, Ticket
+from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import Ack
-from kvlife.errors import ConfigError, KVLifeError, ManagerError
+from kvlife.errors import ConfigError, DuplicateAck, EngineError, KVLifeError, ManagerError
+from kvlife.host_tier import HostTier, Lookup
 from kvlife.layout import LayerFirstLayout
 from kvlife.pool import HostPagePool
+from kvlife.refusals import Refusals
+from kvlife.store.base import StoreResult
+from kvlife.transfers import Transfers
 
 __all__ = ["linker_class"]  # and KVLifeCacheLinker, made on first use (it subclasses SGLang's)
 
@@ -43,15 +51,32 @@ logger = logging.getLogger(__name__)
 
 
 class _Op:
-    """One load or offload: its life, ticket, pages, and (offloads) its result."""
+    """One load or offload: the owner of its one ticket, its pages, and its result."""
 
-    __slots__ = ("device", "host", "keys", "lc", "result", "rid", "ticket")
+    __slots__ = ("device", "inflight", "keys", "result", "rid", "ticket")
 
-    def __init__(self, rid: str, lc: Lifecycle, keys: list[str], device: list[int]) -> None:
-        self.rid, self.lc, self.keys, self.device = rid, lc, keys, device
-        self.ticket: Ticket | LoadTicket | None = None
-        self.host: list[int] = []
+    def __init__(self, rid: str, keys: list[str], device: list[int], load: bool) -> None:
+        self.rid, self.keys, self.device = rid, keys, device
+        self.ticket: Ticket | LoadTicket = (
+            LoadTicket(self, 0, tuple(keys)) if load else (self, 0, tuple(keys), 0)
+        )
+        #: 1 while its copy is in flight (what the pipeline reads), else 0.
+        self.inflight = 0
+        #: None until known; then whether the load landed, or the offload was stored.
         self.result: bool | None = None
+
+    def ack(self, ticket: Any) -> None:
+        """Settle the copy in flight; any other ticket is refused and changes nothing."""
+        if ticket is not self.ticket or not self.inflight:
+            raise DuplicateAck(
+                f"linker {'load' if type(ticket) is LoadTicket else 'offload'} of rid "
+                f"{self.rid!r} has no copy in flight for this ticket",
+                event="ack",
+                state=None,
+                rid=self.rid,
+                ident=id(self),
+            )
+        self.inflight = 0
 
 
 class _KVLifeCacheLinker:
@@ -80,79 +105,79 @@ class _KVLifeCacheLinker:
         cfg = dict(extra_config or {})
         self.page_size = int(params.page_size)
         self.forward_stream = forward_stream
-        self.strict = bool(cfg.get("strict", False))
+        #: Refusals by kind (counted and logged; raised with ``strict``).
+        self.refusals = Refusals(strict=bool(cfg.get("strict", False)), logger=logger)
         kv = params.token_to_kv_pool_allocator.get_kvcache()
         self.layout = LayerFirstLayout(list(kv.k_buffer), list(kv.v_buffer), self.page_size)
         self.host = HostPagePool(
             int(cfg.get("host_pages", 1024)), self.layout.page_numel, self.layout.dtype
         )
         self.engine = _engine(self.layout, self.host)
-        self.store = _store(cfg)
+        self.namespace = linker_namespace(cfg, server_args, params)
+        self.store = _store(cfg, self.namespace)
+        #: Loaded pages stay here (evicted for room), pinned while a load reads them.
+        self.tier: HostTier[str] = HostTier(self.host, refusals=self.refusals)
+        self.transfers = Transfers(
+            self.engine,
+            self.host,
+            self.store,
+            refusals=self.refusals,
+            tier=self.tier,
+            acked=self._acked,
+            stored=self._stored,
+        )
         self._kv_pool = PoolName.KV
         self.pools = {PoolName.KV: kv}
         self.layer_done_counter = LayerWiseLoadCounter(self.layout.num_layers)
-        #: Refusals by kind (counted and logged; raised with ``strict``).
-        self.refusals: Counter[str] = Counter()
         self._queued: dict[str, _Op] = {}  # rid -> its current life's load, not started
         self._batches: dict[int, list[_Op]] = {}  # counter index -> loads started together
         self._offloads: deque[_Op] = deque()  # submission order; reported oldest first
-        self._by_life: dict[Lifecycle, _Op] = {}  # ops in flight, by the life their ack names
-        self._storing: dict[int, _Op] = {}  # store token -> offload being written
+        #: Offloads declined because the host pool was full (SGLang offers them again).
+        self.host_pool_exhausted = 0
 
     # ------------------------------------------------------------ lookups and loads
 
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         """Every prefix length (pages) whose pages are all in the store."""
-        keys = self._kv(transfers).keys or []
-        self._progress()
+        try:
+            keys = self._kv(transfers).keys or []
+        except KVLifeError as exc:
+            self.refusals.refuse("lookup", exc)
+            return []
+        self.transfers.poll()
         n = 0
         for key in keys:
-            if not self.store.contains(key):
+            if not self.transfers.in_store(key):
                 break
             n += 1
         return list(range(1, n + 1))
 
     def load(self, rid: str, transfers: list[Any]) -> bool:
-        """Queue a load of the stored pages into the transfer's device indices (a new life)."""
+        """Queue a load of the stored pages into the transfer's device indices."""
         try:
-            kv = self._kv(transfers)
-            keys = list(kv.keys or [])
-            device = self._pages(kv.device_indices)
+            keys, device = self._keys_and_pages(transfers)
             if rid in self._queued:
                 raise ManagerError(f"a load for rid {rid!r} is already queued")
-            if not keys or len(keys) != len(device):
-                raise ManagerError(f"{len(keys)} keys for {len(device)} device pages")
-            lc = Lifecycle(rid, page_size=self.page_size)
-            op = _Op(rid, lc, keys, device)
-            op.ticket = lc.load(keys)
         except KVLifeError as exc:
             return self._refused("load", exc)
-        self._queued[rid] = op
+        self._queued[rid] = _Op(rid, keys, device, load=True)
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
         """Cancel the rid's current load if it has not started; never touches a started one."""
-        op = self._queued.pop(rid, None)
-        if op is None:
-            return False
-        assert op.ticket is not None
-        op.lc.ack(op.ticket)  # it never ran: settled, and the life released
-        op.lc.finish(FinishReason.ABORTED)
-        return True
+        return self._queued.pop(rid, None) is not None
 
     def start_layer_wise_loading(self) -> int:
         """Start every queued load: stored pages into host pages, then host -> device."""
         index = int(self.layer_done_counter.update_producer())
         ops, self._queued = list(self._queued.values()), {}
-        started: list[_Op] = []
         for op in ops:
-            if self._start_load(op):
-                started.append(op)
-        self._batches[index] = started
+            self._start_load(op)
+        self._batches[index] = ops
         # The batch lands before the forward reads it: wait for its copies here, then every
         # layer is ready (a layer-wise engine would complete layers as they land).
-        self._progress(wait=True)
-        landed = all(op.result for op in started)
+        self.transfers.drain()
+        landed = all(op.result for op in ops)
         for layer in range(self.layout.num_layers):
             if landed:
                 self.layer_done_counter.complete(index, layer)
@@ -171,36 +196,29 @@ class _KVLifeCacheLinker:
     def offload(self, transfers: list[Any], session_id: str | None = None) -> bool:
         """Queue a device -> host -> store copy of the transfer's pages under its keys."""
         try:
-            kv = self._kv(transfers)
-            keys = list(kv.keys or [])
-            device = self._pages(kv.device_indices)
-            if not keys or len(keys) != len(device):
-                raise ManagerError(f"{len(keys)} keys for {len(device)} device pages")
-            host = self.host.alloc(len(device), owner=self)
-            if host is None:
-                self.refusals["host_pool_exhausted"] += 1
+            keys, device = self._keys_and_pages(transfers)
+            op = _Op(session_id or "offload", keys, device, load=False)
+            n = len(device)
+            host = self.host.alloc(n, owner=op)
+            if host is None and self.tier.make_room(n):  # evict loaded pages kept
+                host = self.host.alloc(n, owner=op)
+            if host is None:  # host pressure, not a refusal: counted, never raised
+                self.host_pool_exhausted += 1
                 return False
-            given = tuple(keys)
-            lc = Lifecycle(
-                session_id or "offload",
-                page_size=self.page_size,
-                hasher=lambda tokens, page_size, prior: list(given),
-            )
-            op = _Op(lc.rid if isinstance(lc.rid, str) else "", lc, keys, device)
-            op.host = host
-            ticket = lc.submit([0] * (len(keys) * self.page_size))
-            lc.finish(FinishReason.FINISHED)  # released at the ack
-            op.ticket = ticket
-            self.engine.submit(ticket, device, host)
+            try:
+                self.transfers.submit(op.ticket, device, host, checked=False)
+            except EngineError:
+                self.host.free(host, owner=op)  # refused: nothing copies, nothing leaks
+                raise
         except KVLifeError as exc:
             return self._refused("offload", exc)
-        self._by_life[lc] = op
+        op.inflight = 1
         self._offloads.append(op)
         return True
 
     def num_completed_offloads(self) -> int:
         """Offloads whose copy finished and whose store write answered, oldest first."""
-        self._progress()
+        self.transfers.poll()
         n = 0
         for op in self._offloads:
             if op.result is None:
@@ -219,9 +237,8 @@ class _KVLifeCacheLinker:
 
     def reset(self) -> None:
         """Wait for every copy and write, cancel queued loads, forget completed offloads."""
-        for rid in list(self._queued):
-            self.cancel_queued_load(rid)
-        self._progress(wait=True)
+        self._queued.clear()
+        self.transfers.drain()
         self._offloads.clear()
         self._batches.clear()
         self.layer_done_counter.reset()
@@ -242,72 +259,79 @@ class _KVLifeCacheLinker:
                 return transfer
         raise ManagerError("no KV pool transfer (kvlife's linker serves the KV pool)")
 
-    def _pages(self, indices: Any) -> list[int]:
-        if indices is None:
-            return []
+    def _keys_and_pages(self, transfers: Sequence[Any]) -> tuple[list[str], list[int]]:
+        kv = self._kv(transfers)
+        keys = list(kv.keys or [])
+        indices = kv.device_indices
         ps = self.page_size
-        return [int(i) // ps for i in torch.as_tensor(indices)[::ps].tolist()]
+        device = (
+            []
+            if indices is None
+            else [int(i) // ps for i in torch.as_tensor(indices)[::ps].tolist()]
+        )
+        if not keys or len(keys) != len(device):
+            raise ManagerError(f"{len(keys)} keys for {len(device)} device pages")
+        return keys, device
 
-    def _start_load(self, op: _Op) -> bool:
-        host = self.host.alloc(len(op.keys), owner=self)
-        pages = [self.store.get(key) for key in op.keys]
-        if host is None or any(page is None for page in pages):
-            if host is not None:
-                self.host.free(host, owner=self)
+    def _start_load(self, op: _Op) -> None:
+        """Promote every page of the load into the host tier (pinned), then copy them to
+        the device; a page missing, damaged or of another size fails the load, counted."""
+        tier, pages = self.tier, list[int]()
+        for key in op.keys:
+            found = tier.lookup(key)
+            if found is Lookup.HIT:
+                pages += tier.prepare_load([key]) or ()
+            elif found is Lookup.MISS and self.transfers.promote(key):
+                entry = tier.entry(key)
+                assert entry is not None  # promoted and pinned just now
+                pages.append(entry.page)
+            else:
+                tier.complete_load(op.keys[: len(pages)])
+                op.result = False
+                self.refusals.refuse(
+                    "load_miss", ManagerError(f"page {key[:16]} is not a whole page in the store")
+                )
+                return
+        try:
+            self.transfers.submit(op.ticket, op.device, pages, checked=False)
+        except EngineError as exc:
+            tier.complete_load(op.keys)
             op.result = False
-            self._settle(op)
-            return True
-        for page, data in zip(host, pages, strict=True):
-            assert data is not None
-            self.host.tensor[page].view(torch.uint8).copy_(
-                torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            )
-        op.host = host
-        assert op.ticket is not None
-        self.engine.submit(op.ticket, op.device, host)
-        self._by_life[op.lc] = op
-        return True
-
-    def _progress(self, wait: bool = False) -> None:
-        acks = self.engine.drain() if wait else self.engine.poll()
-        for ack in acks:
-            self._on_ack(ack)
-        results = self.store.drain() if wait else self.store.poll()
-        for result in results:
-            op = self._storing.pop(result.token)
-            self.host.free(op.host, owner=self)
-            op.result = result.ok
-
-    def _on_ack(self, ack: Ack) -> None:
-        op = self._by_life.pop(ack.ticket[0], None)  # the life the ack names, nothing else
-        if op is None:
-            self._refused("ack", ManagerError(f"an ack of no copy in flight: {ack.ticket[:2]!r}"))
+            self._refused("load", exc)
             return
-        if ack.is_load:
-            self.host.free(op.host, owner=self)
+        op.inflight = 1
+
+    def _acked(self, op: object, ack: Ack) -> None:
+        """A copy settled: a load landed or not; a failed offload copy is over."""
+        assert isinstance(op, _Op)
+        if ack.is_load or not ack.ok:
             op.result = ack.ok
-            self._settle(op)
-            return
-        op.lc.ack(op.ticket)  # type: ignore[arg-type]  # the device copy is done: released
-        if not ack.ok:
-            self.host.free(op.host, owner=self)
-            op.result = False
-            return
-        token = id(op)
-        self._storing[token] = op
-        self.store.put(token, op.keys, self.host.tensor[op.host])
 
-    def _settle(self, op: _Op) -> None:
-        assert op.ticket is not None
-        op.lc.ack(op.ticket)
-        op.lc.finish(FinishReason.FINISHED if op.result else FinishReason.ABORTED)
+    def _stored(self, op: object, result: StoreResult) -> None:
+        assert isinstance(op, _Op)
+        op.result = result.ok
 
     def _refused(self, kind: str, exc: KVLifeError) -> bool:
-        self.refusals[kind] += 1
-        if self.strict:
-            raise exc
-        logger.error("kvlife linker refused %s: %s", kind, exc)
+        self.refusals.refuse(kind, exc)
         return False
+
+
+def linker_namespace(cfg: dict[str, Any], server_args: Any, params: Any) -> str:
+    """``<namespace>/<model>/tp<r>of<n>[-pp..][-cp..]``: one namespace per model and rank,
+    so no rank reads another rank's shard or another model's pages."""
+    from kvlife.integrations.sglang import _model_component
+
+    prefix = str(cfg.get("namespace", "sglang-linker"))
+    model = _model_component(getattr(server_args, "model_path", None))
+    group, rank, size = getattr(params, "tp_cache_group", None), 0, 1
+    if group is not None and torch.distributed.is_initialized():
+        rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    shard = f"tp{rank}of{size}"
+    for part in ("pp", "attn_cp"):
+        n = int(getattr(params, f"{part}_size", 1) or 1)
+        if n > 1:
+            shard += f"-{part.replace('attn_', '')}{int(getattr(params, f'{part}_rank', 0))}of{n}"
+    return f"{prefix}/{model}/{shard}"
 
 
 def _engine(layout: LayerFirstLayout, host: HostPagePool) -> Any:
@@ -320,7 +344,7 @@ def _engine(layout: LayerFirstLayout, host: HostPagePool) -> Any:
     return CpuCopyEngine(layout, host)
 
 
-def _store(cfg: dict[str, Any]) -> Any:
+def _store(cfg: dict[str, Any], namespace: str) -> Any:
     kind = cfg.get("store", "directory")
     if kind == "memory":
         from kvlife.store import MemoryStore
@@ -331,7 +355,7 @@ def _store(cfg: dict[str, Any]) -> Any:
 
         if "store_dir" not in cfg:
             raise ConfigError("linker_extra_config needs store_dir for the directory store")
-        return LocalDirectoryStore(str(cfg["store_dir"]), str(cfg.get("namespace", "sglang")))
+        return LocalDirectoryStore(str(cfg["store_dir"]), namespace)
     raise ConfigError(f"linker_extra_config store must be 'directory' or 'memory': {kind!r}")
 
 

@@ -1,0 +1,402 @@
+"""The one copy pipeline: every host's copies, from the engine's ack to each host page's fate.
+
+Theory of operation
+===================
+
+A host (:class:`~kvlife.OffloadManager`, the vLLM worker, the SGLang linker)
+decides *what* to copy: which pages, under which keys, for which owner. The
+owner is what a ticket names (:data:`~kvlife.Ticket`): a request's
+:class:`~kvlife.Lifecycle`, or a host's own small record of one operation (a
+vLLM job, a linker load). Every owner has an ``inflight`` count and an
+``ack(ticket)`` that settles one of its tickets or raises
+:class:`~kvlife.errors.LifecycleError` (a duplicate, a forgery) and changes
+nothing. :class:`Transfers` does the rest, the same for every host:
+
+- **submit**: the engine takes a chunk whose checks passed; an engine that fails
+  to take it then is a failed copy, settled here like any other ack, and raised;
+- **acks**: polled or drained from the engine, agreed across ranks where there
+  is an :class:`~kvlife.manager.Agreement`, each applied to its ticket's owner
+  (never looked up by id), or handed to the pipeline that owns it (two managers
+  on one engine); a duplicate or forged ack is a counted refusal;
+- **a store's ack**: copied, its host pages go to the store under its keys (a
+  private copy where the host does not own the pages); failed, they are freed;
+- **store results**: the pages are freed, or adopted by the host tier where it
+  keeps written pages; counted; the host's ``stored`` hook hears each;
+- **a load's ack**: the host tier's pins on its keys are dropped;
+- **promotion**: a store page read, verified (whole, the pool's page size) and
+  written into the host tier under the tier's page rules, pinned for a load.
+
+Counts are by name (:class:`TransferCounts`, or a host's metrics object with the
+same fields); refusals go through one :class:`~kvlife.refusals.Refusals`. Only
+the scheduler thread drives a pipeline, as it drives the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from kvlife._lifecycle import LoadTicket, Ticket
+from kvlife.engine.base import Ack, page_index
+from kvlife.errors import (
+    CopyFault,
+    DrainTimeout,
+    EngineError,
+    LifecycleError,
+    ManagerError,
+    ReleaseCallbackError,
+    StoreError,
+)
+from kvlife.refusals import Refusals
+
+if TYPE_CHECKING:
+    from kvlife.engine.base import CopyEngine
+    from kvlife.host_tier import HostTier
+    from kvlife.manager import Agreement
+    from kvlife.pool import HostPagePool
+    from kvlife.store.base import Store, StoreResult
+
+__all__ = ["TicketOwner", "TransferCounts", "Transfers"]
+
+
+class TicketOwner(Protocol):
+    """What a ticket's owner offers the pipeline: a :class:`~kvlife.Lifecycle` has both."""
+
+    @property
+    def inflight(self) -> int:
+        """Tickets of this owner not yet acked."""
+        ...
+
+    def ack(self, ticket: Any) -> None:
+        """Settle one ticket; raise :class:`~kvlife.errors.LifecycleError` (nothing
+        changed) for one that is not in flight."""
+        ...
+
+
+@dataclass
+class TransferCounts:
+    """What a pipeline counts, by name (a host may pass its own object with these fields)."""
+
+    chunks_acked: int = 0
+    pages_offloaded: int = 0
+    copy_failures: int = 0
+    pages_stored: int = 0
+    store_failures: int = 0
+    pages_loaded: int = 0
+    load_failures: int = 0
+    pages_promoted: int = 0
+    release_callback_errors: int = 0
+    ack_latency_count: int = 0
+    ack_latency_sum_s: float = 0.0
+    ack_latency_max_s: float = 0.0
+
+
+#: Where an ack's owner belongs: the pipeline that applies it and the object its host
+#: pages are allocated to; ``None`` for an owner no pipeline of this host knows (forged).
+Route = Callable[[Any], "tuple[Transfers, object] | None"]
+#: The host's hook for each store result: the pages' owner and the result.
+StoredHook = Callable[[object, "StoreResult"], object]
+#: The host's hook for each ack applied and settled: the pages' owner and the ack.
+AckedHook = Callable[[object, Ack], object]
+
+
+class Transfers:
+    """The copy pipeline of one host: submit, acks to owners, store writes, promotion.
+
+    ``owns_pages``: the host allocated the chunks' host pages (under the owner
+    ``route`` names) and this pipeline frees them once settled; without it (the
+    vLLM worker, whose pages the scheduler allocates) the store gets a private
+    copy and no page is freed. ``tier``: where loads' pins are dropped, written
+    pages are kept (when it keeps them) and store pages are promoted to. ``route``
+    says which pipeline applies an owner's acks (default: this one); ``acked`` and
+    ``stored`` let the host hear each settled ack and store result.
+    """
+
+    def __init__(
+        self,
+        engine: CopyEngine,
+        host: HostPagePool,
+        store: Store | None,
+        *,
+        refusals: Refusals,
+        tier: HostTier[Any] | None = None,
+        agreement: Agreement | None = None,
+        counts: Any = None,
+        owns_pages: bool = True,
+        route: Route | None = None,
+        stored: StoredHook | None = None,
+        acked: AckedHook | None = None,
+    ) -> None:
+        self.engine = engine
+        self.host = host
+        self.store = store
+        self.tier = tier
+        self.agreement = agreement
+        self.refusals = refusals
+        #: Counters by name (:class:`TransferCounts` or the host's own, same fields).
+        self.counts: Any = TransferCounts() if counts is None else counts
+        self.owns_pages = owns_pages
+        self._route: Route = route if route is not None else (lambda owner: (self, owner))
+        self._stored = stored
+        self._acked = acked
+        self._acks: deque[Ack] = deque()  # taken from the engine, not yet applied
+        self._results: deque[StoreResult] = deque()  # taken from the store, not yet applied
+        self._writing: dict[object, tuple[Any, ...]] = {}  # store writes in flight: keys
+        #: Errors raised by release callbacks, newest last (bounded), for the host to log.
+        self.callback_errors: list[ReleaseCallbackError] = []
+
+    # ------------------------------------------------------------ submit
+
+    def submit(
+        self,
+        ticket: Ticket | LoadTicket,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
+        *,
+        checked: bool = True,
+    ) -> object:
+        """Hand a chunk to the engine; return its completion handle.
+
+        ``checked``: the chunk passed the engine's checks and its owner already holds the
+        ticket, so an engine that fails to take it now is a failed copy: settled here (its
+        pages freed or unpinned) and raised. ``checked=False``: the checks run here, once;
+        a refusal (:class:`~kvlife.errors.EngineError`) is raised with nothing changed, the
+        pages still the caller's, and the owner must count the ticket only after this
+        returns.
+        """
+        try:
+            handle = self.engine.submit(ticket, device_pages, host_pages)
+        except BaseException as exc:
+            if not checked and isinstance(exc, EngineError):
+                raise  # refused: nothing changed, nothing to settle
+            what = "load" if type(ticket) is LoadTicket else "chunk"
+            fault = CopyFault(f"the engine failed to take {what} {ticket[1]}: {exc!r}")
+            self.apply(Ack(ticket, tuple(device_pages), tuple(host_pages), fault))
+            raise
+        if self.agreement is not None:
+            self.agreement.submitted(ticket)
+        return handle
+
+    # ------------------------------------------------------------ progress
+
+    def poll(self) -> None:
+        """Apply completed copies and store writes (agreed first, with an agreement).
+
+        Acks and results taken wait here until applied, so an exception from one leaves
+        the others for the next call, none lost.
+        """
+        acks = self.engine.poll()
+        if self.agreement is not None:
+            acks = self.agreement.agree(acks)
+        self.apply_acks(acks)
+        if self.store is not None:
+            self.apply_results(self.store.poll())
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every copy and store write and apply them; ``timeout`` bounds the whole
+        call (:class:`~kvlife.errors.DrainTimeout`, nothing lost: a later call applies the rest)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        agreement, store = self.agreement, self.store
+        while True:
+            try:
+                acks = self.engine.drain(_left(deadline))
+                while True:  # with an agreement, until every rank completed its copies
+                    self.apply_acks(acks if agreement is None else agreement.agree(acks))
+                    if agreement is None or not agreement.pending:
+                        break
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise DrainTimeout(
+                            f"{agreement.pending} chunks not yet complete on every rank "
+                            f"after {timeout} s"
+                        )
+                    acks = []
+            finally:
+                if store is not None:
+                    self.apply_results(store.drain(_left(deadline)))
+            pending = agreement is not None and agreement.pending
+            writes = store is not None and store.pending
+            if not (self.engine.inflight or self._acks or writes or pending):
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise DrainTimeout(f"work still in flight after {timeout} s")
+
+    def apply_acks(self, acks: Sequence[Ack]) -> None:
+        """Apply ``acks`` (and any an earlier call left) in order."""
+        pending = self._acks
+        pending.extend(acks)
+        while pending:
+            self.apply(pending.popleft())
+
+    def apply(self, ack: Ack) -> None:
+        """Apply one ack to its ticket's owner and settle its pages (or hand it over)."""
+        ticket = ack.ticket
+        owner = ticket[0]
+        found = self._route(owner)
+        if found is None:  # forged: no owner of this host's to touch
+            self.refusals.refuse(
+                "ManagerError", ManagerError(f"an ack of no owner of this host: {owner!r:.80}")
+            )
+            return
+        pipeline, pages_owner = found
+        if pipeline is not self:  # an engine shared with another host: hand it over
+            pipeline._acks.append(ack)
+            return
+        inflight = owner.inflight
+        try:
+            owner.ack(ticket)
+        except ReleaseCallbackError as exc:
+            self.record_callback_error(exc)
+        except LifecycleError as exc:  # a duplicate ack from the engine: its pages are not ours
+            self.refusals.refuse(type(exc).__name__, exc)
+        finally:  # applied (even if a release callback raised KeyboardInterrupt): settle it
+            if owner.inflight != inflight:
+                if type(ticket) is LoadTicket:
+                    self._settle_load(ack)
+                else:
+                    self._settle_store(ack, pages_owner)
+                if self._acked is not None:
+                    self._acked(pages_owner, ack)
+
+    def _settle_load(self, ack: Ack) -> None:
+        """An applied load: the host tier's pins on its keys go."""
+        keys = ack.ticket[2]
+        if self.tier is not None:
+            self.tier.complete_load(keys)
+        if ack.error is None:
+            self.counts.pages_loaded += len(keys)
+        else:
+            self.counts.load_failures += 1
+
+    def _settle_store(self, ack: Ack, owner: object) -> None:
+        """An applied store's host pages: freed if the copy failed, else to the store."""
+        m, pages = self.counts, ack.host_pages
+        m.chunks_acked += 1
+        latency = ack.completed_at - ack.submitted_at
+        m.ack_latency_count += 1
+        m.ack_latency_sum_s += latency
+        m.ack_latency_max_s = max(m.ack_latency_max_s, latency)
+        if ack.error is not None:
+            m.copy_failures += 1
+            self._give_back(pages, owner)
+            return
+        m.pages_offloaded += len(pages)  # on the host now, whatever the store does
+        if self.store is None:
+            self._give_back(pages, owner)
+            return
+        try:
+            token = (self, owner, pages)
+            self.store.put(token, ack.ticket[2], self._rows(pages))
+            self._writing[token] = ack.ticket[2]
+        except BaseException as exc:  # refused or broken at once: never stored
+            m.store_failures += 1
+            self._give_back(pages, owner)
+            if not isinstance(exc, StoreError):
+                raise
+            self.refusals.refuse(type(exc).__name__, exc)
+
+    def _rows(self, pages: tuple[int, ...]) -> torch.Tensor:
+        """The host pages as one ``[n, page_numel]`` tensor: a view of consecutive pages the
+        pipeline owns until the write ends, else a private copy."""
+        first, tensor = pages[0], self.host.tensor
+        if not self.owns_pages:
+            return tensor.index_select(0, page_index(pages))
+        if len(pages) == 1 or pages == tuple(range(first, first + len(pages))):
+            return tensor[first : first + len(pages)]
+        return tensor[list(pages)]
+
+    def _give_back(self, pages: Sequence[int], owner: object) -> None:
+        if self.owns_pages:
+            self.host.free(pages, owner=owner)
+
+    def apply_results(self, results: Sequence[StoreResult]) -> None:
+        """Apply store results (and any an earlier call left): pages freed or kept."""
+        pending = self._results
+        pending.extend(results)
+        while pending:
+            result = pending.popleft()
+            token = result.token
+            if type(token) is not tuple or len(token) != 3 or type(token[0]) is not Transfers:
+                continue  # another writer's put to a shared store (a prefill side): not ours
+            pipeline: Transfers = token[0]
+            if pipeline is not self:  # a store shared with another host
+                pipeline._results.append(result)
+                continue
+            owner, pages = token[1], token[2]
+            keys = self._writing.pop(token, ())
+            tier = self.tier
+            if result.ok and tier is not None and tier.keep and len(keys) == len(pages):
+                tier.adopt(keys, pages, owner)  # a cache now, evicted for room
+            else:
+                self._give_back(pages, owner)
+            if result.ok:
+                self.counts.pages_stored += len(result.keys)
+            else:
+                self.counts.store_failures += 1
+            if self._stored is not None:
+                self._stored(owner, result)
+
+    # ------------------------------------------------------------ promotion
+
+    def promote(self, key: Any, name: Any = None) -> bool:
+        """Read ``key``'s page from the store (under ``name``, default the key) into the
+        host tier, verified and pinned for a load; whether it is there now. A page damaged,
+        gone, of another size, or a store that cannot answer is a miss."""
+        store, tier = self.store, self.tier
+        assert tier is not None, "promotion needs a host tier"
+        if store is None:
+            return False
+
+        def fill(page: int) -> bool:
+            try:
+                payload = store.get(key if name is None else name)
+            except (StoreError, OSError):
+                return False
+            return payload is not None and self.host.write_bytes(page, payload)
+
+        if tier.insert_ready(key, fill, pin=True):
+            self.counts.pages_promoted += 1
+            return True
+        return False
+
+    def in_store(self, key: Any) -> bool:
+        """Whether the store holds a whole page under ``key``; a store that cannot answer
+        now (a cluster busy or down, a read error) holds nothing a load could use."""
+        if self.store is None:
+            return False
+        try:
+            return self.store.contains(key)
+        except (StoreError, OSError):
+            return False
+
+    def writing(self, key: Any) -> bool:
+        """Whether a store write of ``key`` is in flight."""
+        return any(key in keys for keys in self._writing.values())
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no copy, no ack or result waiting, no store write."""
+        store = self.store
+        pending = self.agreement is not None and self.agreement.pending
+        return not (
+            self.engine.inflight
+            or self._acks
+            or self._results
+            or (store is not None and store.pending)
+            or pending
+        )
+
+    def record_callback_error(self, exc: ReleaseCallbackError) -> None:
+        """Count a release callback's error and keep it (the newest 100) for the host."""
+        self.counts.release_callback_errors += 1
+        self.callback_errors.append(exc)
+        del self.callback_errors[:-100]
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (never negative), or ``None`` for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
