@@ -760,6 +760,25 @@ class AliasedLoads(OffloadManager):
         return super().load(req, *args, **kwargs)
 
 
+class FailedLoadAsLoaded(OffloadManager):
+    """(P) A failed load reported as loaded (the blind spot issue 35 found adversarially): the
+    request is told its load copied every page, so the runtime never recomputes them and
+    decodes on whatever the failed copy left in its blocks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        acked = self.transfers._acked
+        assert acked is not None
+
+        def loaded_anyway(req: Any, ack: Ack) -> None:
+            if ack.is_load and not ack.ok:
+                req.loaded_pages += len(ack.keys)  # the bug: a failure counted as loaded
+                return
+            acked(req, ack)
+
+        self.transfers._acked = loaded_anyway
+
+
 def _unguarded(manager: Callable[..., OffloadManager]) -> Callable[[], ManagerAdapter]:
     class Adapter(ManagerAdapter):
         engine_class = _UnguardedEngine
@@ -778,5 +797,9 @@ LOAD_MUTANTS: dict[str, tuple[str, Callable[[], ManagerAdapter]]] = {
     "load-pending-served": ("M", _adapter(PendingServed)),
     "load-unpinned": ("N", _unguarded(UnpinnedLoad)),
     "load-aliased": ("O", _adapter(AliasedLoads)),
+    "load-failed-as-loaded": ("P", _adapter(FailedLoadAsLoaded)),
 }
 SHAPED.update(LOAD_MUTANTS)
+
+# Module-level, for ``kvlife check --runtime mutant_runtimes:load_failed_as_loaded``.
+load_failed_as_loaded = _adapter(FailedLoadAsLoaded)

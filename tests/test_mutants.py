@@ -204,6 +204,17 @@ EXPECTED: dict[str, tuple[CheckConfig, list[str], set[str]]] = {
         ],
         {"copy-owner", "restore-bytes", "unreleased"},
     ),
+    "load-failed-as-loaded": (
+        CheckConfig(1, 1, options=MANAGER, returns=1, return_chunks=1),
+        [
+            START,
+            "finish life 0 finished",
+            RETURN0,
+            "complete life 1 chunk 0 FAIL, poll",
+            "step life 1 +2 tokens",
+        ],
+        {"failed-load"},
+    ),
 }
 
 
@@ -217,7 +228,7 @@ def same_refusal(rules: set[str], message: str, replayed: BaseException) -> bool
 
 def test_every_shape_is_seeded() -> None:
     shapes = {shape for shape, _ in SHAPED.values()}
-    assert shapes >= set("ABCDEFGIJKLMNO") and len(SHAPED) >= 15
+    assert shapes >= set("ABCDEFGIJKLMNOP") and len(SHAPED) >= 15
     assert set(EXPECTED) == set(SHAPED) and set(MUTANTS) <= set(SHAPED)
 
 
@@ -242,6 +253,7 @@ EXAMPLES = {
     "sglang-resume-reuses-record": 300,
     "load-transfer-done-by-rid": 400,
     "load-unpinned": 200,
+    "load-failed-as-loaded": 200,
 }
 
 
@@ -296,6 +308,17 @@ def test_kvlife_check_runtime_catches_port_bugs(
     argv += ["--requests", str(cfg.requests), "--chunks", str(cfg.chunks), "--no-failures"]
     assert main([*argv, "--stuck-after", "0.5"]) == 1
     assert format_trace(shortest) in capsys.readouterr().out
+
+
+def test_kvlife_check_runtime_catches_a_failed_load_reported_as_loaded(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _cfg, shortest, _rules = EXPECTED["load-failed-as-loaded"]
+    argv = ["check", "--runtime", "mutant_runtimes:load_failed_as_loaded", "--requests", "1"]
+    argv += ["--chunks", "1", "--returns", "1", "--return-chunks", "1", "--jobs", "1"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "[failed-load]" in out and format_trace(shortest) in out
 
 
 DOCUMENTED = [

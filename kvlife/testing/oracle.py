@@ -51,6 +51,9 @@ class Life:
     loaded_pages: int = 0
     #: Its restored pages were checked (before its first decode step).
     restore_checked: bool = False
+    #: Prompt pages a failed load covered: to be recomputed (or loaded again) before the
+    #: life decodes on them (the failed-load rule, checked after its next step).
+    failed_pages: int = 0
 
     @property
     def running(self) -> bool:
@@ -211,6 +214,9 @@ class Oracle:
             life.tokens.extend(event.tokens)
             self._extend_keys(life)
             self._call(str(event), self.adapter.step, life.handle, event.tokens)
+            if life.failed_pages:
+                self.check()  # registers a load the step submitted again
+                self._check_failed_load(life)
         elif isinstance(event, Finish):
             life = self.lives[event.life]
             self.check()  # copies submitted before the finish are not a flush
@@ -261,7 +267,10 @@ class Oracle:
                 self._written.update(self._copy_keys(copy))
             return
         life, keys = load
-        if not ok or life.released:
+        if life.released:
+            return
+        if not ok:  # its pages hold whatever the copy left: recomputed before a decode
+            life.failed_pages = max(life.failed_pages, len(keys))
             return
         for i, key in enumerate(keys):
             if not self._page_holds(life, i, key):
@@ -404,6 +413,22 @@ class Oracle:
                     f"{life} decodes while its prompt page {i} holds neither a load's bytes nor "
                     f"its computed KV ({life.loaded_pages} of {life.prompt_pages} pages loaded)",
                 )
+
+    def _check_failed_load(self, life: Life) -> None:
+        """After a step of a life whose load failed: the pages that load covered hold their
+        computed KV (recomputed), unless a new load of them is still in flight (the runtime
+        loads them again and waits; that load's bytes are checked when it completes)."""
+        reloading = max(
+            (len(keys) for lf, keys in self._loads.values() if lf is life), default=0
+        )
+        for i in range(reloading, life.failed_pages):
+            if not self._page_holds(life, i, life.keys[i]):
+                raise InvariantViolation(
+                    "failed-load",
+                    f"{life} decoded on its prompt page {i}, which a failed load covered and "
+                    "nothing recomputed or loaded again (a failed load reported as loaded?)",
+                )
+        life.failed_pages = 0
 
     def _page_holds(self, life: Life, index: int, key: str) -> bool:
         """Whether the life's ``index``-th device page holds the bytes of ``key`` (true when
