@@ -375,8 +375,8 @@ def test_the_worker_takes_keywords_newer_vllm_passes() -> None:
 
 
 def test_an_ack_of_no_job_is_counted_and_logged_never_raised_into_vllm() -> None:
-    """An engine ack whose Lifecycle is no job's (it never should be) is counted and logged
-    once; the worker goes on and its next job still finishes."""
+    """An engine ack whose owner is no job (it never should be) is counted and logged once;
+    the worker goes on and its next job still finishes."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from kvlife.engine.base import Ack
@@ -385,9 +385,9 @@ def test_an_ack_of_no_job_is_counted_and_logged_never_raised_into_vllm() -> None
     views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
     worker = _worker(views)
     stranger = Lifecycle("not-a-job", page_size=1, hasher=lambda t, p, prior: ["ab"] * len(t))
-    worker._collect([Ack(stranger.submit([1]), (1,), (0,))])  # no engine makes this ack
-    worker._collect([Ack(stranger.submit([2]), (2,), (1,))])
-    assert worker.stats["unknown_acks"] == 2 and stranger.inflight == 2  # nothing moved
+    worker.transfers.apply_acks([Ack(stranger.submit([1]), (1,), (0,))])  # no engine made it
+    worker.transfers.apply_acks([Ack(stranger.submit([2]), (2,), (1,))])
+    assert worker.refusals.count("ManagerError") == 2 and stranger.inflight == 2  # unmoved
     assert worker.submit_store(1, GPULoadStoreSpec([3], [1], [0]), HostBlocksSpec([0], [key(3)]))
     worker.flush(timeout=10)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
@@ -1011,3 +1011,39 @@ def test_multiprocess_tp2_a_hit_is_host_bytes_in_every_rank_and_survives_the_pag
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+
+
+@pytest.mark.parametrize("flushed_by", ["steps", "on_reset_flushed"])
+def test_scenario_reset_cache_frees_no_page_a_copy_may_still_use(flushed_by: str) -> None:
+    """Scenario: a load job reads host page P and a store job writes page Q when vLLM
+    resets the offloaded cache (no completion of either will come). Before: both pages
+    were freed at once, and the next store (or a promotion) got P while the old load
+    still read it. Now P and Q stay held (orphans) until the workers flushed those jobs:
+    vLLM 0.33+ says so with on_reset_flushed(); vLLM 0.32 flushes them in the next step,
+    so they are free after the second scheduled step."""
+    m = manager(pages=3)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    load_page = m.prepare_load([key(1)], ctx).block_ids[0]
+    out = m.prepare_store([key(2)], ctx)
+    store_page = out.store_spec.block_ids[0]
+    m.reset_cache()
+    held = {load_page, store_page}
+    assert all(m.pool.owner_of(p) is not None for p in held)
+    assert m.has_pending_work()  # vLLM keeps stepping until they are free
+    other = ReqContext("s")
+    m.on_new_request(other)
+    plan = m.prepare_store([key(3)], other)  # the one free page, never P or Q
+    assert plan is not None and set(plan.store_spec.block_ids).isdisjoint(held)
+    assert m.prepare_store([key(4)], other) is None  # nothing else is free
+    if flushed_by == "steps":
+        m.on_schedule_end(SimpleNamespace(preempted_req_ids=()))
+        assert all(m.pool.owner_of(p) is not None for p in held)  # the flush is not run yet
+        m.on_schedule_end(SimpleNamespace(preempted_req_ids=()))
+    else:
+        m.on_reset_flushed()
+    assert all(m.pool.owner_of(p) is None for p in held)
+    assert m.accounting()["orphans"] == 0
+    m.complete_store({key(3)}, other)
+    assert m.accounting()["host_pages_used"] == 1

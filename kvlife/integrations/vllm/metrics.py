@@ -38,10 +38,6 @@ METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
 }
 
-#: The counter metrics' names, in the order ``get_stats`` reads its counts.
-_COUNTER_NAMES = tuple(name for name, (kind, _) in METRICS.items() if kind == "counter")
-
-
 class _LiveManagers:
     """The metrics source of this process's vLLM backend: its live managers' records summed."""
 

@@ -42,7 +42,7 @@ from kvlife.integrations.vllm._common import (
     page_namer,
     shut_down,
 )
-from kvlife.integrations.vllm.metrics import _COUNTER_NAMES
+from kvlife.integrations.vllm.metrics import METRICS
 from kvlife.manager import ManagerMetrics
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
@@ -88,6 +88,8 @@ class _Counts:
 
 #: Seconds every lookup misses after the persistent tier failed to answer.
 _DOWN_SECONDS = 5.0
+#: Scheduled steps after a reset until the workers flushed its jobs (vLLM 0.32).
+_FLUSH_STEPS = 2
 _COUNT_FIELDS = tuple(f.name for f in fields(_Counts))
 
 
@@ -150,7 +152,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._order: dict[Lifecycle, dict[OffloadKey, None]] = {}  # keys per life, seen order
         self._on_release = self._released  # one bound method for every Lifecycle
         self.counts = _Counts()
-        self._last_stats: tuple[int, ...] | None = None
+        self._last_stats: dict[str, float] | None = None
+        self._flush_steps = 0  # steps until a reset's orphans are free (vLLM 0.32)
         self._shut = False
         _LIVE_MANAGERS.add(self)
 
@@ -460,12 +463,16 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             yield OffloadingEvent(keys=list(event.keys), medium=_CPU, removed=event.removed)
 
     def has_pending_work(self) -> bool:
-        return bool(self._stores or self._loads)
+        return bool(self._stores or self._loads or self._flush_steps)
 
     def on_schedule_end(self, context: Any) -> None:
         self.counts.preemptions += len(context.preempted_req_ids)
         self._unhold()
         self.tier.expire()
+        if self._flush_steps:  # vLLM 0.32: the reset's flush ran by the second step's end
+            self._flush_steps -= 1
+            if not self._flush_steps:
+                self.tier.abandon()
 
     def _unhold(self) -> None:
         held, self._held = self._held, {}
@@ -484,37 +491,55 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 self._event("abandon", job.lifecycle.ack, job.ticket)
 
     def reset_cache(self) -> None:
-        """vLLM dropped its offloaded state: no complete_* will come for jobs begun before."""
+        """vLLM dropped its offloaded state: no complete_* will come for jobs begun before.
+
+        Entries a job may still copy (a store writing, a load reading) become orphans: not
+        hits, their pages held, never handed to a store or a promotion, until the workers
+        have flushed those jobs. vLLM 0.33+ says so (:meth:`on_reset_flushed`); vLLM 0.32
+        sends the flush with the next step's metadata and the workers wait on it before
+        that step's copies, so the orphans are freed at the end of the second scheduled step
+        after the reset (by then the first one's flush ran)."""
         self._abandon_jobs()
         self._unhold()
         self.tier.reset()
-        self.tier.abandon()
+        self._flush_steps = _FLUSH_STEPS if self.tier.counts.orphans else 0
         self._reads.clear()  # a read still running finishes into nothing
 
-    def get_stats(self) -> OffloadingConnectorStats | None:
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33+: every job begun before the reset is over; its orphans' pages are free."""
+        self._flush_steps = 0
+        self.tier.abandon()
+
+    def _stat_values(self) -> dict[str, float]:
+        """Every metric of :data:`~kvlife.integrations.vllm.metrics.METRICS`, by its name."""
         c, counts = self.tier.counts, self.counts
-        now = (  # in METRICS' counter order, then the gauges: no dict per step
-            c.stored,
-            counts.loaded,
-            counts.loaded_from_store,
-            counts.promoted,
-            counts.promote_misses,
-            c.evicted,
-            c.no_room,
-            self.refusals.total,
-            c.pending,
-            self._pool.num_used,
-        )
+        return {
+            "vllm:kvlife_stored_blocks": c.stored,
+            "vllm:kvlife_loaded_blocks": counts.loaded,
+            "vllm:kvlife_loaded_from_store_blocks": counts.loaded_from_store,
+            "vllm:kvlife_promoted_blocks": counts.promoted,
+            "vllm:kvlife_promote_misses": counts.promote_misses,
+            "vllm:kvlife_evicted_blocks": c.evicted,
+            "vllm:kvlife_dropped_host_full": c.no_room,
+            "vllm:kvlife_refused": self.refusals.total,
+            "vllm:kvlife_pending_blocks": c.pending,
+            "vllm:kvlife_host_usage_perc": self._pool.num_used / self.tier.capacity,
+        }
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        now = self._stat_values()
         last = self._last_stats
         if now == last:
             return None
         stats = OffloadingConnectorStats()
-        # The counters lead ``now``: zip stops at the last of their names.
-        for name, value, old in zip(_COUNTER_NAMES, now, last or (0,) * len(now), strict=False):
-            if value != old:
-                stats.increase_counter(name, value - old)
-        stats.set_gauge("vllm:kvlife_pending_blocks", now[-2])
-        stats.set_gauge("vllm:kvlife_host_usage_perc", now[-1] / self.tier.capacity)
+        for name, (kind, _) in METRICS.items():
+            value = now[name]
+            if kind == "gauge":
+                stats.set_gauge(name, value)
+            elif last is None or value != last[name]:
+                delta = value - (0 if last is None else last[name])
+                if delta:
+                    stats.increase_counter(name, delta)
         self._last_stats = now
         return stats
 
