@@ -145,7 +145,7 @@ def bench_directory(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
 def bench_mooncake(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
     from kvlife.store.base import frame_size
     from kvlife.store.mooncake import MooncakeStore
-    from kvlife.store.mooncake_local import LocalMooncake
+    from kvlife.testing.mooncake_local import LocalMooncake
 
     pool = f"{max(256, 6 * n * page_bytes // 2**20)}MB"
     names = ("raw_put", "put", "raw_put_page", "raw_get", "get", "raw_get_page_into")
@@ -155,9 +155,9 @@ def bench_mooncake(n: int, page_bytes: int, rounds: int) -> dict[str, Any]:
     with LocalMooncake(pool_size=pool) as cluster:
         store = MooncakeStore(cluster.master, cluster.metadata, "bench")
         client = store.client  # the same client: the same connection, the same pool
-        # The store's objects are the page and a header (key, length, checksum):
+        # The store's objects are the page and a header (key, namespace, length, checksum):
         # the raw side moves objects of that same size, the page in the same place.
-        stride = frame_size(_keys(1, 0, 2)[0], page_bytes)
+        stride = frame_size(_keys(1, 0, 2)[0], page_bytes, "bench")
         head = stride - page_bytes
         raw_buf = np.zeros(n * stride, dtype=np.uint8)
         raw_ptr = int(raw_buf.ctypes.data)

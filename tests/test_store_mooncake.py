@@ -36,7 +36,7 @@ from kvlife.store.base import (
 
 try:
     from kvlife.store.mooncake import MooncakeStore, load_client_class
-    from kvlife.store.mooncake_local import LocalMooncake
+    from kvlife.testing.mooncake_local import LocalMooncake
 
     load_client_class()
 except MissingDependency as exc:  # pragma: no cover - depends on the machine
@@ -302,7 +302,7 @@ def test_two_processes_share_pages(cluster: LocalMooncake, store: MooncakeStore)
 
 
 def test_no_master_is_a_typed_error_within_seconds() -> None:
-    from kvlife.store.mooncake_local import free_port
+    from kvlife.testing.mooncake_local import free_port
 
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable) as info:

@@ -578,7 +578,7 @@ def test_the_cache_directory_cleared_while_vllm_runs_outputs_right_vllm_up(
 def mooncake(tmp_path: Path) -> Iterator[Any]:
     """A real Mooncake master and memory pool on loopback ports, stopped by PID after."""
     pytest.importorskip("mooncake.store", reason="Mooncake is not installed (kvlife[mooncake])")
-    from kvlife.store.mooncake_local import LocalMooncake
+    from kvlife.testing.mooncake_local import LocalMooncake
 
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # loopback only
     bin_dir = str(Path(sys.executable).parent)  # the server binaries beside this interpreter
