@@ -529,20 +529,17 @@ class OffloadManager:
         except TypeError:
             raise self._invalid_step(req, "device_pages must be a sequence") from None
         tier, agreement = self.tier, self.agreement
-        wanted = keys[:limit]
+        wanted = todo = keys[:limit]
         if agreement is not None:  # promote only what every rank can: the same on each
-            wanted = wanted[: agreement.least(self._loadable(wanted))]
+            wanted = todo = wanted[: agreement.least(self._loadable(wanted))]
+            todo = wanted[: self._admit_promotions(wanted, agreement)]
         ready: list[str] = []
         host_pages: list[int] = []
-        for key in wanted:  # pinned one by one: making room never evicts them
+        for key in todo:  # pinned one by one: making room never evicts them
             found = tier.lookup(key)
             if found is Lookup.HIT:
                 host_pages += tier.prepare_load([key]) or ()
-            elif (
-                found is not Lookup.MISS
-                or (agreement is not None and not agreement.admit(1))
-                or not self.transfers.promote(key)
-            ):
+            elif found is not Lookup.MISS or not self.transfers.promote(key):
                 break
             else:
                 entry = tier.entry(key)
@@ -568,6 +565,20 @@ class OffloadManager:
         req.device_pages = device_pages  # the page table the release hands back, as offload's
         self.transfers.submit(ticket, device, host_pages)
         return ticket
+
+    def _admit_promotions(self, keys: Sequence[str], agreement: Agreement) -> int:
+        """How many leading ``keys`` a load may take: one host page admitted per page to
+        promote, before any read. It reads only what every rank sees alike (the agreed
+        keys, the host tier, whose entries are the agreed loads' pinned pages, and the
+        agreed budget), so every rank is charged the same whatever a read does later; a
+        page admitted and not loaded comes back with the budget at the next poll."""
+        tier, n = self.tier, 0
+        for key in keys:
+            found = tier.lookup(key)
+            if found is not Lookup.HIT and (found is not Lookup.MISS or not agreement.admit(1)):
+                break
+            n += 1
+        return n
 
     def _loadable(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are ready on the host tier or held by the store."""

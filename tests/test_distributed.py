@@ -147,11 +147,16 @@ class ReadFailingStore(MemoryStore):
 
 
 def make_rig(
-    rank: int, *, copy_delay: float = 0.0, workers: int = 1, timeout: float = TIMEOUT
+    rank: int,
+    *,
+    copy_delay: float = 0.0,
+    workers: int = 1,
+    timeout: float = TIMEOUT,
+    host_pages: int = 64,
 ) -> Rig:
     layout = LayerFirstLayout.zeros(1, 64, PAGE, 1, 4, dtype=torch.float32)
     layout.k_buffers[0].fill_(rank + 1.0)  # each rank's shard holds its own values
-    host = HostPagePool(64, layout.page_numel, torch.float32, pin_memory=False)
+    host = HostPagePool(host_pages, layout.page_numel, torch.float32, pin_memory=False)
     cpu = CpuCopyEngine(
         layout, host, copy_delay=copy_delay, delay_jitter=copy_delay, seed=rank, workers=workers
     )
@@ -416,6 +421,65 @@ def failing_peer_main(rank: int, world: int, port: int, out_dir: str, mode: str)
     os._exit(0)  # the group is broken: no orderly teardown
 
 
+def promotion_failure_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank of the promotion test: a 6-page host pool, three stored pages, and a read of
+    page 1 that fails on rank 0 only (gone after every rank agreed it was there)."""
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        init_rank(rank, world, port, TIMEOUT)
+        rig = make_rig(rank, host_pages=6)
+        m, ag = rig.manager, rig.agreement
+        prompt = tokens(3 * PAGE + 1, 5)
+        first = m.start("c", [], rig.on_release)  # it decoded ``prompt``: 3 pages stored
+        m.offload(first, [*prompt, 0], [0, 1, 2, 3])
+        m.finish(first)
+        m.close(timeout=TIMEOUT)
+        m.poll()  # every page back: the budget is the whole pool again
+        keys = m.lookup(prompt).keys
+        budgets: dict[str, Any] = {"before": ag._budget}
+        if rank == 0:
+            rig.store.fail_reads.add(keys[1])
+        back = m.start("b", prompt, rig.on_release)
+        ticket = m.load(back, [20, 21, 22])
+        budgets["after_load"] = ag._budget
+        loaded = 0 if ticket is None else len(ticket.keys)
+        # The next offload (4 pages) and polls: admitted alike on every rank, or on none.
+        new = m.start("d", [], rig.on_release)
+        offloads: list[bool] = []
+        errors: list[str | None] = []
+        toks = tokens(4 * PAGE, 9)
+        for _ in range(4):
+            toks.append(1)
+            offloads.append(m.offload(new, toks, list(range(30, 36))) is not None)
+            try:
+                m.poll()
+                errors.append(None)
+            except GroupBroken as exc:
+                errors.append(str(exc))
+                break
+        budgets["end"] = ag._budget
+        if errors[-1] is None:
+            m.finish(back)
+            m.finish(new)
+            m.close(timeout=TIMEOUT)
+        result.update(
+            budgets=budgets,
+            loaded=loaded,
+            offloads=offloads,
+            errors=errors,
+            stored=sorted(rig.store.keys()),
+            released=rig.released,
+            host_used=rig.host.num_used,
+            pinned=m.tier.counts.pinned,
+        )
+        rig.close_parts()
+    except Exception:
+        result["error"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # a broken group has no orderly teardown
+
+
 def spawn(
     target: Callable[..., object], world: int, tmp_path: Path, *args: Any
 ) -> tuple[list[int | None], list[dict[str, Any] | None]]:
@@ -533,6 +597,38 @@ def test_a_failed_rank_becomes_an_error_not_a_hang(mode: str, tmp_path: Path) ->
             assert "no peer answer in time" in r["message"], r
     if mode == "crash":
         assert codes[-1] == 3
+
+
+def test_a_promotion_failing_on_one_rank_keeps_every_rank_budget_equal(tmp_path: Path) -> None:
+    """Scenario: two ranks with a 6-page host pool each hold a 3-page prompt in the store; the
+    read of page 1 fails on rank 0 after every rank agreed it was there (an eviction).
+
+    The load copies page 0 on both ranks (the prefix every rank promoted). Every rank's host
+    budget stays equal (before: 6 and 6, then 4 on rank 0 and 3 on rank 1, so a 4-page
+    offload was admitted on rank 0 only and every rank raised GroupBroken at the next poll,
+    for good): the offload is deferred or taken alike on both, every poll agrees, the
+    offloaded pages reach the store, and nothing stays pinned or allocated.
+    """
+    codes, results = spawn(promotion_failure_main, 2, tmp_path)
+    assert codes == [0, 0], (codes, results)
+    ranks: list[dict[str, Any]] = []
+    for r in results:
+        assert r is not None and "error" not in r, r
+        ranks.append(r)
+    first, second = ranks
+    assert first["budgets"]["before"] == second["budgets"]["before"] == 6
+    # Every page the load would promote is charged on every rank before any read; the two
+    # not loaded come back with the budget at the next poll.
+    assert first["budgets"]["after_load"] == second["budgets"]["after_load"] == 6 - 3
+    assert first["loaded"] == second["loaded"] == 1
+    for r in ranks:
+        assert r["errors"] == [None] * 4, r["errors"]
+        assert any(r["offloads"]), r["offloads"]
+        assert r["host_used"] == 0 and r["pinned"] == 0
+        assert r["released"] == ["c", "b", "d"]
+    assert first["offloads"] == second["offloads"] == [False, True, False, False]
+    assert first["budgets"]["end"] == second["budgets"]["end"]
+    assert first["stored"] == second["stored"] and len(first["stored"]) == 3 + 4
 
 
 def test_simulate_command_with_two_ranks() -> None:
