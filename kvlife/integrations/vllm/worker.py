@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -18,13 +18,12 @@ import torch
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
 
-from kvlife import FinishReason, Lifecycle, LoadTicket, Ticket
+from kvlife import LoadTicket, Ticket
 from kvlife.engine import (
     Ack,
     CpuCopyEngine,
@@ -35,15 +34,13 @@ from kvlife.engine import (
     UnallocatedHostPage,
     host_runs,
 )
-from kvlife.errors import ConfigError, StoreError
+from kvlife.errors import ConfigError, DuplicateAck
 from kvlife.integrations.vllm._common import (
     _LIVE_WORKERS,
     _SHARED_POOLS,
     FROM_STORE,
     HostBlocksSpec,
     PersistentTier,
-    _hex_keys,
-    _start_store,
     _write_report,
     page_namer,
     shut_down,
@@ -52,8 +49,16 @@ from kvlife.integrations.vllm._common import (
 )
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
+from kvlife.refusals import Refusals
+from kvlife.store.base import StoreResult
+from kvlife.transfers import Transfers
 
 logger = logging.getLogger(__name__)
+
+#: vLLM 0.34 and later take a failed job (a failed load is recomputed, a failed store
+#: dropped) and hand the worker device pointers; vLLM 0.32 stops on a failed job and hands
+#: block ids.
+TAKES_FAILURES = hasattr(sys.modules[OffloadingWorker.__module__], "DevicePointers")
 
 
 def _block_views(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
@@ -157,9 +162,10 @@ class BlockViewsLayout(KVLayout):
             np.take(source, index, out=target, mode="clip")  # indices checked: no buffering
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared and hashed by identity, never by job id
 class _WorkerJob:
-    """One vLLM transfer job on the worker: its own Lifecycle, one result when it releases."""
+    """One vLLM transfer job on the worker: the owner of its chunks' tickets, a record
+    completed once its copies are over (one ``TransferResult``), never a state machine."""
 
     job_id: int
     load: bool
@@ -169,12 +175,28 @@ class _WorkerJob:
     copy_done: float = 0.0
     #: A copy of the job could not be made, even directly: its result says so.
     failed: bool = False
+    #: Chunks of the job in flight (what the pipeline reads).
+    inflight: int = 0
+
+    def ack(self, ticket: object) -> None:
+        """One chunk of the job is over; more acks than chunks are refused, nothing changed."""
+        if not self.inflight:
+            raise DuplicateAck(
+                f"job {self.job_id} has no chunk in flight",
+                event="ack",
+                state=None,
+                rid=self.job_id,
+                ident=id(self),
+            )
+        self.inflight -= 1
 
 
 class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
-    """Copies blocks between vLLM's KV cache and host page rows through a kvlife copy
-    engine. Each job's Lifecycle is finished at submit; the engine acks its chunks and
-    its one release is the job's one ``TransferResult``."""
+    """Copies blocks between vLLM's KV cache and host page rows through kvlife's copy
+    pipeline (:class:`~kvlife.transfers.Transfers`): each job is a record that owns its
+    chunks' tickets; the engine acks them, the pipeline writes stored blocks to the
+    persistent tier (a private copy: the scheduler owns the host pages), and a job whose
+    last chunk is over is the job's one ``TransferResult``."""
 
     def __init__(
         self,
@@ -209,11 +231,29 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self._pinned = list(pinned)  # the pool's page-locked ranges, unlocked at shutdown
         self._pages_claimed = False
         self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
-        self._by_life: dict[Lifecycle, _WorkerJob] = {}  # the same jobs, by their Lifecycle
         self._finished: list[TransferResult] = []
         self._shut = False
+        #: Refusals and failures by kind (counted, logged once per kind; raised with strict).
+        self.refusals = Refusals(strict=strict, logger=logger)
+        #: The copy pipeline: acks to their jobs, stored blocks to the persistent tier.
+        self.transfers = Transfers(
+            self.engine,
+            pool,
+            store,
+            refusals=self.refusals,
+            owns_pages=False,
+            route=self._route,
+            acked=self._acked,
+            stored=self._stored,
+        )
         self.stats: Counter[str] = Counter()
         self.seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
+        # Each view's base address and row stride, in vLLM's data-ref order, to read device
+        # pointers (vLLM 0.34) back as block ids: a pointer is ``base + block * stride``.
+        refs = kv_caches.group_data_refs[0]
+        tensors = [kv_caches.tensors[ref.tensor_idx].tensor for ref in refs]
+        self._bases = np.array([t.data_ptr() for t in tensors], dtype=np.uint64)[:, None]
+        self._strides = np.array([t.stride(0) for t in tensors], dtype=np.uint64)[:, None]
         _LIVE_WORKERS.add(self)
 
     @property
@@ -227,6 +267,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         return len(self._jobs)
 
     def _error_once(self, kind: str, message: str) -> None:
+        """A failure the worker recovers from: counted under ``kind`` and logged the first
+        time (never raised: vLLM 0.32 cannot take a failed job)."""
         self.stats[kind] += 1
         if self.stats[kind] == 1:
             logger.error("kvlife worker: %s (%s); counted, logged once", kind, message)
@@ -242,7 +284,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             return True
         return False
 
-    def _start(self, job_id: int, load: bool, blocks: int) -> tuple[_WorkerJob, Lifecycle]:
+    def _start(self, job_id: int, load: bool, blocks: int) -> _WorkerJob:
         if not self._pages_claimed:  # the first job
             self._pages_claimed = True
             # No manager here took the pool (vLLM's multiprocess mode; or no pool key): the
@@ -253,35 +295,41 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         if job_id in self._jobs:  # vLLM reused a job id in flight: both still get results
             self._error_once("job_id_in_flight", f"job {job_id} submitted while in flight")
         job = _WorkerJob(job_id, load, blocks, time.perf_counter())
-        lifecycle = Lifecycle(
-            job_id, page_size=1, hasher=_hex_keys, on_release=partial(self._released, job)
-        )
         self._jobs[job_id] = job
-        self._by_life[lifecycle] = job
-        return job, lifecycle
+        return job
 
     def _submit(
         self, job: _WorkerJob, ticket: Ticket | LoadTicket, device: list[int], host: list[int]
     ) -> None:
-        """Hand one chunk to the engine; a chunk it refuses is acked here, counted."""
-        engine = self.engine
+        """Hand one chunk to the pipeline (checked once, by the engine); a chunk it refuses
+        is counted and made here or skipped."""
+        transfers = self.transfers
         try:
             try:
-                job.event = engine.submit(ticket, device, host)
+                job.event = cast(Any, transfers.submit(ticket, device, host, checked=False))
             except PageBusy:  # in use by an earlier copy (after a reset or an abort): wait
                 self.stats["engine_busy_waits"] += 1
-                self._collect(engine.drain())
-                job.event = engine.submit(ticket, device, host)
+                transfers.apply_acks(self.engine.drain())
+                job.event = cast(Any, transfers.submit(ticket, device, host, checked=False))
         except UnallocatedHostPage as exc:
             # vLLM reset the offloaded cache (the manager freed the pages) before it
             # submitted this stale job; its result is ignored, nothing reads the pages.
             self.stats["stale_jobs_skipped"] += 1
             logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
-            ticket[0].ack(ticket)
+            return
         except EngineError as exc:
             self._error_once("copy_refused", repr(exc))
+            self._recover(job, device, host)
+            return
+        job.inflight += 1
+
+    def _recover(self, job: _WorkerJob, device: Sequence[int], host: Sequence[int]) -> None:
+        """A chunk the engine refused or failed: vLLM 0.34+ takes the job as failed (a
+        load is recomputed, a store dropped); vLLM 0.32 cannot, so it is made here."""
+        if TAKES_FAILURES:
+            job.failed = True
+        else:
             self._copy_directly(job, device, host)
-            ticket[0].ack(ticket)
 
     def _copy_directly(
         self, job: _WorkerJob, device_pages: Sequence[int], host_pages: Sequence[int]
@@ -301,11 +349,25 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             return
         self.stats["copies_made_directly"] += 1
 
-    def _released(self, job: _WorkerJob, lifecycle: Lifecycle) -> None:
-        """The job's Lifecycle released: every copy of the job is over. Its one result."""
+    def _route(self, owner: object) -> tuple[Transfers, object] | None:
+        """Only a job's ack is this worker's (any other is refused: counted, never raised)."""
+        return (self.transfers, owner) if type(owner) is _WorkerJob else None
+
+    def _acked(self, job: object, ack: Ack) -> None:
+        """A chunk of ``job`` is over (the pipeline applied it): a failed copy is made
+        again directly; the job's last chunk makes its result."""
+        assert isinstance(job, _WorkerJob)
+        job.copy_done = ack.completed_at
+        if ack.error is not None:  # the job fails (vLLM 0.34+), or is made again (0.32)
+            self._error_once("copy_failures", repr(ack.error))
+            self._recover(job, ack.device_pages, ack.host_pages)
+        if not job.inflight:
+            self._done(job)
+
+    def _done(self, job: _WorkerJob) -> None:
+        """Every copy of the job is over: its one result."""
         if self._jobs.get(job.job_id) is job:  # not a later job that reused the id
             del self._jobs[job.job_id]
-        del self._by_life[lifecycle]
         elapsed = (job.copy_done or time.perf_counter()) - job.started
         self.stats["loaded_blocks" if job.load else "stored_blocks"] += job.blocks
         self.seconds["load" if job.load else "store"] += elapsed
@@ -313,60 +375,83 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             TransferResult(job.job_id, not job.failed, job.blocks * self.row_bytes, elapsed)
         )
 
-    def _collect(self, acks: Iterable[Ack]) -> None:
-        """Ack each engine ack to its job's Lifecycle (never looked up by job id)."""
-        for ack in acks:
-            job = self._by_life.get(ack.owner)
-            if job is None:  # every ticket the engine holds is a job's: never raise in vLLM
-                self._error_once("unknown_acks", repr(ack.ticket))
-                continue
-            job.copy_done = ack.completed_at
-            if ack.error is not None:  # made again directly; a failure only if that fails
-                self._error_once("copy_failures", repr(ack.error))
-                self._copy_directly(job, ack.device_pages, ack.host_pages)
-            if not ack.is_load and self._store is not None and not job.failed:
-                try:  # a private copy: the host pages may be evicted before the write ends
-                    pages = torch.tensor(ack.host_pages, dtype=torch.int64)
-                    rows = self._pool.tensor.index_select(0, pages)
-                    names = [self._names(k) for k in ack.keys]
-                    self._store.put(job.job_id, names, rows)
-                except StoreError as exc:
-                    self._error_once("store_put_refused", repr(exc))
-            ack.owner.ack(ack.ticket)
+    def _stored(self, job: object, result: StoreResult) -> None:
+        if result.ok:
+            self.stats["disk_pages_written"] += len(result.keys)
+        else:
+            self._error_once("disk_write_failures", repr(result.error))
+
+    def _device_blocks(self, device: Any) -> list[int] | None:
+        """A job's device blocks: vLLM 0.32's ``GPULoadStoreSpec`` names them; vLLM 0.34's
+        ``DevicePointers`` gives each view's row address (``base + block * stride``, views
+        in data-ref order), read back here: every view must name the same blocks, inside the
+        cache. ``None`` (counted) for pointers this worker's cache does not hold."""
+        ptrs = getattr(device, "ptrs", None)
+        if ptrs is None:
+            blocks: list[int] = device.block_ids.tolist()
+            return blocks
+        counts, bases = tuple(device.group_block_counts), self._bases
+        n = counts[0] if counts else 0
+        if len(counts) != 1 or len(ptrs) != n * len(bases):
+            self._error_once("device_pointers_refused", f"{len(counts)} groups, {len(ptrs)} ptrs")
+            return None
+        offsets = np.asarray(ptrs, dtype=np.uint64).reshape(len(bases), n) - bases
+        rows = offsets // self._strides
+        if n and (
+            (rows * self._strides != offsets).any()
+            or (rows != rows[0]).any()
+            or int(rows[0].max()) >= self.layout.num_pages
+        ):
+            self._error_once("device_pointers_refused", "pointers outside the KV cache views")
+            return None
+        return [int(b) for b in rows[0].tolist()]
 
     def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, **kwargs: Any
+        self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec, **kwargs: Any
     ) -> bool:
+        """Device -> host: ``src_spec`` is vLLM 0.32's ``GPULoadStoreSpec`` or vLLM 0.34's
+        ``DevicePointers``; ``dst_spec`` the scheduler's host pages."""
         spec = cast(HostBlocksSpec, dst_spec)
         host_pages = list(spec.block_ids)
-        job, lifecycle = self._start(job_id, False, len(host_pages))
-        if host_pages:
-            ticket = _start_store(lifecycle, spec.keys)
-            self._submit(job, ticket, src_spec.block_ids.tolist(), host_pages)
-        lifecycle.finish(FinishReason.FINISHED)
+        job = self._start(job_id, False, len(host_pages))
+        device = self._device_blocks(src_spec)
+        if device is None:
+            job.failed = True
+        elif host_pages:  # named for the persistent tier where there is one, once, here
+            names = self._names
+            keys = tuple(map(names, spec.keys) if self._store is not None else spec.keys)
+            self._submit(job, (job, 0, keys, 0), device, host_pages)
+        if not job.inflight:
+            self._done(job)
         return True
 
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, **kwargs: Any
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, **kwargs: Any
     ) -> bool:
+        """Host -> device: ``dst_spec`` is vLLM 0.32's ``GPULoadStoreSpec`` or vLLM 0.34's
+        ``DevicePointers`` (``expedited`` loads are copied like the rest)."""
         spec = cast(HostBlocksSpec, src_spec)
         host_ids = spec.block_ids
-        device_ids: list[int] = dst_spec.block_ids.tolist()
-        job, lifecycle = self._start(job_id, True, len(device_ids))
+        blocks = self._device_blocks(dst_spec)
+        device_ids: list[int] = blocks if blocks is not None else []
+        job = self._start(job_id, True, len(host_ids))
+        if blocks is None or len(blocks) != len(host_ids):
+            job.failed = True
+            self._done(job)
+            return True
         keys, device, host = spec.keys, device_ids, list(host_ids)
         if FROM_STORE in host_ids:  # blocks the persistent tier holds: read here, first
             disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
-            ticket = lifecycle.load([keys[i].hex() for i in disk])
             names = [self._names(keys[i]) for i in disk]
             self._load_from_store(job, names, [device_ids[i] for i in disk])
-            lifecycle.ack(ticket)
             on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
             keys = [spec.keys[i] for i in on_host]
             device = [device_ids[i] for i in on_host]
             host = [host_ids[i] for i in on_host]
         if host:  # the rest (every block, in the common case) from host pages: one chunk
-            self._submit(job, lifecycle.load(_hex_keys(keys, 1, None)), device, host)
-        lifecycle.finish(FinishReason.FINISHED)
+            self._submit(job, LoadTicket(job, 0, tuple(keys)), device, host)
+        if not job.inflight:
+            self._done(job)
         return True
 
     def _load_from_store(self, job: _WorkerJob, names: list[str], blocks: list[int]) -> None:
@@ -383,17 +468,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             row = torch.frombuffer(bytearray(payload), dtype=torch.int8)
             self.layout.write_page(block, row.to(self.layout.device))
 
-    def _poll_store(self, results: Iterable[Any]) -> None:
-        for result in results:
-            if result.ok:
-                self.stats["disk_pages_written"] += len(result.keys)
-            else:
-                self._error_once("disk_write_failures", repr(result.error))
-
     def get_finished(self) -> list[TransferResult]:
-        self._collect(self.engine.poll())
-        if self._store is not None:
-            self._poll_store(self._store.poll())
+        self.transfers.poll()
         finished, self._finished = self._finished, []
         return finished
 
@@ -404,20 +480,18 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         for event in events:
             event.synchronize()
         if events:
-            self._collect(self.engine.poll())
+            self.transfers.apply_acks(self.engine.poll())
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every copy is over and the persistent tier wrote every queued page."""
-        self._collect(self.engine.drain(timeout))
-        if self._store is not None:
-            self._poll_store(self._store.drain(timeout))
+        self.transfers.drain(timeout)
 
     def shutdown(self) -> None:
         if self._shut:
             return
         self._shut = True
         steps: list[tuple[str, Callable[[], object]]] = [
-            ("drain", lambda: self._collect(self.engine.drain(timeout=60.0))),
+            ("drain", lambda: self.transfers.apply_acks(self.engine.drain(timeout=60.0))),
             ("engine_close", self.engine.close),
             ("unpin", self._unpin),
             ("unshare", self._unshare),
@@ -439,10 +513,11 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         store, self._store = self._store, None
         if store is not None:
             store.close()
-            self._poll_store(store.drain())
+            self.transfers.apply_results(store.drain())
 
     def _report(self) -> None:
         assert self._report_dir is not None
         report = {**self.stats, **{f"{k}_seconds": v for k, v in self.seconds.items()}}
+        report.update(self.refusals.snapshot())
         report["jobs_in_flight"] = len(self._jobs)
         _write_report(self._report_dir, f"worker-{os.getpid()}.json", report)
