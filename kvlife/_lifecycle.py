@@ -86,6 +86,7 @@ from kvlife.hashing import PageHasher, sglang_page_hashes
 
 __all__ = [
     "AUTOMATIC",
+    "DECODING",
     "GUARDS",
     "TABLE",
     "Event",
@@ -278,6 +279,14 @@ _ON_ACK = _rows_of(_NEXT, _ACK)
 _ON_LOAD_ACK = _rows_of(_NEXT, _LOAD_ACK)
 _ON_FINISH = _flat(_rows_of(_NEXT, _FINISH))
 _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
+
+#: Whether a life in each state is still decoding: the table lets it finish (and so
+#: submit and load). Derived from the table here, so no other module keeps a list of
+#: states (h2's ``STREAM_OPEN``); read it as ``DECODING[state]``. A dict rather than a
+#: property or ``state in (...)``: hosts ask on every step of every request, and one dict
+#: lookup keyed by the state's identity hash runs in C, where a tuple compares member by
+#: member and a property adds a call.
+DECODING: dict[State, bool] = {state: state in _ON_FINISH for state in State}
 
 
 #: One submitted chunk, as a plain tuple ``(owner, seq, keys, first_page)``; unpack it.

@@ -29,6 +29,7 @@ from threading import get_ident
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvlife._lifecycle import (
+    DECODING,
     FinishReason,
     Lifecycle,
     LifecycleSnapshot,
@@ -116,7 +117,6 @@ class OffloadRequest:
 
     __slots__ = (
         "__weakref__",
-        "_decoding",
         "_lifecycle",
         "device_pages",
         "load_failures",
@@ -138,7 +138,6 @@ class OffloadRequest:
         #: The manager that started the life (the only one that takes it).
         self.manager = manager
         self._lifecycle = lifecycle
-        self._decoding = True  # until the manager's finish: steps are taken
         #: The request's device page table as last given (page i holds tokens [i*P, (i+1)*P)).
         #: Kept by reference, not copied (a copy per step would cost the hot path): the
         #: release handler receives this same object, so mutate it only through steps.
@@ -169,6 +168,11 @@ class OffloadRequest:
     def inflight(self) -> int:
         """Chunks and loads started and not yet acked."""
         return self._lifecycle.inflight
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the request still decodes (steps and loads are taken): not finished."""
+        return DECODING[self._lifecycle._state]
 
     @property
     def loading(self) -> bool:
@@ -389,7 +393,7 @@ class OffloadManager:
         # once a chunk is due.
         if req.__class__ is not OffloadRequest or req.manager is not self:
             self._check_owned(req)
-        if not req._decoding:
+        if not DECODING[req._lifecycle._state]:
             raise self._invalid_step(req, "decoding has ended; no more steps")
         first = req.next_page  # pages prefilled or already offloaded
         start = first * self.page_size
@@ -463,16 +467,15 @@ class OffloadManager:
         """
         self._check_thread()
         self._check_owned(req)
-        kept, decoding = req.device_pages, req._decoding
+        kept = req.device_pages
         if device_pages is not None:
             req.device_pages = device_pages
-        req._decoding = False  # before the release handler runs: it may step no more
-        try:
+        try:  # the release handler runs after the state moved on: it may step no more
             req._lifecycle.finish(reason)
         except ReleaseCallbackError as exc:
             self.transfers.record_callback_error(exc)
         except LifecycleError as exc:  # refused before anything changed
-            req.device_pages, req._decoding = kept, decoding
+            req.device_pages = kept
             self.refusals.counted(exc)
             raise
 
@@ -517,7 +520,7 @@ class OffloadManager:
         """
         self._check_thread()
         self._check_owned(req)
-        if not req._decoding:
+        if not DECODING[req._lifecycle._state]:
             raise self._invalid_step(req, "decoding has ended; nothing to load into")
         keys = req.prompt_keys
         limit = len(keys) if pages is None else _count("pages", pages, 0)
@@ -673,11 +676,8 @@ class OffloadManager:
         by_state = Counter(req.state.name for req in tuple(self._live))
         return replace(
             m,
-            lifecycles_by_state={
-                **{
-                    s.name: by_state[s.name]
-                    for s in (State.IDLE, State.OFFLOADING, State.LOADING, State.FINISHED)
-                },
+            lifecycles_by_state={  # every state: live requests by state, then the released
+                **{s.name: by_state[s.name] for s in State},
                 State.RELEASED.name: self._released,
             },
             chunks_in_flight=m.chunks_submitted - m.chunks_acked,

@@ -537,3 +537,48 @@ def test_rid_and_page_size_are_fixed_for_the_life() -> None:
         with pytest.raises(AttributeError):
             setattr(lc, name, value)
     assert (lc.rid, lc.page_size, lc.snapshot()) == ("r", 2, before)
+
+
+def test_still_decoding_is_a_predicate_of_the_state_derived_from_the_table() -> None:
+    """Issue 32 item 4: ``DECODING`` is the one definition of "still decoding": a state
+    decodes exactly when the table lets it finish, submit and load; every state has an
+    answer; a Lifecycle's state reads it through every event."""
+    from kvlife._lifecycle import DECODING, TABLE
+
+    def allowed(event: Event) -> set[State]:
+        return {row.source for row in TABLE if row.event is event}
+
+    assert set(DECODING) == set(State)
+    decoding = {s for s, yes in DECODING.items() if yes}
+    assert decoding == allowed(Event.FINISH) == allowed(Event.SUBMIT) == allowed(Event.LOAD)
+    assert decoding == {State.IDLE, State.OFFLOADING, State.LOADING}
+    lc = Lifecycle("r", page_size=PAGE, hasher=label_hasher)
+    load = lc.load(["x"])
+    chunk = lc.submit([10, 11])
+    assert DECODING[lc.state] and lc.state is State.OFFLOADING
+    lc.ack(chunk)
+    assert DECODING[lc.state] and lc.state is State.LOADING
+    lc.finish()
+    assert not DECODING[lc.state] and lc.state is State.FINISHED
+    lc.ack(load)
+    assert not DECODING[lc.state] and lc.state is State.RELEASED
+
+
+def test_no_module_but_the_state_module_keeps_a_list_of_states() -> None:
+    """What derives from the state lives in ``kvlife/_lifecycle.py``: no other module of the
+    package spells a tuple, list or set of two or more states (``(State.IDLE,
+    State.OFFLOADING)`` was the SGLang decode manager's "live", and the manager listed the
+    live states for its metrics)."""
+    import re
+    from pathlib import Path
+
+    import kvlife
+
+    root = Path(kvlife.__file__).parent
+    pattern = re.compile(r"[(\[{]\s*State\.[A-Z_]+\s*,\s*State\.[A-Z_]+")
+    offenders = [
+        str(path.relative_to(root))
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "_lifecycle.py" and pattern.search(path.read_text(encoding="utf-8"))
+    ]
+    assert offenders == []

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from kvlife._lifecycle import FinishReason, Lifecycle, State, Ticket
+from kvlife._lifecycle import DECODING, FinishReason, Lifecycle, Ticket
 from kvlife.engine.base import Ack
 from kvlife.errors import ConfigError, KVLifeError, ManagerError
 from kvlife.hashing import sglang_page_hashes
@@ -59,7 +59,6 @@ __all__ = ["decode_manager_class", "install", "uninstall"]  # and KVLifeDecodeOf
 
 logger = logging.getLogger(__name__)
 
-_LIVE = (State.IDLE, State.OFFLOADING)
 _SCHEDULER = "sglang.srt.managers.scheduler"
 
 
@@ -212,7 +211,7 @@ class _KVLifeDecodeOffload:
         try:
             life = self._life_of(req)
             lc = life.lifecycle
-            if lc.state not in _LIVE:
+            if not DECODING[lc.state]:
                 raise ManagerError(f"offload of {lc!r} after its life ended")
             start = life.prefill_len + lc.tokens_submitted
             have = len(req.origin_input_ids) + len(req.output_ids) - 1  # the newest has no KV
@@ -354,7 +353,7 @@ class _KVLifeDecodeOffload:
             self.released += 1
             return
         lc = life.lifecycle
-        if lc.state in _LIVE:
+        if DECODING[lc.state]:
             try:
                 lc.finish(_reason(req))
             except KVLifeError as exc:
@@ -434,7 +433,7 @@ class _KVLifeDecodeOffload:
         """A retracted request came back (or finished): its old life ends RETRACTED."""
         lc = life.lifecycle
         life.retracted = True  # its pages went back (or wait in the guard) with the retraction
-        if lc.state in _LIVE:
+        if DECODING[lc.state]:
             try:
                 lc.finish(FinishReason.RETRACTED)
             except KVLifeError as exc:
@@ -496,7 +495,7 @@ class _KVLifeDecodeOffload:
         life = lc.owner
         assert isinstance(life, _Life)
         req = life.req()
-        if req is None or self._lives.get(req) is not life or lc.state not in _LIVE:
+        if req is None or self._lives.get(req) is not life or not DECODING[lc.state]:
             return
         if life.generation != req.retraction_count:
             return  # retracted: its end and the resumed life are _life_of's
