@@ -8,6 +8,7 @@ neither skip nor repeat an interleaving unnoticed.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,12 @@ from kvlife.cli import main
 from kvlife.errors import ConfigError
 from kvlife.testing import KitOptions, ManagerAdapter
 from kvlife.testing.command import adapter_problem, load_runtime
+from kvlife.testing.events import Poll
 from kvlife.testing.exhaustive import (
     CheckConfig,
     check_exhaustively,
     count_interleavings,
+    count_runs,
 )
 
 REASONS = tuple(FinishReason)
@@ -111,16 +114,17 @@ def test_interleaving_counts_with_resumes_and_drains_match_an_independent_count(
 
 def test_kvlife_keeps_every_rule_in_every_interleaving() -> None:
     cfg = CheckConfig(requests=2, chunks=2, options=_options(3, False))
-    report = check_exhaustively(cfg)
+    report = check_exhaustively(cfg)  # one of each class of the 7659 (the full walk: 30 s)
     assert report.ok, report.violations
-    assert report.interleavings == report.total == 7659 and report.violating == 0
+    assert report.interleavings == report.total == 663 and report.violating == 0
+    assert report.full == 7659
     assert report.deferred == 0
 
 
 def test_failed_copies_and_resumes_too() -> None:
     report = check_exhaustively(CheckConfig(requests=2, chunks=1))  # the default options
-    assert report.ok and report.interleavings == report.total
-    assert report.total == count_interleavings(CheckConfig(requests=2, chunks=1)) > 549
+    assert report.ok and report.interleavings == report.total == count_runs(report.config)
+    assert report.full == count_interleavings(CheckConfig(requests=2, chunks=1)) > 549
 
 
 def test_a_one_page_host_pool_defers_chunks_and_breaks_no_rule() -> None:
@@ -169,7 +173,7 @@ def test_release_in_flight_shortest_trace_is_the_abort() -> None:
 
 def test_worker_processes_explore_the_same_interleavings() -> None:
     cfg = CheckConfig(requests=2, chunks=1)
-    assert check_exhaustively(cfg, jobs=2).interleavings == count_interleavings(cfg)
+    assert check_exhaustively(cfg, jobs=2).interleavings == count_runs(cfg)
     mutant = check_exhaustively(
         CheckConfig(requests=1, chunks=2), MUTANTS["ack-order-chain"], jobs=2
     )
@@ -183,7 +187,8 @@ def test_cli_json_and_exit_status(
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     cfg = CheckConfig(chunks=1, options=_options(2, False, resumes=True))
-    assert out["interleavings"] == out["total"] == count_interleavings(cfg)
+    assert out["interleavings"] == out["total"] == count_runs(cfg)
+    assert out["full"] == count_interleavings(cfg) and out["config"]["reduction"]
     assert out["violations"] == [] and out["elapsed_s"] >= 0 and out["deferred"] == 0
 
     # The same command on a seeded bug exits 1 and prints the shortest trace.
@@ -261,7 +266,7 @@ def test_interleaving_counts_with_a_returning_conversation(
 def test_kvlife_keeps_every_rule_with_loads_in_every_interleaving() -> None:
     """A returning conversation's load among every completion order, abort and
     retraction of a small configuration (issue 25): kvlife's manager keeps every rule."""
-    cfg = CheckConfig(requests=1, chunks=1, returns=1)
+    cfg = CheckConfig(requests=1, chunks=1, returns=1, reduction=False)
     report = check_exhaustively(cfg)
     assert report.ok, report.violations
     assert report.interleavings == report.total == 396 and report.deferred == 0
@@ -300,3 +305,69 @@ def test_issue36_9_a_stop_signal_ends_every_check_worker(tmp_path: Path) -> None
     argv = ["check", "--requests", "2", "--chunks", "3", "--jobs", "2", "--json"]
     status, left, files = stop_command(argv, tmp_path, signal.SIGHUP, workers)
     assert (status, left, files) == (128 + signal.SIGHUP, [], [])
+
+
+# ----------------------------------------------------------------------- partial-order reduction
+
+
+@pytest.mark.parametrize(
+    ("cfg", "full", "runs", "blocked"),
+    [
+        (CheckConfig(), 140508, 6798, 2970),  # issue 35's "default of today"
+        (CheckConfig(requests=2, chunks=1, returns=1), 37152, 5294, 2018),
+        (CheckConfig(requests=2, chunks=2, options=_options(3, False)), 7659, 663, 339),
+    ],
+)
+def test_the_reduction_runs_far_fewer_interleavings(
+    cfg: CheckConfig, full: int, runs: int, blocked: int
+) -> None:
+    """Counted, not run: the full walk against the reduced walk's runs (its leaves, and
+    the prefixes it blocked, each run closed); >= 10x fewer complete interleavings."""
+    assert count_interleavings(cfg) == full
+    assert count_runs(cfg) == runs
+    assert full >= 10 * (runs - blocked)
+    assert count_runs(replace(cfg, reduction=False)) == full
+
+
+def test_the_dependency_relation() -> None:
+    """What commutes, read off the relation written beside the model (_dependent)."""
+    from kvlife.testing.events import Complete, Finish, Return, Start, Step
+    from kvlife.testing.exhaustive import _dependent
+
+    cfg = CheckConfig(requests=2, chunks=2, returns=1, return_chunks=1)
+    step1 = (1, Step(1, (200, 201)))
+
+    def dep(a: tuple[int, object], b: tuple[int, object], bounded: bool = False) -> bool:
+        return _dependent(cfg, a, b, bounded) and _dependent(cfg, b, a, bounded)  # type: ignore[arg-type]
+
+    c00 = (0, Complete(0, 0))
+    assert dep(c00, (0, Complete(0, 1)))  # one life's acks: its chain's order
+    assert not dep(c00, (0, Finish(0, FinishReason.FINISHED)))
+    assert not dep(c00, (0, Step(0, (100, 101))))
+    assert dep(c00, (0, Step(0, (100, 101))), bounded=True)  # a full host pool defers
+    assert dep(c00, (2, Start("r", (1, 2, 3))))  # a new life on the rid
+    assert dep(c00, (1, Return(0)))
+    assert not dep(c00, step1) and not dep(c00, (2, Complete(2, 0)))
+    load = (1, Complete(1, 0))
+    assert dep(load, (1, Step(1, (200, 201))))  # the load lets its life decode
+    assert dep(load, (2, Complete(2, 0)))  # a later store copy, both ok: pins
+    assert not dep(load, (2, Complete(2, 0, ok=False))) and not dep(load, c00)
+    assert dep(step1, (2, Step(2, (300, 301))), bounded=True)
+    assert not dep(step1, (2, Step(2, (300, 301))))
+    assert dep((-1, Poll()), c00)
+
+
+def test_the_reduced_walk_finds_the_full_walks_bug_and_the_flag_keeps_the_full_walk(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg = CheckConfig(requests=2, chunks=1)
+    full = check_exhaustively(replace(cfg, reduction=False), MUTANTS["late-ack-to-newest"])
+    reduced = check_exhaustively(cfg, MUTANTS["late-ack-to-newest"])
+    assert full.interleavings > 2 * reduced.interleavings
+    assert reduced.violations[0].trace == full.violations[0].trace
+    argv = ["check", "--requests", "2", "--chunks", "1", "--no-failures", "--json"]
+    assert main([*argv, "--no-reduction"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["interleavings"] == out["total"] == out["full"] == count_interleavings(
+        CheckConfig(2, 1, options=KitOptions(failures=False))
+    )
