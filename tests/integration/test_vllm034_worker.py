@@ -149,37 +149,12 @@ def test_the_spec_builds_both_roles_from_vllm_034s_config(tmp_path: Any) -> None
     pointers, with a persistent tier) and loads them back: the same spec as on vLLM 0.32,
     no copy per version."""
     from vllm.v1.kv_offload.base import ReqContext
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    from vllm_config import offloading_config
 
     from kvlife.integrations.vllm import KVLifeOffloadingSpec
 
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
-        worker_kv_bytes_per_block=2 * ROW,
-        enable_kv_cache_events=False,
-        extra_config={"host_bytes": 8 * 2 * ROW, "store_dir": str(tmp_path), "model_id": "m"},
-        engine_id="e",
-        model=OffloadingModelConfig(name="m", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
+    extra = {"host_bytes": 8 * 2 * ROW, "store_dir": str(tmp_path), "model_id": "m"}
+    config = offloading_config(block_bytes=2 * ROW, **extra)
     spec = KVLifeOffloadingSpec(config)
     _, caches = rig()
     worker = spec.get_worker(caches)

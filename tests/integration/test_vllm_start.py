@@ -27,6 +27,7 @@ pytest.importorskip(
 )
 
 import torch
+import vllm_config
 
 from kvlife.errors import ConfigError
 from kvlife.integrations.vllm import KVLifeOffloadingSpec
@@ -38,37 +39,10 @@ ROW = 16384  # one layer's bytes of a block; a block (a host page) holds two lay
 
 
 def offloading_config(model: str = "m", **extra: Any) -> Any:
-    """vLLM's own ``OffloadingConfig`` for one group of two layers (32 KiB blocks), an
-    engine id of its own (the shared pool's name derives from it)."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
-        worker_kv_bytes_per_block=2 * ROW,
-        enable_kv_cache_events=False,
-        extra_config={"host_bytes": 1 << 20, **extra},
-        engine_id=f"start-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name=model, dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-        kv_cache_layout="LBHNC",
+    """vLLM's own ``OffloadingConfig`` with an engine id of its own (the shared pool's name
+    derives from it)."""
+    return vllm_config.offloading_config(
+        model, block_bytes=2 * ROW, engine_id=f"start-{uuid.uuid4().hex[:12]}", **extra
     )
 
 
