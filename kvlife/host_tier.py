@@ -8,9 +8,9 @@ A host tier maps a page's key (its hash-chain key) to a host page of a
 *pending* (a store copy is writing its page: never a hit) or *ready*; a ready
 entry has a pin *count*, one per reader in flight (a load copying the page to a
 device, a store write reading it). An entry is evictable only when it is ready,
-unpinned and not one of the keys the same store offers; evictable entries sit in
-one ordered dict, least recently used first, so "is anything evictable" is a
-length and the victim is the first item (no scan of the index).
+unpinned and not one of the keys the same store offers. "Is anything evictable"
+is a length; the victims come off a heap ordered by rank (below), least recent
+first, with no scan of the index.
 
 Completions are per key, as vLLM's contract is: ``complete_store(keys)`` settles
 each named key's pending store, ``complete_load(keys)`` drops one pin per named
@@ -21,10 +21,17 @@ and none drives a pin count below zero. In strict mode every key is checked
 before any is settled.
 
 Recency keeps what a lookup can reach: a lookup stops at the first miss, so the
-tier should lose a request's prefix from its tail, not its head. Stores enter at
-the recent end as they complete; :meth:`HostTier.finished` and :meth:`touch`
-take a request's keys in prefix order and make the head the most recent, so the
-tail goes first (vLLM's CPU manager orders the same way).
+tier should lose a request's prefix from its tail, not its head. Every held key,
+pending, pinned or idle, has a *rank*, its logical recency: a new key is ranked
+when its store is prepared (in the order offered), :meth:`HostTier.finished` and
+:meth:`touch` re-rank a request's keys in prefix order with the head the most
+recent, and :meth:`rank` raises keys to ranks the runtime gives (a running
+request's keys by token position, tail below head). A key enters the evictable
+heap at its rank when it goes idle, so the order a copy's completions arrive in
+(a set's order follows Python's hash seed) never changes which key goes first:
+a request that finished before its stores completed still loses its tail first,
+and an old request's late completion never outranks a newer request's keys
+(vLLM's CPU manager keeps recency the same way).
 
 A pending store may carry a deadline (``pending_timeout``): :meth:`expire` fails
 a store not completed in time. Its key stops being a hit at once, but its page
@@ -42,8 +49,9 @@ mutates. One thread (the scheduler's) drives a tier.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -53,9 +61,14 @@ from kvlife.errors import ConfigError, TierError
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
 
-__all__ = ["HostEntry", "HostTier", "Lookup", "StorePlan", "TierCounts", "TierEvent"]
+__all__ = ["HostEntry", "HostTier", "Lookup", "Rank", "StorePlan", "TierCounts", "TierEvent"]
 
 K = TypeVar("K", bound=Hashable)
+
+#: A key's logical recency: higher is more recent. ``(n, 0)`` for a rank taken from the
+#: tier's counter; ``(request, -position)`` for a running request's key (see
+#: :meth:`HostTier.rank`).
+Rank = tuple[int, int]
 
 
 class Lookup(Enum):
@@ -101,10 +114,12 @@ class StorePlan(NamedTuple, Generic[K]):
 
 
 class TierEvent(NamedTuple, Generic[K]):
-    """Keys that became ready on the host tier (``removed`` False) or left it (True)."""
+    """Keys that became ready on the host tier (``removed`` False) or left it (True);
+    ``source``: what the caller of :meth:`HostTier.complete_store` named (its request)."""
 
     keys: tuple[K, ...]
     removed: bool
+    source: object = None
 
 
 @dataclass(slots=True)
@@ -159,7 +174,13 @@ class HostTier(Generic[K]):
         self.refusals = refusals if refusals is not None else Refusals()
         self._clock = clock
         self._index: dict[K, HostEntry] = {}
-        self._evictable: OrderedDict[K, None] = OrderedDict()  # least recent first
+        self._ranks: dict[K, Rank] = {}  # every key of the index
+        self._next_rank = 0
+        # Idle keys -> the sequence number of their live heap entry; the heap holds
+        # (rank, seq, key), stale entries skipped lazily (seq is unique: keys never compared).
+        self._evictable: dict[K, int] = {}
+        self._heap: list[tuple[Rank, int, K]] = []
+        self._seq = 0
         self._orphans: dict[K, HostEntry] = {}
         self._deadlines: deque[tuple[float, K, HostEntry]] = deque()  # in deadline order
         self._events: list[TierEvent[K]] = []
@@ -215,8 +236,7 @@ class HostTier(Generic[K]):
                 continue
             seen.add(key)
             if key in index:
-                if key in self._evictable:
-                    self._evictable.move_to_end(key)
+                self._rerank(key)
             elif key not in orphans:
                 new.append(key)
         if not new:
@@ -231,6 +251,7 @@ class HostTier(Generic[K]):
         deadline = self._deadline()
         for key, page in zip(new, pages, strict=True):
             entry = index[key] = HostEntry(page, deadline, self.keep)
+            self._ranks[key] = self.new_rank()
             if self.pending_timeout is not None:
                 self._deadlines.append((deadline, key, entry))
         c = self.counts
@@ -238,12 +259,15 @@ class HostTier(Generic[K]):
         c.pending += len(new)
         return StorePlan(new, pages, evicted)
 
-    def complete_store(self, keys: Iterable[K], *, success: bool = True) -> list[K]:
+    def complete_store(
+        self, keys: Iterable[K], *, success: bool = True, source: object = None
+    ) -> list[K]:
         """Settle each named key's pending store: ready (success) or gone, its page freed.
+        A key that became ready goes idle at its rank, whatever the order ``keys`` name it.
 
         A late completion of an orphan frees its page. A key with nothing pending is
         refused (counted; raised when strict, before any key is settled). Returns the keys
-        that became ready.
+        that became ready (announced stored with ``source``).
         """
         named = list(keys)
         index, orphans = self._index, self._orphans
@@ -268,6 +292,7 @@ class HostTier(Generic[K]):
                     ready.append(key)
                 else:
                     del index[key]
+                    del self._ranks[key]
                     c.entries -= 1
                     c.store_failures += 1
                     freed.append(entry.page)
@@ -279,7 +304,7 @@ class HostTier(Generic[K]):
                 self._refuse_key(key, "complete_store")
         c.stored += len(ready)
         if ready:  # announced before any removal an idle, not-kept entry makes below
-            self._events.append(TierEvent(tuple(ready), False))
+            self._events.append(TierEvent(tuple(ready), False, source))
         for key in ready:
             self._settled(key, index[key], freed)
         if freed:
@@ -366,6 +391,7 @@ class HostTier(Generic[K]):
             _, key, entry = queue.popleft()
             if index.get(key) is entry and entry.pending:
                 del index[key]
+                del self._ranks[key]
                 self._orphans[key] = entry
                 expired.append(key)
         c = self.counts
@@ -441,16 +467,45 @@ class HostTier(Generic[K]):
 
     # ---------------------------------------------------------------- recency
 
+    def new_rank(self) -> Rank:
+        """The next rank of the tier's counter: more recent than every rank before it.
+        Its first number also serves as a request's rank for :meth:`rank`."""
+        self._next_rank += 1
+        return (self._next_rank, 0)
+
     def touch(self, keys: Sequence[K]) -> None:
-        """A request used ``keys`` (in prefix order): the head becomes the most recent."""
-        evictable = self._evictable
+        """A request used ``keys`` (in prefix order): the head becomes the most recent.
+        Every held key is re-ranked, pending and pinned ones too: each goes idle later at
+        this rank, whenever and in whatever order its copy completes."""
         for key in reversed(keys):
-            if key in evictable:
-                evictable.move_to_end(key)
+            if key in self._index:
+                self._rerank(key)
 
     def finished(self, keys: Sequence[K]) -> None:
-        """A request whose prefix is ``keys`` (in order) finished: its tail goes first."""
+        """A request whose prefix is ``keys`` (in order) finished: its tail goes first,
+        now and for keys whose copies complete later."""
         self.touch(keys)
+
+    def rank(self, ranks: Iterable[tuple[K, Rank]]) -> None:
+        """Raise held keys to the ranks given (a key already more recent keeps its own):
+        a running request's keys as ``(request, -position)``, one ``request`` number
+        from :meth:`new_rank` per request, so its tail ranks below its head and the
+        request below every later one."""
+        current = self._ranks
+        for key, rank in ranks:
+            if key in current and rank > current[key]:
+                current[key] = rank
+                if key in self._evictable:
+                    self._push(key)
+
+    def rank_of(self, key: K) -> Rank | None:
+        """A held key's rank (None when not held)."""
+        return self._ranks.get(key)
+
+    def eviction_order(self) -> list[K]:
+        """The idle keys, the next victim first (a sorted copy, for tests and reports)."""
+        ranks = self._ranks
+        return sorted(self._evictable, key=lambda k: ranks[k])
 
     # ---------------------------------------------------------------- events, reset
 
@@ -463,7 +518,9 @@ class HostTier(Generic[K]):
         """Drop every entry: idle ones now (announced removed), the ones a copy still touches
         become orphans (freed by their completions or :meth:`abandon`)."""
         index, self._index = self._index, {}
+        self._ranks.clear()
         self._evictable.clear()
+        self._heap.clear()
         self._deadlines.clear()
         freed: list[int] = []
         removed: list[K] = []
@@ -505,13 +562,41 @@ class HostTier(Generic[K]):
         evictable = self._evictable
         if need > len(evictable) - sum(1 for k in guard if k in evictable):
             return None
+        # Enough idle keys outside the guard: the loop finds them, and every victim is
+        # evicted by the caller (its heap entry goes with it); guarded ones go back.
+        heap = self._heap
         victims: list[K] = []
-        for key in evictable:
-            if key not in guard:
-                victims.append(key)
-                if len(victims) == need:
-                    break
+        chosen: set[K] = set()
+        kept: list[tuple[Rank, int, K]] = []
+        while len(victims) < need:
+            item = heapq.heappop(heap)
+            key = item[2]
+            if evictable.get(key) != item[1] or key in chosen:
+                continue  # stale: re-ranked, pinned or gone since it was pushed
+            if key in guard:
+                kept.append(item)
+                continue
+            victims.append(key)
+            chosen.add(key)
+        for item in kept:
+            heapq.heappush(heap, item)
         return victims
+
+    def _rerank(self, key: K) -> None:
+        """A held key becomes the most recent (idle: at the heap's recent end)."""
+        self._ranks[key] = self.new_rank()
+        if key in self._evictable:
+            self._push(key)
+
+    def _push(self, key: K) -> None:
+        """(Re-)enter an idle key in the heap at its current rank."""
+        self._seq += 1
+        self._evictable[key] = self._seq
+        heapq.heappush(self._heap, (self._ranks[key], self._seq, key))
+        if len(self._heap) > max(64, 2 * len(self._evictable)):  # drop stale entries
+            ranks = self._ranks
+            self._heap = [(ranks[k], seq, k) for k, seq in self._evictable.items()]
+            heapq.heapify(self._heap)
 
     def _add_ready(self, keys: list[K], pages: Sequence[int]) -> list[HostEntry]:
         """Index ``keys`` as ready entries on ``pages`` (already the tier's), announced
@@ -519,6 +604,7 @@ class HostTier(Generic[K]):
         entries = []
         for key, page in zip(keys, pages, strict=True):
             entry = self._index[key] = HostEntry(page, float("inf"), self.keep)
+            self._ranks[key] = self.new_rank()
             entry.pending = False
             entries.append(entry)
         self.counts.entries += len(keys)
@@ -544,7 +630,7 @@ class HostTier(Generic[K]):
         if entry.pins:
             return
         if entry.keep:
-            self._evictable[key] = None
+            self._push(key)
             self.counts.evictable += 1
         else:
             freed.append(self._drop(key))
@@ -563,7 +649,8 @@ class HostTier(Generic[K]):
     def _drop(self, key: K) -> int:
         """Take an idle entry out of the index; its page, for the caller to free."""
         entry = self._index.pop(key)
-        if self._evictable.pop(key, 0) is None:
+        del self._ranks[key]
+        if self._evictable.pop(key, None) is not None:
             self.counts.evictable -= 1
         self.counts.entries -= 1
         return entry.page

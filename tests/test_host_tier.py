@@ -3,6 +3,11 @@ prefix-aware eviction, the pending deadline and the events, each refusal changin
 
 from __future__ import annotations
 
+import itertools
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import settings
@@ -62,6 +67,118 @@ def test_recency_is_per_request_a_finished_request_keeps_its_head_last() -> None
     t.finished(["a0", "a1"])  # A finished after C stored: A is the more recent request
     plan = t.prepare_store(["b0"])
     assert plan is not None and plan.evicted == ["c0"]  # C's head is older than all of A
+
+
+PREFIX = ["a0", "a1", "a2", "a3"]
+
+
+def _completion_orders() -> list[object]:
+    orders: list[object] = [tuple(p) for p in itertools.permutations(PREFIX)]
+    orders += [set(PREFIX), [["a3", "a1"], ["a0"], ["a2"]]]  # a set; two jobs, then one
+    return orders
+
+
+@pytest.mark.parametrize("finish_first", [True, False], ids=["finished-first", "finished-last"])
+@pytest.mark.parametrize("completions", _completion_orders())
+def test_scenario_a_finished_prefix_loses_its_tail_first_whatever_its_completion_order(
+    finish_first: bool, completions: object
+) -> None:
+    """Scenario: request A prepares the stores of its 4-page prefix; it finishes before
+    (or after) they complete, and the completions come in any order: every permutation
+    as a tuple, a set (vLLM 0.32's connector hands one: its order follows
+    PYTHONHASHSEED), or several jobs. The tail goes first whatever the order: a
+    returning A still reaches its head. Before, keys pending at the finish went idle at
+    the recent end in completion order, so the head could be evicted first."""
+    t = tier(4)
+    assert t.prepare_store(PREFIX) is not None
+    if finish_first:
+        t.finished(PREFIX)
+    jobs = completions if isinstance(completions, list) else [completions]
+    for job in jobs:
+        t.complete_store(job)  # type: ignore[arg-type]
+    if not finish_first:
+        t.finished(PREFIX)
+    plan = t.prepare_store(["b0", "b1"])
+    assert plan is not None and plan.evicted == ["a3", "a2"]
+    assert reachable(t, PREFIX) == 2
+
+
+@pytest.mark.parametrize("finish_first", [True, False], ids=["finished-first", "finished-last"])
+def test_scenario_a_finished_prefix_read_by_a_load_loses_its_tail_first(
+    finish_first: bool,
+) -> None:
+    """Scenario: request B loads A's stored prefix and finishes before (or after) its load
+    completes, the completions head first: pinned keys are ranked at the finish too (before,
+    they went idle at the recent end in completion order: the head was evicted first)."""
+    t = tier(4)
+    store(t, *PREFIX)
+    t.finished(PREFIX)
+    assert t.prepare_load(PREFIX) is not None
+    if finish_first:
+        t.finished(PREFIX)
+    for key in PREFIX:
+        t.complete_load([key])
+    if not finish_first:
+        t.finished(PREFIX)
+    plan = t.prepare_store(["b0", "b1"])
+    assert plan is not None and plan.evicted == ["a3", "a2"]
+
+
+def test_scenario_an_old_requests_late_completion_never_outranks_a_newer_request() -> None:
+    """Scenario: old request O prepares its stores and finishes; new request N stores,
+    completes and finishes; O's copies complete last. O is still the older request: its
+    tail is the first victim, then its head, and N's keys stay. Before, O's late
+    completion made O's keys the most recent and N's head went first."""
+    t = tier(4)
+    assert t.prepare_store(["o0", "o1"]) is not None
+    t.finished(["o0", "o1"])
+    store(t, "n0", "n1")
+    t.finished(["n0", "n1"])
+    t.complete_store({"o1", "o0"})
+    plan = t.prepare_store(["x"])
+    assert plan is not None and plan.evicted == ["o1"]
+    assert t.eviction_order() == ["o0", "n1", "n0"]
+
+
+def test_a_running_requests_keys_rank_by_position_below_later_requests() -> None:
+    """rank(): a running request's keys as (request, -position): its tail goes before its
+    head, the whole request before a later one's keys and before any key re-ranked after."""
+    t = tier(6)
+    store(t, "r0", "r1", "r2")
+    request = t.new_rank()[0]
+    t.rank([("r2", (request, -3)), ("r0", (request, -1)), ("r1", (request, -2))])
+    store(t, "s0")
+    assert t.eviction_order() == ["r2", "r1", "r0", "s0"]
+    t.rank([("s0", (0, 0))])  # lower than s0's own rank: kept
+    t.finished(["r0", "r1"])
+    assert t.eviction_order() == ["r2", "s0", "r1", "r0"]
+    assert t.rank_of("r0") is not None and t.rank_of("zz") is None
+
+
+_SEEDED = """
+from kvlife.host_tier import HostTier
+from kvlife.pool import HostPagePool
+import torch
+t = HostTier(HostPagePool(4, 2, torch.int8, pin_memory=False))
+prefix = [f"request-7/block-{i}" for i in range(4)]
+t.prepare_store(prefix)
+t.finished(prefix)
+t.complete_store(set(prefix))
+print(t.prepare_store(["other"]).evicted == [prefix[-1]])
+"""
+
+
+def test_tail_first_under_several_hash_seeds() -> None:
+    """Scenario: the completion is a set, iterated in an order PYTHONHASHSEED decides; under
+    every seed the prefix's tail is the first victim (before: the head in most seeds)."""
+    results = []
+    for seed in ("0", "1", "2", "3", "4"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", _SEEDED], env=env, capture_output=True, text=True, check=True
+        )
+        results.append(out.stdout.strip())
+    assert results == ["True"] * 5, results
 
 
 @pytest.mark.parametrize(
@@ -211,8 +328,10 @@ class TierMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=3))
     def prepare_store(self, keys: list[str]) -> None:
+        order = [k for k in self.t.eviction_order() if k not in keys]
         plan = self.t.prepare_store(keys)
         if plan is not None:
+            assert plan.evicted == order[: len(plan.evicted)]  # the least recent idle keys
             assert not set(plan.evicted) & set(keys)
             assert not set(plan.evicted) & set(self.pending) & set(self.t.held())
             assert not set(plan.evicted) & set(self.loads)
@@ -246,6 +365,12 @@ class TierMachine(RuleBasedStateMachine):
         self.loads.remove(key)
         self.t.complete_load([key])
         assert self.t.refusals.total == self.refused
+
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True))
+    def finish(self, keys: list[str]) -> None:
+        self.t.finished(keys)
+        ranks = [self.t.rank_of(k) for k in keys if k in self.t.held()]
+        assert ranks == sorted(ranks, reverse=True)  # the head the most recent
 
     @rule(key=KEYS)
     def stray_completion(self, key: str) -> None:
