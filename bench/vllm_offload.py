@@ -331,7 +331,7 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
                 times[name].append(spent)
     for view in views:  # the load wrote what the store read
         assert torch.equal(view[dst], view[src])
-    assert worker.stats["copy_failures"] == worker.stats["copy_refused"] == 0
+    assert worker.refusals.count("copy_failures") == worker.refusals.count("copy_refused") == 0
     worker.shutdown()
     gb = blocks * row / 1e9
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -51,6 +51,14 @@ class Refusals:
                 "kvlife: %s refused (%s); counted, logged once per kind", kind, error
             )
 
+    def note(self, kind: str, message: str) -> None:
+        """Count a failure the host recovers from (a copy made again, a job reported failed,
+        a write lost): logged the first time its kind occurs, never raised, strict or not."""
+        self._by_kind[kind] += 1
+        self.total += 1
+        if self._by_kind[kind] == 1:
+            self.logger.warning("kvlife: %s (%s); counted, logged once per kind", kind, message)
+
     def counted(self, error: E) -> E:
         """Count ``error`` under its type's name and hand it back for the caller to raise (a
         refusal whose contract is a typed error to the caller, as the manager's calls)."""

@@ -142,11 +142,12 @@ def assert_worker_clean(worker: KVLifeWorker) -> None:
     worker.flush(timeout=60)
     assert worker.inflight == 0 and worker.engine.inflight == 0
     assert worker.engine.copy_errors == 0
-    for kind in ("copy_failed_twice", "unknown_acks", "disk_load_errors"):
-        assert worker.stats[kind] == 0, dict(worker.stats)
+    failed = worker.refusals
+    for kind in ("copy_failed_twice", "ManagerError", "disk_load_errors"):
+        assert failed.count(kind) == 0, failed.snapshot()
     # A copy the engine failed or refused was made again directly, every one.
-    repaired = worker.stats["copy_failures"] + worker.stats["copy_refused"]
-    assert worker.stats["copies_made_directly"] == repaired, dict(worker.stats)
+    repaired = failed.count("copy_failures") + failed.count("copy_refused")
+    assert worker.stats["copies_made_directly"] == repaired, (dict(worker.stats), repaired)
 
 
 def _drain_signals(llm: LLM) -> None:
@@ -275,6 +276,7 @@ def test_failed_copies_are_made_again_never_reported_done_unmade(
     manager, worker = _roles()
     assert isinstance(worker.engine, CpuCopyEngine)
     before = dict(worker.stats)
+    failed_before = worker.refusals.count("copy_failures")
     assert kv_llm.reset_prefix_cache(reset_connector=False)
     worker.engine.fail_next(3)  # the next three chunks: loads of the stored prompts
     assert _generate(kv_llm, PROMPTS) == baseline["main"]
@@ -284,10 +286,10 @@ def test_failed_copies_are_made_again_never_reported_done_unmade(
     assert kv_llm.reset_prefix_cache(reset_connector=False)
     assert _generate(kv_llm, fresh) == computed
     worker.flush(timeout=60)
-    failures = worker.stats["copy_failures"] - before.get("copy_failures", 0)
+    failures = worker.refusals.count("copy_failures") - failed_before
     made = worker.stats["copies_made_directly"] - before.get("copies_made_directly", 0)
-    assert failures == made == 5, dict(worker.stats)
-    assert worker.stats["copy_failed_twice"] == 0
+    assert failures == made == 5, (dict(worker.stats), worker.refusals.snapshot())
+    assert worker.refusals.count("copy_failed_twice") == 0
     assert_clean(manager)
 
 
@@ -567,7 +569,7 @@ def test_the_cache_directory_cleared_while_vllm_runs_outputs_right_vllm_up(
         assert _generate(llm, PROMPTS) == baseline["main"]
         assert _generate(llm, _prompts(1, 8)) == baseline["abort"]  # vLLM still serves
         worker.flush(timeout=60)
-        assert worker.stats["disk_load_errors"] == 0, dict(worker.stats)
+        assert worker.refusals.count("disk_load_errors") == 0, worker.refusals.snapshot()
         acc = manager.accounting()
         assert acc["pending"] == 0 and acc["pinned"] == 0, acc
     finally:
@@ -633,6 +635,6 @@ def test_two_vllm_processes_share_pages_through_mooncake_and_a_dead_master_is_a_
         acc = manager.accounting()
         assert acc["store_unavailable"] >= 1, acc
         assert _generate(llm, _prompts(1, 8)) == baseline["abort"]  # still serving
-        assert worker.stats["disk_load_errors"] == 0
+        assert worker.refusals.count("disk_load_errors") == 0
     finally:
         _shutdown(llm)

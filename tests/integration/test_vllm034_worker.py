@@ -95,7 +95,7 @@ def test_a_failed_copy_is_reported_failed_not_made_again(direction: str) -> None
     else:
         worker.submit_load(1, HostBlocksSpec([0], keys(1)), pointers(caches, [2]))
     assert finished(worker) == [(1, False)]
-    assert worker.stats["copies_made_directly"] == 0 and worker.stats["copy_failures"] == 1
+    assert worker.stats["copies_made_directly"] == 0 and worker.refusals.count("copy_failures") == 1
     worker.submit_store(2, pointers(caches, [4]), HostBlocksSpec([1], keys(1)))
     assert finished(worker) == [(2, True)]
     worker.shutdown()
@@ -128,7 +128,7 @@ def test_pointers_the_cache_does_not_hold_fail_the_job_and_copy_nothing() -> Non
         assert worker.submit_store(job_id, bad, HostBlocksSpec([0, 1], keys(2)))
     assert finished(worker) == [(1, False), (2, False)]
     assert torch.equal(worker.pool.tensor, host_before)
-    assert worker.stats["device_pointers_refused"] == 2
+    assert worker.refusals.count("device_pointers_refused") == 2
     worker.shutdown()
 
 

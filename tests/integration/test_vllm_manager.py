@@ -345,7 +345,7 @@ def test_a_job_id_reused_while_in_flight_is_counted_and_both_jobs_finish() -> No
     worker.flush(timeout=10)
     results = worker.get_finished()
     assert [r.job_id for r in results] == [7, 7] and all(r.success for r in results)
-    assert worker.stats["job_id_in_flight"] == 1 and worker.inflight == 0
+    assert worker.refusals.count("job_id_in_flight") == 1 and worker.inflight == 0
     worker.shutdown()
 
 

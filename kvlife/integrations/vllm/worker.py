@@ -233,7 +233,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
         self._finished: list[TransferResult] = []
         self._shut = False
-        #: Refusals and failures by kind (counted, logged once per kind; raised with strict).
+        #: Refusals and recovered failures by kind (counted, logged once per kind; a refusal
+        #: of bad input raises with strict, a failure the worker recovers from never does).
         self.refusals = Refusals(strict=strict, logger=logger)
         #: The copy pipeline: acks to their jobs, stored blocks to the persistent tier.
         self.transfers = Transfers(
@@ -266,13 +267,6 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         """Jobs submitted whose result was not yet handed to vLLM's ``get_finished``."""
         return len(self._jobs)
 
-    def _error_once(self, kind: str, message: str) -> None:
-        """A failure the worker recovers from: counted under ``kind`` and logged the first
-        time (never raised: vLLM 0.32 cannot take a failed job)."""
-        self.stats[kind] += 1
-        if self.stats[kind] == 1:
-            logger.error("kvlife worker: %s (%s); counted, logged once", kind, message)
-
     def _unshare(self) -> bool:
         """Take the pool back from ``_SHARED_POOLS`` if no manager of this process took it."""
         key = self._pool_key
@@ -293,7 +287,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             if (self._unshare() or self._pool_key is None) and self._pool.num_free:
                 self._pool.alloc(self._pool.num_free, self)
         if job_id in self._jobs:  # vLLM reused a job id in flight: both still get results
-            self._error_once("job_id_in_flight", f"job {job_id} submitted while in flight")
+            self.refusals.note("job_id_in_flight", f"job {job_id} submitted while in flight")
         job = _WorkerJob(job_id, load, blocks, time.perf_counter())
         self._jobs[job_id] = job
         return job
@@ -318,7 +312,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
             return
         except EngineError as exc:
-            self._error_once("copy_refused", repr(exc))
+            self.refusals.note("copy_refused", repr(exc))
             self._recover(job, device, host)
             return
         job.inflight += 1
@@ -345,7 +339,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 self.layout.gather_runs(pages, self._pool.tensor, runs)
         except Exception as exc:
             job.failed = True
-            self._error_once("copy_failed_twice", repr(exc))
+            self.refusals.note("copy_failed_twice", repr(exc))
             return
         self.stats["copies_made_directly"] += 1
 
@@ -359,7 +353,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         assert isinstance(job, _WorkerJob)
         job.copy_done = ack.completed_at
         if ack.error is not None:  # the job fails (vLLM 0.34+), or is made again (0.32)
-            self._error_once("copy_failures", repr(ack.error))
+            self.refusals.note("copy_failures", repr(ack.error))
             self._recover(job, ack.device_pages, ack.host_pages)
         if not job.inflight:
             self._done(job)
@@ -379,7 +373,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         if result.ok:
             self.stats["disk_pages_written"] += len(result.keys)
         else:
-            self._error_once("disk_write_failures", repr(result.error))
+            self.refusals.note("disk_write_failures", repr(result.error))
 
     def _device_blocks(self, device: Any) -> list[int] | None:
         """A job's device blocks: vLLM 0.32's ``GPULoadStoreSpec`` names them; vLLM 0.34's
@@ -393,7 +387,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         counts, bases = tuple(device.group_block_counts), self._bases
         n = counts[0] if counts else 0
         if len(counts) != 1 or len(ptrs) != n * len(bases):
-            self._error_once("device_pointers_refused", f"{len(counts)} groups, {len(ptrs)} ptrs")
+            self.refusals.note("device_pointers_refused", f"{len(counts)} groups, {len(ptrs)} ptrs")
             return None
         offsets = np.asarray(ptrs, dtype=np.uint64).reshape(len(bases), n) - bases
         rows = offsets // self._strides
@@ -402,7 +396,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             or (rows != rows[0]).any()
             or int(rows[0].max()) >= self.layout.num_pages
         ):
-            self._error_once("device_pointers_refused", "pointers outside the KV cache views")
+            self.refusals.note("device_pointers_refused", "pointers outside the KV cache views")
             return None
         return [int(b) for b in rows[0].tolist()]
 
@@ -462,7 +456,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             self.stats["disk_reads"] += 1
             if payload is None or len(payload) != self.row_bytes:
                 # Verified at lookup, gone or damaged since: the job fails (never decode on it).
-                self._error_once("disk_load_errors", f"page {name[:16]} unreadable")
+                self.refusals.note("disk_load_errors", f"page {name[:16]} unreadable")
                 job.failed = True
                 continue
             row = torch.frombuffer(bytearray(payload), dtype=torch.int8)
