@@ -551,7 +551,9 @@ class Lifecycle:
                 InvalidTransition, _SUBMIT, "the table has no such transition"
             ) from None
         try:
-            keys = tuple(self._hasher(tokens, page_size, self._tail))
+            hashed: Sequence[str] = self._hasher(tokens, page_size, self._tail)
+            # A list, usually (the ticket holds a tuple); a tuple is taken as it is.
+            keys = hashed if type(hashed) is tuple else tuple(hashed)
         except (HashingError, TypeError) as exc:
             raise self._refuse(InvalidChunk, _SUBMIT, str(exc)) from None
         if len(keys) != pages:
@@ -697,7 +699,9 @@ class Lifecycle:
         """End decoding. Releases at once if nothing is in flight, else when the last ack comes."""
         if type(reason) is not FinishReason:
             raise self._refuse(InvalidEvent, _FINISH, f"reason {reason!r} is not a FinishReason")
-        dest = self._next_state(_ON_FINISH, _FINISH)
+        dest = _ON_FINISH.get(self._state)  # _next_state, inlined: once per life
+        if dest is None:
+            raise self._refuse(InvalidTransition, _FINISH, "the table has no such transition")
         self._finish_reason = reason
         self._state = dest
         if not self._stores and not self._nloads:

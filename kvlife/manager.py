@@ -701,8 +701,8 @@ def _route(owner: object) -> tuple[Transfers, object] | None:
 
 def _loaded(req: object, ack: Ack) -> None:
     """A load applied: the request learns what it got (the runtime recomputes a failure)."""
-    if ack.is_load and isinstance(req, OffloadRequest):
-        if ack.ok:
+    if type(ack.ticket) is LoadTicket and isinstance(req, OffloadRequest):  # ack.is_load
+        if ack.error is None:
             req.loaded_pages += len(ack.keys)
         else:
             req.load_failures += 1
