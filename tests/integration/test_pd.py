@@ -39,7 +39,9 @@ pytest.importorskip(
 )
 pytest.importorskip("nixl._api", reason="NIXL is not installed (nixl==1.5.1, nixl-cu12==1.5.1)")
 
-pytestmark = pytest.mark.vllm
+# The module's pair starts with the first test (two vLLM instances, about 1-2 min on 2
+# busy cores): more room than the suite's 300 s per test.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "pd_decode.py"
 _spec = importlib.util.spec_from_file_location("pd_decode_example", EXAMPLE)
