@@ -304,7 +304,7 @@ class _Server:
             "manager": manager.accounting(),
             "refusals": {str(k): v for k, v in manager.refusals.snapshot().items()},
             "capacity": manager.pool.capacity,
-            "worker": dict(worker.stats),
+            "worker": {**worker.stats, **worker.refusals.snapshot()},
             "worker_in_flight": worker.inflight,
         }
 
@@ -566,7 +566,7 @@ def books_close(books: dict[str, Any], reports: dict[str, Any] | None = None) ->
         wrong.append(f"host pages used {acc['host_pages_used']}, cached blocks {acc['host_keys']}")
     if books.get("worker_in_flight"):
         wrong.append(f"worker jobs in flight: {books['worker_in_flight']}")
-    for kind in ("copy_failed_twice", "unknown_acks"):
+    for kind in ("copy_failed_twice", "copy_failures", "ManagerError"):
         if books.get("worker", {}).get(kind):
             wrong.append(f"worker {kind}: {books['worker'][kind]}")
     if reports is not None:
