@@ -779,6 +779,32 @@ class FailedLoadAsLoaded(OffloadManager):
         self.transfers._acked = loaded_anyway
 
 
+class PinHeldToClose(OffloadManager):
+    """(Q) A pin never dropped while the runtime runs (a liveness bug): a load's pins on its
+    host pages are kept after its copy completed and dropped only at shutdown, so the pages
+    can never be evicted or freed; a check that looks only after close sees nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held_pins: list[Sequence[str]] = []
+        counts = self.transfers.counts
+
+        def settle_load(ack: Ack) -> None:
+            self._held_pins.append(ack.ticket[2])  # the bug: the pins stay
+            if ack.ok:
+                counts.pages_loaded += len(ack.keys)
+            else:
+                counts.load_failures += 1
+
+        self.transfers._settle_load = settle_load  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        for keys in self._held_pins:
+            self.tier.complete_load(keys)
+        self._held_pins.clear()
+        super().close()
+
+
 def _unguarded(manager: Callable[..., OffloadManager]) -> Callable[[], ManagerAdapter]:
     class Adapter(ManagerAdapter):
         engine_class = _UnguardedEngine
@@ -798,8 +824,10 @@ LOAD_MUTANTS: dict[str, tuple[str, Callable[[], ManagerAdapter]]] = {
     "load-unpinned": ("N", _unguarded(UnpinnedLoad)),
     "load-aliased": ("O", _adapter(AliasedLoads)),
     "load-failed-as-loaded": ("P", _adapter(FailedLoadAsLoaded)),
+    "load-pin-held-to-close": ("Q", _adapter(PinHeldToClose)),
 }
 SHAPED.update(LOAD_MUTANTS)
 
 # Module-level, for ``kvlife check --runtime mutant_runtimes:load_failed_as_loaded``.
 load_failed_as_loaded = _adapter(FailedLoadAsLoaded)
+load_pin_held_to_close = _adapter(PinHeldToClose)

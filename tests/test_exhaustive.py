@@ -371,3 +371,59 @@ def test_the_reduced_walk_finds_the_full_walks_bug_and_the_flag_keeps_the_full_w
     assert out["interleavings"] == out["total"] == out["full"] == count_interleavings(
         CheckConfig(2, 1, options=KitOptions(failures=False))
     )
+
+
+# ------------------------------------------------------------------------------- replay files
+
+
+def test_replay_files_round_trip_every_event_and_refuse_another_version(tmp_path: Path) -> None:
+    from kvlife.testing import replay as replays
+    from kvlife.testing.events import Close, Complete, Finish, Resume, Return, Start, Step
+
+    events = [
+        Start("r", (1, 2, 3)),
+        Step(0, (100, 101)),
+        Finish(0, FinishReason.RETRACTED),
+        Resume(0),
+        Return(1),
+        Complete(2, 0, ok=False, poll=False),
+        Poll(),
+        Close(),
+    ]
+    record = replays.Replay(events, KitOptions(stuck_after=1.5), "unreleased", seed=7)
+    path = replays.save(record, directory=tmp_path, shrunk=False)
+    data = json.loads(path.read_text())
+    assert data["format"] == "kvlife-replay" and data["version"] == replays.FORMAT_VERSION
+    assert data["kvlife"] and data["seed"] == 7 and data["trace"][3] == "resume life 0"
+    again = replays.load(path)
+    assert again.events == events and again.options == record.options
+
+    data["version"] = 0
+    data["kvlife"] = "0.0.9"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"version 0 \(written by kvlife 0.0.9\) is an older"):
+        replays.load(path)
+    assert main(["check", "--replay", str(path)]) == 2
+    path.write_text("{}")
+    with pytest.raises(ConfigError, match="not a kvlife replay file"):
+        replays.load(path)
+
+
+def test_a_replay_file_is_shrunk_toward_the_fewest_events(tmp_path: Path) -> None:
+    from kvlife.testing import replay as replays
+    from kvlife.testing.events import Finish, Poll, Start, Step
+
+    padded = [
+        Start("r", (1, 2, 3)),
+        Poll(),
+        Step(0, (100, 101)),
+        Poll(),
+        Finish(0, FinishReason.ABORTED),
+    ]
+    options = KitOptions(stuck_after=2.0)
+    shrunk = replays.shrink(MUTANTS["release-in-flight"], padded, options, "release-in-flight")
+    assert [str(e) for e in shrunk] == [
+        "start rid=r prompt=3 tokens",
+        "step life 0 +2 tokens",
+        "finish life 0 aborted",
+    ]

@@ -11,6 +11,7 @@ Run these alone with ``pytest -m mutants``.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -29,6 +30,7 @@ from kvlife.testing import (
     replay_trace,
     run_kit,
 )
+from kvlife.testing import replay as replays
 from kvlife.testing.report import rule_of
 
 pytestmark = pytest.mark.mutants
@@ -217,6 +219,18 @@ EXPECTED: dict[str, tuple[CheckConfig, list[str], set[str]]] = {
         ],
         {"failed-load"},
     ),
+    "load-pin-held-to-close": (
+        CheckConfig(1, 0, options=MANAGER, returns=1),
+        [
+            START,
+            "finish life 0 finished",
+            RETURN0,
+            "finish life 1 finished",
+            "complete life 1 chunk 0 ok, poll",
+            "close",
+        ],
+        {"stuck-pin"},
+    ),
 }
 
 
@@ -230,12 +244,12 @@ def same_refusal(rules: set[str], message: str, replayed: BaseException) -> bool
 
 def test_every_shape_is_seeded() -> None:
     shapes = {shape for shape, _ in SHAPED.values()}
-    assert shapes >= set("ABCDEFGIJKLMNOP") and len(SHAPED) >= 15
+    assert shapes >= set("ABCDEFGIJKLMNOPQ") and len(SHAPED) >= 15
     assert set(EXPECTED) == set(SHAPED) and set(MUTANTS) <= set(SHAPED)
 
 
 @pytest.mark.parametrize("name", sorted(SHAPED))
-def test_checker_finds_each_seeded_bug_with_its_shortest_trace(name: str) -> None:
+def test_checker_finds_each_seeded_bug_with_its_shortest_trace(name: str, tmp_path: Path) -> None:
     """The reduced walk (the default) finds every rule the full walk finds, each with the
     same or a shorter trace; the full walk's shortest trace is the story pinned above."""
     cfg, shortest, rules = EXPECTED[name]
@@ -257,6 +271,13 @@ def test_checker_finds_each_seeded_bug_with_its_shortest_trace(name: str) -> Non
         replay_trace(SHAPED[name][1], found.events, cfg.options)
     assert rule_of(err.value) == found.rule
     assert same_refusal(rules, found.message, err.value)
+    # And as a replay file (shrunk), written, read back and re-run: it still fails.
+    record = replays.Replay(found.events, cfg.options, found.rule, config=cfg.as_dict())
+    path = replays.save(record, SHAPED[name][1], directory=tmp_path)
+    again = replays.load(path)
+    assert len(again.events) <= len(found.events) and again.rule == found.rule
+    rerun = replays.rerun(again, SHAPED[name][1])
+    assert rerun is not None and rerun[0] == found.rule, (name, rerun)
 
 
 #: Bugs that need a rarer interleaving (a resume while the retracted life's flush is in
@@ -323,14 +344,24 @@ def test_kvlife_check_runtime_catches_port_bugs(
 
 
 def test_kvlife_check_runtime_catches_a_failed_load_reported_as_loaded(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """Caught by kvlife check, written as a replay file that --replay re-runs: it still
+    fails on the mutant, and passes on kvlife's manager (--runtime overrides the file's)."""
     _cfg, shortest, _rules = EXPECTED["load-failed-as-loaded"]
     argv = ["check", "--runtime", "mutant_runtimes:load_failed_as_loaded", "--requests", "1"]
     argv += ["--chunks", "1", "--returns", "1", "--return-chunks", "1", "--jobs", "1"]
-    assert main(argv) == 1
+    assert main([*argv, "--replay-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "[failed-load]" in out and format_trace(shortest) in out
+    (path,) = tmp_path.glob("*.json")
+    assert f"replay file: {path}" in out
+    assert main(["check", "--replay", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "STILL FAILS (the same rule)" in out and "step life 1 +2 tokens" in out
+    ours = ["--runtime", "kvlife.testing:ManagerAdapter"]
+    assert main(["check", "--replay", str(path), *ours]) == 0
+    assert "PASSES now" in capsys.readouterr().out
 
 
 DOCUMENTED = [

@@ -281,6 +281,20 @@ class ManagerAdapter:
     def host_pages_free(self) -> int:
         return self.host.num_free
 
+    def pinned_pages(self) -> int:
+        """Host pages a load still pins (the liveness phase)."""
+        tier = self.manager.tier
+        return sum(1 for k in tier.held() if (e := tier.entry(k)) is not None and e.pins)
+
+    def pending_keys(self) -> list[str]:
+        """Keys whose store is still pending in the host tier (the liveness phase)."""
+        tier = self.manager.tier
+        return [k for k in tier.held() if (e := tier.entry(k)) is not None and e.pending]
+
+    def host_pages_held_by_tier(self) -> int:
+        """Host pages the host tier holds (a copy of a stored page)."""
+        return len(self.manager.tier)
+
     def _request(self, request: object) -> RuntimeRequest:
         if isinstance(request, RuntimeRequest) and self._requests.get(request.handle) is request:
             return request

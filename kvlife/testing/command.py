@@ -275,6 +275,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "FACTORY(chunks) returns one with a tier of CHUNKS blocks (kvlife.testing.vllm; "
         "needs vLLM; --no-failures: no failed stores)",
     )
+    p.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="re-run one replay file (a counterexample this command or the kit wrote) exactly "
+        "on its runtime (or --runtime); exit 1 if it still fails, 0 if it passes now",
+    )
+    p.add_argument(
+        "--replay-dir",
+        metavar="DIR",
+        help="where each violation's replay file is written (default: kvlife-replays in "
+        "the temporary directory)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.set_defaults(handler=_check)
 
@@ -310,7 +322,68 @@ def _check_vllm_manager(args: argparse.Namespace) -> int:
     return manager_kit.check_command(args.vllm_manager, failures=args.failures, json_out=args.json)
 
 
+def _replay(args: argparse.Namespace) -> int:
+    """``--replay FILE``: run it exactly, say whether it still fails."""
+    from kvlife.testing import replay as replays
+    from kvlife.testing.exhaustive import default_factory
+
+    replay = replays.load(args.replay)
+    spec = args.runtime or replay.runtime
+    if spec:
+        factory = load_runtime(spec, timeout=args.runtime_timeout)
+    elif replay.config is not None:
+        factory = default_factory(CheckConfig.from_dict(replay.config, replay.options))
+    else:
+        raise ConfigError(f"--replay {args.replay}: names no runtime; give --runtime")
+    found = replays.rerun(replay, factory)
+    if args.json:
+        out = {"file": args.replay, "fails": found is not None, "rule": found and found[0]}
+        print(json.dumps({**out, "recorded_rule": replay.rule, "events": len(replay.events)}))
+    else:
+        from kvlife.testing.report import format_trace
+
+        print(
+            f"kvlife check --replay {args.replay}: {len(replay.events)} events on "
+            f"{spec or 'kvlife OffloadManager'} (written by kvlife {replay.kvlife}, "
+            f"{replay.source}; it broke {replay.rule})"
+        )
+        print(format_trace([str(e) for e in replay.events]))
+        if found is None:
+            print("PASSES now: the runtime keeps every rule on this run")
+        else:
+            same = "the same rule" if found[0] == replay.rule else f"not {replay.rule}"
+            print(f"STILL FAILS ({same}): {_one_line(found[1], 400)}")
+    return 0 if found is None else 1
+
+
+def _save_replays(
+    report: CheckReport,
+    factory: Callable[[], RuntimeAdapter] | None,
+    args: argparse.Namespace,
+) -> list[str]:
+    """Each violation as a shrunk replay file; their paths."""
+    from kvlife.testing import replay as replays
+    from kvlife.testing.exhaustive import default_factory
+
+    made = factory or default_factory(report.config)
+    paths = []
+    for violation in report.violations:
+        replay = replays.Replay(
+            list(violation.events),
+            report.config.options,
+            violation.rule,
+            violation.message,
+            runtime=args.runtime,
+            config=report.config.as_dict(),
+            source="check",
+        )
+        paths.append(str(replays.save(replay, made, directory=args.replay_dir)))
+    return paths
+
+
 def _check(args: argparse.Namespace) -> int:
+    if args.replay:
+        return _replay(args)
     if args.vllm_manager:
         return _check_vllm_manager(args)
     cfg = _config(args)
@@ -320,10 +393,13 @@ def _check(args: argparse.Namespace) -> int:
         report = check_exhaustively(cfg, factory, jobs=jobs)
     else:  # long walks show how far they are (on stderr: stdout stays the summary)
         report = _with_progress_bar(cfg, factory, jobs)
+    paths = _save_replays(report, factory, args)
     if args.json:
-        print(json.dumps(report.as_dict()))
+        print(json.dumps({**report.as_dict(), "replays": paths}))
     else:
         _print_summary(report, args.runtime)
+        for path in paths:
+            print(f"replay file: {path} (kvlife check --replay {path})")
     return 0 if report.ok else 1
 
 

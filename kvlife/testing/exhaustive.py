@@ -98,6 +98,19 @@ class CheckConfig:
         """Every life of the configuration: the requests, then the returns."""
         return self.requests + self.returns
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], options: KitOptions) -> CheckConfig:
+        """The config :meth:`as_dict` wrote (its options given apart)."""
+        return cls(
+            int(data["requests"]),
+            int(data["chunks"]),
+            int(data.get("page_size", 2)),
+            options,
+            returns=int(data.get("returns", 0)),
+            return_chunks=int(data.get("return_chunks", 0)),
+            reduction=bool(data.get("reduction", True)),
+        )
+
     def as_dict(self) -> dict[str, Any]:
         """Plain dict, for JSON."""
         return {

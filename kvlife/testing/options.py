@@ -39,10 +39,17 @@ class KitOptions:
     #: Seconds a runtime call may block, or a completed copy stay listed, before
     #: ``stuck-copy``; ``None``: wait forever.
     stuck_after: float | None = 10.0
+    #: The liveness bound: after the last input (every life finished, every copy the kit
+    #: completed), the kit polls up to this many times, no new work, then requires every
+    #: life released, every pin dropped, every pending key settled or expired and every
+    #: host page free or held by the host tier, before it closes the runtime.
+    liveness_polls: int = 3
 
     def __post_init__(self) -> None:
         if self.stuck_after is not None and not 0 < self.stuck_after < 3600:
             raise ConfigError(f"stuck_after must be in (0, 3600) s, got {self.stuck_after}")
+        if not 1 <= self.liveness_polls <= 100:
+            raise ConfigError(f"liveness_polls must be in [1, 100], got {self.liveness_polls}")
 
     @property
     def reasons(self) -> tuple[FinishReason, ...]:

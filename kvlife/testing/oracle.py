@@ -52,8 +52,10 @@ class Life:
     #: Its restored pages were checked (before its first decode step).
     restore_checked: bool = False
     #: Prompt pages a failed load covered: to be recomputed (or loaded again) before the
-    #: life decodes on them (the failed-load rule, checked after its next step).
+    #: life decodes on them (the failed-load rule, checked after its next step). Armed at
+    #: the first poll after the failed copy completed (the runtime learns of it there).
     failed_pages: int = 0
+    failed_unpolled: int = 0
 
     @property
     def running(self) -> bool:
@@ -255,6 +257,10 @@ class Oracle:
         self._completed.update(id(c) for c in queued)  # a draining poll waited for each
         for copy in queued:
             self._copied(copy, True)
+        for life in self.lives:  # the runtime has applied its failed loads' acks now
+            if life.failed_unpolled:
+                life.failed_pages = max(life.failed_pages, life.failed_unpolled)
+                life.failed_unpolled = 0
 
     def _copied(self, copy: object, ok: bool) -> None:
         """A copy the kit completed: a store's keys are written; a load's bytes are checked
@@ -270,7 +276,7 @@ class Oracle:
         if life.released:
             return
         if not ok:  # its pages hold whatever the copy left: recomputed before a decode
-            life.failed_pages = max(life.failed_pages, len(keys))
+            life.failed_unpolled = max(life.failed_unpolled, len(keys))
             return
         for i, key in enumerate(keys):
             if not self._page_holds(life, i, key):
@@ -329,6 +335,7 @@ class Oracle:
             time.sleep(0.002)
             self._poll()
             self.check()
+        self._liveness()
         self._call("close", self.adapter.close)
         self.check()
         left = self.adapter.copies_in_flight()
@@ -348,6 +355,48 @@ class Oracle:
         if held is not None and held():
             raise InvariantViolation(
                 "device-leak", f"{held()} device pages still held after every life was released"
+            )
+
+    def unsettled(self) -> list[tuple[str, str]]:
+        """What is stuck now, as (rule, what): lives not released, pins held, keys pending,
+        host pages neither free nor held by the host tier (the optional adapter members
+        ``pinned_pages``, ``pending_keys`` and ``host_pages_held_by_tier`` say; without them
+        those are not checked before close)."""
+        found: list[tuple[str, str]] = []
+        never = [life for life in self.lives if not life.released]
+        if never:
+            found.append(("unreleased", f"lives never released: {never}"))
+        pinned = getattr(self.adapter, "pinned_pages", None)
+        if pinned is not None and pinned():
+            found.append(("stuck-pin", f"{pinned()} host pages still pinned for a load"))
+        pending = getattr(self.adapter, "pending_keys", None)
+        keys = list(pending()) if pending is not None else []
+        if keys:
+            shown = ", ".join(f"{k[:12]}.." for k in keys[:4])
+            found.append(("stuck-pending", f"{len(keys)} keys still pending: {shown}"))
+        by_tier = getattr(self.adapter, "host_pages_held_by_tier", None)
+        if by_tier is not None:
+            loose = self.adapter.host_pages_allocated() - by_tier()
+            if loose:
+                found.append(("host-leak", f"{loose} host pages neither free nor in the tier"))
+        return found
+
+    def _liveness(self) -> None:
+        """The liveness phase: no new input, up to ``options.liveness_polls`` polls, then
+        everything settled (docs/testing-kit.md, "The liveness phase")."""
+        polls = self.options.liveness_polls
+        for _ in range(polls):
+            if not self.unsettled():
+                return
+            self._poll()
+            self.check()
+        found = self.unsettled()
+        if found:
+            rule = found[0][0]
+            what = "; ".join(text for _, text in found)
+            raise InvariantViolation(
+                rule,
+                f"liveness: after the last input and {polls} polls with no new work, {what}",
             )
 
     def run(self, events: Iterable[KitEvent]) -> None:

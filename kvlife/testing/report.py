@@ -40,6 +40,8 @@ class KitFailure(InvariantViolation):
         self.trace = [str(e) for e in self.events]
         self.seed = seed
         self.detail = message
+        #: The replay file written for it (``kvlife check --replay``), if one was.
+        self.replay_path: str | None = None
         seeded = f", seed {seed}" if seed is not None else ""
         head = f"{message}\nshortest failing run found ({len(self.trace)} events{seeded}):\n"
         super().__init__(rule, head + format_trace(self.trace) + (f"\n{how}" if how else ""))

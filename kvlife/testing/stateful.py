@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -157,13 +158,18 @@ def run_kit(
     *,
     options: KitOptions | None = None,
     seed: int | None = None,
+    runtime: str | None = None,
+    replay_dir: str | os.PathLike[str] | None = None,
     **machine_options: Any,
 ) -> None:
     """Run :class:`RuntimeMachine` against ``adapter_factory`` as one test.
 
     ``settings`` default to :data:`KIT_SETTINGS` (derive yours from it). A failure is raised
     as one :class:`~kvlife.testing.KitFailure`: the broken rule, the shrunk run and the seed
-    (docs/testing-kit.md, "Running it").
+    (docs/testing-kit.md, "Running it"). The failure is also written as a replay file
+    (in ``replay_dir``, default :func:`kvlife.testing.replay.default_dir`; ``runtime``
+    names the factory as ``module:factory`` where its own name does not import back),
+    its path in ``failure.replay_path`` and the message.
     """
     chosen = settings or KIT_SETTINGS
     chosen = type(chosen)(chosen, report_multiple_bugs=False)
@@ -194,4 +200,39 @@ def run_kit(
             how += f"; rerun: run_kit(adapter_factory, ..., seed={seed})"
         else:
             how += "; derandomized: the same settings rerun the same search"
-        raise KitFailure(rule, detail, events, seed=seed, how=how) from exc
+        path = _save_replay(
+            adapter_factory, events, kit_options, rule, detail, seed, runtime, replay_dir
+        )
+        if path is not None:
+            how += f"\nreplay file: {path} (kvlife check --replay {path})"
+        failure = KitFailure(rule, detail, events, seed=seed, how=how)
+        failure.replay_path = path
+        raise failure from exc
+
+
+def _save_replay(
+    factory: Callable[[], RuntimeAdapter],
+    events: list[Any],
+    options: KitOptions,
+    rule: str,
+    detail: str,
+    seed: int | None,
+    runtime: str | None,
+    directory: str | os.PathLike[str] | None,
+) -> str | None:
+    """The failure as a shrunk replay file; its path (None if it could not be written)."""
+    from kvlife.testing import replay
+
+    record = replay.Replay(
+        [*events, Close()] if events and not isinstance(events[-1], Close) else list(events),
+        options,
+        rule,
+        detail,
+        runtime=runtime or replay.factory_spec(factory),
+        seed=seed,
+        source="kit",
+    )
+    try:
+        return str(replay.save(record, factory, directory=directory))
+    except OSError:
+        return None
