@@ -220,3 +220,12 @@ def test_a_scheduler_whose_store_fails_unlinks_every_worker_pool(tmp_path: Path)
     with pytest.raises(ConfigError):
         spec.get_manager()
     assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_offload_prompt_only_must_be_a_bool(value: object) -> None:
+    """Scenario: an operator writes ``"offload_prompt_only": "False"`` (a string) to have a
+    decode instance offload its decoded blocks. vLLM reads it as ``bool("False")``, true,
+    and offloads the prompt only, silently. kvlife refuses it at start, naming the key."""
+    with pytest.raises(ConfigError, match="offload_prompt_only"):
+        KVLifeOffloadingSpec(offloading_config(offload_prompt_only=value))

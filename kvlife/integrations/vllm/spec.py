@@ -146,6 +146,11 @@ class Settings:
         strict = extra.get("strict", False)
         if not isinstance(strict, bool):
             raise _bad("strict", strict, "must be a bool")
+        prompt_only = extra.get("offload_prompt_only", True)  # vLLM's key: bool() of any value
+        if not isinstance(prompt_only, bool):
+            raise _bad(
+                "offload_prompt_only", prompt_only, "must be a bool (False: decoded blocks too)"
+            )
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
             raise _bad("model_id", model_id, "must be a non-empty str")
