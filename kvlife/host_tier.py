@@ -486,14 +486,15 @@ class HostTier(Generic[K]):
         now and for keys whose copies complete later."""
         self.touch(keys)
 
-    def rank(self, ranks: Iterable[tuple[K, Rank]]) -> None:
-        """Raise held keys to the ranks given (a key already more recent keeps its own):
-        a running request's keys as ``(request, -position)``, one ``request`` number
-        from :meth:`new_rank` per request, so its tail ranks below its head and the
-        request below every later one."""
+    def rank(self, ranks: Iterable[tuple[K, Rank]], *, lower: bool = False) -> None:
+        """Raise held keys to the ranks given (a key already more recent keeps its own;
+        with ``lower``, the rank is set either way: keys a request just stored): a running
+        request's keys as ``(request, -position)``, one ``request`` number from
+        :meth:`new_rank` per request, so its tail ranks below its head and the request
+        below every later one."""
         current = self._ranks
         for key, rank in ranks:
-            if key in current and rank > current[key]:
+            if key in current and (lower or rank > current[key]):
                 current[key] = rank
                 if key in self._evictable:
                     self._push(key)

@@ -7,8 +7,9 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar, cast
 
@@ -52,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _CPU = Medium.CPU  # the medium of the host tier's KV events
+# vLLM 0.34's OffloadingEvent carries the storing request (req_context) and says a stored
+# key may be removed later (removal_expected); 0.32's has neither field.
+_EVENT_FIELDS = frozenset(f.name for f in fields(OffloadingEvent))
+_STORED_EXTRAS = "req_context" in _EVENT_FIELDS
+_REMOVAL_EXPECTED = "removal_expected" in _EVENT_FIELDS
 
 
 class _Job:
@@ -64,6 +70,49 @@ class _Job:
         self.lifecycle = lifecycle
         self.ticket = ticket
         self.left = left
+
+
+class _Seen:
+    """The keys one request life used (prepare_store, prepare_load, touch), first use first,
+    and its request rank once it ranked a key by position (vLLM 0.33+ ranks a running
+    request's keys so, tail below head)."""
+
+    __slots__ = ("keys", "rank")
+
+    def __init__(self) -> None:
+        self.keys: dict[OffloadKey, None] = {}
+        self.rank: int | None = None
+
+
+def _group(key: OffloadKey) -> int:
+    """The KV cache group index in a vLLM OffloadKey (its last four bytes)."""
+    return int.from_bytes(key[-4:], "big")
+
+
+def _prefix_order(keys: Iterable[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+    """A request's keys head to tail as vLLM's CPU manager orders them: per KV cache group
+    (by group index), each group by token position when every key of it has one, then all
+    by position when every key has one (a stable sort: one position, group order)."""
+    groups: dict[int, list[OffloadKey]] = {}
+    for key in keys:
+        groups.setdefault(_group(key), []).append(key)
+    ordered: list[OffloadKey] = []
+    known = True
+    for index in sorted(groups):
+        group = groups[index]
+        positions = [ctx.get_offload_key_position(k) for k in group]
+        if None in positions:
+            known = False
+        else:
+            group = [k for _, k in sorted(zip(positions, group, strict=True), key=_first)]
+        ordered += group
+    if known and len(groups) > 1:
+        ordered.sort(key=lambda k: cast(int, ctx.get_offload_key_position(k)))
+    return ordered
+
+
+def _first(pair: tuple[int, OffloadKey]) -> int:
+    return pair[0]
 
 
 @dataclass(slots=True)
@@ -149,7 +198,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         # Per key, the jobs in flight that name it, oldest first (two identical loads: two).
         self._stores: dict[OffloadKey, _Job] = {}
         self._loads: dict[OffloadKey, list[_Job]] = {}
-        self._order: dict[Lifecycle, dict[OffloadKey, None]] = {}  # keys per life, seen order
+        self._order: dict[Lifecycle, _Seen] = {}  # keys per life, first use first
         self._on_release = self._released  # one bound method for every Lifecycle
         self.counts = _Counts()
         self._last_stats: dict[str, float] | None = None
@@ -235,10 +284,31 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             lifecycle = cast(Lifecycle, ctx.get_state(Lifecycle))
         return lifecycle
 
-    def _seen(self, lifecycle: Lifecycle, keys: Iterable[OffloadKey]) -> None:
-        order = self._order.get(lifecycle)
-        if order is not None:
-            order.update(dict.fromkeys(keys))
+    def _seen(
+        self,
+        lifecycle: Lifecycle,
+        keys: Iterable[OffloadKey],
+        ctx: ReqContext,
+        stored: Collection[OffloadKey] = (),
+    ) -> None:
+        """The life used ``keys``: remembered for its finish; each one vLLM gave a token
+        position is ranked by it now, under the request's rank (tail below head): raised
+        to it, or set to it for the keys this request just ``stored``."""
+        seen = self._order.get(lifecycle)
+        if seen is None:
+            return
+        new = [key for key in keys if key not in seen.keys]
+        seen.keys.update(dict.fromkeys(new))
+        for keys_, lower in ((new, False), (stored, True)):
+            ranks = []
+            for key in keys_:
+                position = ctx.get_offload_key_position(key)
+                if position is not None:
+                    if seen.rank is None:
+                        seen.rank = self.tier.new_rank()[0]
+                    ranks.append((key, (seen.rank, -position)))
+            if ranks:
+                self.tier.rank(ranks, lower=lower)
 
     def _settle(self, job: _Job | None) -> None:
         """One key of ``job`` completed; its ticket is acked with the last one."""
@@ -259,19 +329,20 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         )
         req_context.set_state(lifecycle)
         self._live.add(lifecycle)
-        self._order[lifecycle] = {}
+        self._order[lifecycle] = _Seen()
         self.counts.lifecycles_started += 1
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        """Recency from the finish (vLLM 0.34 has no touch): the request's keys, head to
+        tail per KV cache group, become the most recent with the tail ranked first, the
+        ones still being stored or loaded too (they go idle at that rank)."""
         lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
         if lifecycle is None:
             return
-        keys = list(self._order.get(lifecycle, ()))
-        positions = [req_context.get_offload_key_position(k) for k in keys]
-        if keys and None not in positions:  # vLLM knows each key's place in the prefix
-            keys = [k for _, k in sorted(zip(positions, keys, strict=True), key=lambda p: p[0])]
-        self.tier.finished(keys)  # the tail goes first: what stays is reachable
+        seen = self._order.get(lifecycle)
+        if seen is not None and lifecycle.finish_reason is None:
+            self.tier.finished(_prefix_order(seen.keys, req_context))
         self._event("finish", lifecycle.finish, FinishReason.FINISHED)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -384,16 +455,18 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         job = _Job(lifecycle, ticket, len(ordered))
         for key in ordered:
             self._loads.setdefault(key, []).append(job)
-        self._seen(lifecycle, ordered)
-        tier.touch(ordered)
+        if all(req_context.get_offload_key_position(k) is None for k in ordered):
+            tier.touch(ordered)  # no positions (vLLM 0.32's touch order): head most recent
+        self._seen(lifecycle, ordered, req_context)
         return HostBlocksSpec(pages, ordered)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """vLLM 0.32's recency call (0.34 has none: recency comes from the finish)."""
         ordered = keys if isinstance(keys, Sequence) else list(keys)
         self.tier.touch(ordered)
         lifecycle: Lifecycle | None = req_context.get_state(Lifecycle)
         if lifecycle is not None:
-            self._seen(lifecycle, ordered)
+            self._seen(lifecycle, ordered, req_context)
 
     def complete_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext, **kwargs: Any
@@ -428,8 +501,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if plan is None:
             return None
         lifecycle = self._life(req_context, "store")
-        self._seen(lifecycle, offered)
         new = plan.keys
+        self._seen(lifecycle, offered, req_context, new)
         if new:
             ticket = self._event("store", _start_store, lifecycle, new)
             job = _Job(lifecycle, ticket, len(new))
@@ -452,7 +525,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 self._refuse("complete_store:unknown_key", f"no store of key {key.hex()[:16]}")
         if not ours:
             return
-        self.tier.complete_store(ours, success=success)
+        # A failed store (vLLM 0.34 reports them) is dropped: never announced, page freed.
+        self.tier.complete_store(ours, success=success, source=req_context)
         if not success:
             self.counts.store_failed += len(ours)
         for key in ours:
@@ -460,7 +534,36 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self.tier.take_events():
-            yield OffloadingEvent(keys=list(event.keys), medium=_CPU, removed=event.removed)
+            extra: dict[str, Any] = {}
+            if not event.removed:  # vLLM 0.34: the storing request; a later removal expected
+                if _STORED_EXTRAS and isinstance(event.source, ReqContext):
+                    extra["req_context"] = event.source
+                if _REMOVAL_EXPECTED:
+                    extra["removal_expected"] = True
+            yield OffloadingEvent(
+                keys=list(event.keys), medium=_CPU, removed=event.removed, **extra
+            )
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """vLLM 0.33+: held by the connector around every call. Only the scheduler thread
+        enters this manager (the promotion reader returns futures it reads; metrics read
+        plain counts), so no lock is needed: a no-op, as vLLM's default."""
+        return nullcontext()
+
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        """vLLM 0.33+: the static facts of ``vllm:kv_offload_config_info``, one series (the
+        spec's ``config_info_keys`` names which labels vLLM publishes)."""
+        disk = self._disk
+        return [
+            {
+                "backend": "kvlife",
+                "host_pages": self.tier.capacity,
+                "page_bytes": self._page_bytes,
+                "persistent_tier": type(disk).__name__ if disk is not None else "None",
+                "promotes": self._promote,
+            }
+        ]
 
     def has_pending_work(self) -> bool:
         return bool(self._stores or self._loads or self._flush_steps)
@@ -501,6 +604,9 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         after the reset (by then the first one's flush ran)."""
         self._abandon_jobs()
         self._unhold()
+        for seen in self._order.values():  # a request's ranks and uses end with the cache
+            seen.keys.clear()
+            seen.rank = None
         self.tier.reset()
         self._flush_steps = _FLUSH_STEPS if self.tier.counts.orphans else 0
         self._reads.clear()  # a read still running finishes into nothing
