@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvlife._lifecycle import (
+    DECODING,
     TABLE,
     Event,
     FinishReason,
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from kvlife.pool import HostPagePool
     from kvlife.store.directory import LocalDirectoryStore
     from kvlife.store.memory import MemoryStore
+    from kvlife.transfers import TransferCounts, Transfers
 
 __version__ = "0.1.0"
 
@@ -84,6 +86,8 @@ _LAZY = {
     "HostPagePool": "kvlife.pool",
     "LocalDirectoryStore": "kvlife.store.directory",
     "MemoryStore": "kvlife.store.memory",
+    "TransferCounts": "kvlife.transfers",
+    "Transfers": "kvlife.transfers",
 }
 
 
@@ -95,6 +99,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DECODING",
     "TABLE",
     "Ack",
     "AckError",
@@ -146,6 +151,8 @@ __all__ = [
     "StoreUnavailable",
     "Ticket",
     "TierError",
+    "TransferCounts",
+    "Transfers",
     "Transition",
     "UnallocatedHostPage",
     "UnknownChunk",
