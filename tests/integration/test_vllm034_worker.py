@@ -159,6 +159,8 @@ def test_the_spec_builds_both_roles_from_vllm_034s_config(tmp_path: Any) -> None
     _, caches = rig()
     worker = spec.get_worker(caches)
     manager = spec.get_manager()
+    (info,) = manager.config_info()  # vLLM publishes the labels the spec names, no other
+    assert tuple(info) == KVLifeOffloadingSpec.config_info_keys(config.extra_config)
     ctx = ReqContext("r")
     manager.on_new_request(ctx)
     out = manager.prepare_store(keys(2), ctx)

@@ -38,6 +38,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
 }
 
+
 class _LiveManagers:
     """The metrics source of this process's vLLM backend: its live managers' records summed."""
 

@@ -135,6 +135,9 @@ class _Counts:
     preemptions: int = 0  # requests vLLM preempted (seen at the end of each step)
 
 
+#: The labels of ``vllm:kv_offload_config_info`` (vLLM 0.33+): the spec declares them,
+#: :meth:`KVLifeOffloadingManager.config_info` fills them.
+CONFIG_INFO_KEYS = ("backend", "host_pages", "page_bytes", "persistent_tier", "promotes")
 #: Seconds every lookup misses after the persistent tier failed to answer.
 _DOWN_SECONDS = 5.0
 #: Scheduled steps after a reset until the workers flushed its jobs (vLLM 0.32).
@@ -555,15 +558,14 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         """vLLM 0.33+: the static facts of ``vllm:kv_offload_config_info``, one series (the
         spec's ``config_info_keys`` names which labels vLLM publishes)."""
         disk = self._disk
-        return [
-            {
-                "backend": "kvlife",
-                "host_pages": self.tier.capacity,
-                "page_bytes": self._page_bytes,
-                "persistent_tier": type(disk).__name__ if disk is not None else "None",
-                "promotes": self._promote,
-            }
-        ]
+        values = (
+            "kvlife",
+            self.tier.capacity,
+            self._page_bytes,
+            type(disk).__name__ if disk is not None else "None",
+            self._promote,
+        )
+        return [dict(zip(CONFIG_INFO_KEYS, values, strict=True))]
 
     def has_pending_work(self) -> bool:
         return bool(self._stores or self._loads or self._flush_steps)

@@ -40,7 +40,7 @@ from kvlife.integrations.vllm._common import (
     unpin_shared_pool,
 )
 from kvlife.integrations.vllm.metrics import METRICS
-from kvlife.integrations.vllm.scheduler import KVLifeOffloadingManager
+from kvlife.integrations.vllm.scheduler import CONFIG_INFO_KEYS, KVLifeOffloadingManager
 from kvlife.integrations.vllm.worker import KVLifeWorker, _block_views
 from kvlife.pool import HostPagePool
 from kvlife.store.directory import LocalDirectoryStore
@@ -255,6 +255,12 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     ) -> dict[str, OffloadingMetricMetadata]:
         kinds = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
         return {name: kinds[kind](documentation=doc) for name, (kind, doc) in METRICS.items()}
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33+: the labels the manager's ``config_info()`` fills (vLLM publishes
+        only the labels the spec names)."""
+        return CONFIG_INFO_KEYS
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
