@@ -183,7 +183,8 @@ def test_worker_processes_explore_the_same_interleavings() -> None:
 def test_cli_json_and_exit_status(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = ["check", "--chunks", "1", "--reasons", "finished,aborted", "--no-failures"]
+    argv = ["check", "--requests", "2", "--chunks", "1", "--returns", "0"]
+    argv += ["--reasons", "finished,aborted", "--no-failures"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     cfg = CheckConfig(chunks=1, options=_options(2, False, resumes=True))
@@ -302,7 +303,8 @@ def test_issue36_9_a_stop_signal_ends_every_check_worker(tmp_path: Path) -> None
         ]
         return forked if len(forked) == 2 else []
 
-    argv = ["check", "--requests", "2", "--chunks", "3", "--jobs", "2", "--json"]
+    argv = ["check", "--requests", "2", "--chunks", "3", "--returns", "0", "--jobs", "2"]
+    argv.append("--json")
     status, left, files = stop_command(argv, tmp_path, signal.SIGHUP, workers)
     assert (status, left, files) == (128 + signal.SIGHUP, [], [])
 
@@ -365,8 +367,8 @@ def test_the_reduced_walk_finds_the_full_walks_bug_and_the_flag_keeps_the_full_w
     reduced = check_exhaustively(cfg, MUTANTS["late-ack-to-newest"])
     assert full.interleavings > 2 * reduced.interleavings
     assert reduced.violations[0].trace == full.violations[0].trace
-    argv = ["check", "--requests", "2", "--chunks", "1", "--no-failures", "--json"]
-    assert main([*argv, "--no-reduction"]) == 0
+    argv = ["check", "--requests", "2", "--chunks", "1", "--returns", "0", "--no-failures"]
+    assert main([*argv, "--json", "--no-reduction"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["interleavings"] == out["total"] == out["full"] == count_interleavings(
         CheckConfig(2, 1, options=KitOptions(failures=False))
@@ -427,3 +429,49 @@ def test_a_replay_file_is_shrunk_toward_the_fewest_events(tmp_path: Path) -> Non
         "step life 0 +2 tokens",
         "finish life 0 aborted",
     ]
+
+
+# ------------------------------------------------------------------ coverage, default, bounds
+
+
+def test_coverage_says_what_the_walk_reached_and_never_did(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvlife.testing.coverage import ROWS, RULES
+
+    report = check_exhaustively(CheckConfig(requests=1, chunks=2, returns=1, return_chunks=1))
+    cov = report.coverage.as_dict()
+    assert set(cov["rules"]["reached"]) == set(RULES)  # every rule had something to judge
+    reached, never = cov["rows"]["reached"], cov["rows"]["never"]
+    assert set(reached) | set(never) == set(ROWS) and not set(reached) & set(never)
+    assert "FINISHED --release[drained]--> RELEASED" in reached
+    assert "OFFLOADING --ack[more_stores]--> OFFLOADING" in reached  # two chunks in flight
+    # A returning life decodes only after its load: a store beside a load never happens.
+    assert "LOADING --submit--> OFFLOADING" in never
+    assert cov["refusals"]["never"] and not cov["refusals"]["reached"]  # kvlife refuses none
+    argv = ["check", "--requests", "1", "--chunks", "1", "--returns", "0", "--no-failures"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "RELEASED" in str(out["coverage"]["rows"]["reached"])
+    assert "load-bytes" in out["coverage"]["rules"]["never"]  # no load without a return
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "coverage, oracle rules:" in printed and "never: " in printed
+
+
+def test_the_default_is_two_lives_with_stores_a_returning_load_and_failures() -> None:
+    from kvlife.testing.command import DEFAULT
+
+    cfg = DEFAULT
+    assert cfg.lives == 2 and cfg.returns == 1 and cfg.chunks >= 1 and cfg.return_chunks >= 1
+    assert cfg.options.failures and FinishReason.RETRACTED in cfg.options.reasons
+    assert cfg.reduction
+    assert count_interleavings(cfg) == 263700 and count_runs(cfg) == 10408
+
+
+def test_jobs_are_bounded_by_the_cores(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvlife.testing.command import _cores
+
+    for bad in ("0", "-1", "x", str(_cores() + 1)):
+        assert main(["check", "--requests", "1", "--chunks", "1", "--jobs", bad]) == 2
+        assert "--jobs" in capsys.readouterr().err

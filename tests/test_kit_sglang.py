@@ -42,6 +42,12 @@ NO_FAILURES = KitOptions(failures=False)
 SMALL = settings(KIT_SETTINGS, max_examples=60, stateful_step_count=30, derandomize=True)
 
 
+@pytest.fixture(autouse=True)
+def _replays_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure's replay file goes to the test's own directory."""
+    monkeypatch.setenv("KVLIFE_REPLAY_DIR", str(tmp_path / "replays"))
+
+
 def test_the_sglang_port_passes_the_kit() -> None:
     run_kit(SGLangAdapter, SMALL, options=NO_FAILURES)
 

@@ -36,6 +36,12 @@ from kvlife.testing.strategies import events, replay
 PAGE = 2
 
 
+@pytest.fixture(autouse=True)
+def _replays_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure's replay file goes to the test's own directory."""
+    monkeypatch.setenv("KVLIFE_REPLAY_DIR", str(tmp_path / "replays"))
+
+
 def _engine() -> tuple[LayerFirstLayout, HostPagePool, ScriptedEngine]:
     layout = LayerFirstLayout.zeros(1, 8, PAGE, 1, 2, dtype=torch.int32)
     host = HostPagePool(4, layout.page_numel, torch.int32, pin_memory=False)

@@ -281,6 +281,10 @@ class ManagerAdapter:
     def host_pages_free(self) -> int:
         return self.host.num_free
 
+    def refusal_counts(self) -> dict[str, int]:
+        """Refusals the manager counted, by kind (coverage)."""
+        return self.manager.refusals.snapshot()
+
     def pinned_pages(self) -> int:
         """Host pages a load still pins (the liveness phase)."""
         tier = self.manager.tier

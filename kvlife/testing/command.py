@@ -41,6 +41,12 @@ __all__ = ["RUNTIME_TIMEOUT_S", "adapter_problem", "load_factory", "load_runtime
 #: Seconds the ``--runtime`` import, and then the factory's first call, may each take.
 RUNTIME_TIMEOUT_S = 60.0
 
+#: ``kvlife check`` with no bounds (issue 35 item 6): two lives on one rid, the first
+#: storing up to two chunks, the second its conversation returning (a load) and storing
+#: up to two more; every finish reason (a retraction), failed copies, exhaustively under
+#: the reduction: 10,408 runs of the 263,700 interleavings (docs/testing-kit.md).
+DEFAULT = CheckConfig(requests=1, chunks=2, returns=1, return_chunks=2)
+
 #: What an object needs to be driven as a RuntimeAdapter: its methods, then its data.
 _METHODS = tuple(sorted(n for n, v in vars(RuntimeAdapter).items() if callable(v) and n[0] != "_"))
 _DATA = tuple(sorted(n for n in RuntimeAdapter.__annotations__ if n[0] != "_"))
@@ -62,6 +68,27 @@ def _timeout(text: str) -> float:
         value = math.nan
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected seconds > 0, finite, got {text!r}")
+    return value
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= _cores():
+        raise argparse.ArgumentTypeError(
+            f"expected 1 to {_cores()} (this machine's cores; more workers than cores only "
+            f"share them), got {text!r}"
+        )
     return value
 
 
@@ -183,7 +210,7 @@ def load_runtime(spec: str, *, timeout: float = RUNTIME_TIMEOUT_S) -> Callable[[
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``check`` to the ``kvlife`` command."""
-    d = CheckConfig()
+    d = DEFAULT
     o = d.options
     p = subparsers.add_parser(
         "check",
@@ -210,8 +237,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--return-chunks",
         type=int,
-        default=d.return_chunks,
-        help="most chunks a returning life offloads after its load",
+        default=None,
+        help="most chunks a returning life offloads after its load (default: "
+        f"{d.return_chunks}, or --chunks if fewer)",
     )
     p.add_argument(
         "--runtime",
@@ -248,7 +276,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--stuck-after",
-        type=float,
+        type=_timeout,
         default=o.stuck_after,
         metavar="SECONDS",
         help=f"report a call blocked this long as stuck-copy (default: {o.stuck_after})",
@@ -263,10 +291,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--jobs",
-        type=int,
-        default=os.cpu_count() or 1,
-        help=f"worker processes splitting the walk (default: this machine's {os.cpu_count()} "
-        "cores)",
+        type=_jobs,
+        default=_cores(),
+        help=f"worker processes splitting the walk, 1 to this machine's {_cores()} cores "
+        "(more do not help: each is one busy core) (default: all of them)",
     )
     p.add_argument(
         "--vllm-manager",
@@ -308,7 +336,11 @@ def _config(args: argparse.Namespace) -> CheckConfig:
         args.page_size,
         options,
         returns=args.returns,
-        return_chunks=args.return_chunks,
+        return_chunks=(
+            min(DEFAULT.return_chunks, args.chunks)
+            if args.return_chunks is None
+            else args.return_chunks
+        ),
         reduction=args.reduction,
     )
 
@@ -319,7 +351,13 @@ def _check_vllm_manager(args: argparse.Namespace) -> int:
         from kvlife.testing import vllm as manager_kit
     except ImportError as exc:
         raise ConfigError(f"--vllm-manager needs vLLM installed ({exc})") from None
-    return manager_kit.check_command(args.vllm_manager, failures=args.failures, json_out=args.json)
+    return manager_kit.check_command(
+        args.vllm_manager,
+        failures=args.failures,
+        json_out=args.json,
+        timeout=args.runtime_timeout,
+        stuck_after=args.stuck_after,
+    )
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -388,7 +426,7 @@ def _check(args: argparse.Namespace) -> int:
         return _check_vllm_manager(args)
     cfg = _config(args)
     factory = load_runtime(args.runtime, timeout=args.runtime_timeout) if args.runtime else None
-    jobs = max(1, args.jobs)
+    jobs = args.jobs
     if args.json or not sys.stderr.isatty():
         report = check_exhaustively(cfg, factory, jobs=jobs)
     else:  # long walks show how far they are (on stderr: stdout stays the summary)
@@ -444,11 +482,12 @@ def _print_summary(report: CheckReport, runtime: str | None) -> None:
     )
     print(
         f"kvlife check: {runtime or 'kvlife OffloadManager'} ({report.progress} progress), "
-        f"{cfg.requests} lives sharing a rid, up to {cfg.chunks} chunks each, "
+        f"{cfg.lives} lives sharing a rid, "
         + (
+            f"{cfg.requests} started and up to {cfg.chunks} chunks each, "
             f"{cfg.returns} returning (a load, then up to {cfg.return_chunks} chunks), "
             if cfg.returns
-            else ""
+            else f"up to {cfg.chunks} chunks each, "
         )
         + f"reasons {reasons}{switches}"
     )
@@ -463,6 +502,15 @@ def _print_summary(report: CheckReport, runtime: str | None) -> None:
         f"{report.elapsed_s:.1f} s; {report.violating} broke a rule"
         + (f"; {report.deferred} deferred a chunk (host pool full)" if report.deferred else "")
     )
+    cov = report.coverage.as_dict(rows=bool(report.coverage.rows))
+    for kind in ("rows", "refusals", "rules"):
+        if kind in cov:
+            reached, never = cov[kind]["reached"], cov[kind]["never"]
+            name = {"rows": "table rows", "refusals": "refusal kinds", "rules": "oracle rules"}
+            print(
+                f"  coverage, {name[kind]}: {len(reached)} of {len(reached) + len(never)} "
+                f"reached" + (f"; never: {', '.join(never)}" if never else "")
+            )
     for violation in report.violations:
         print(f"violation {violation}")
     print("OK: every interleaving kept every rule" if report.ok else "FAILED")

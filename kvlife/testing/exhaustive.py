@@ -21,6 +21,7 @@ import torch
 from kvlife._lifecycle import FinishReason
 from kvlife.errors import ConfigError
 from kvlife.testing.adapter import ManagerAdapter, RuntimeAdapter
+from kvlife.testing.coverage import Coverage, recording_rows
 from kvlife.testing.events import (
     Close,
     Complete,
@@ -161,6 +162,8 @@ class CheckReport:
     #: Of the runs, prefixes the reduction left with no move to take (each way on is walked
     #: from an equivalent prefix), run and closed.
     blocked: int = 0
+    #: What the runs reached: table rows, refusal kinds, oracle rules.
+    coverage: Coverage = field(default_factory=Coverage)
     #: Runs that broke a rule.
     violating: int = 0
     #: Runs that completed a chunk the runtime deferred (host pool full); see
@@ -184,6 +187,7 @@ class CheckReport:
             "total": self.total,
             "full": self.full,
             "blocked": self.blocked,
+            "coverage": self.coverage.as_dict(rows=bool(self.coverage.rows)),
             "violating": self.violating,
             "deferred": self.deferred,
             "progress": self.progress,
@@ -391,7 +395,10 @@ _DEFERRED = "deferred"
 
 
 def _run(
-    adapter: RuntimeAdapter, trace: Sequence[KitEvent], options: KitOptions
+    adapter: RuntimeAdapter,
+    trace: Sequence[KitEvent],
+    options: KitOptions,
+    coverage: Coverage | None = None,
 ) -> tuple[int, str, str] | None:
     """Replay ``trace`` and close; ``(index of the breaking event, rule, message)`` or None.
 
@@ -422,6 +429,12 @@ def _run(
     except Exception as exc:  # a broken rule, or the runtime raised (a double free, ...)
         rule = rule_of(exc)
         return index, rule, str(exc) if isinstance(exc, InvariantViolation) else f"{rule}: {exc}"
+    finally:
+        if coverage is not None:
+            coverage.rules.update(oracle.reached)
+            counts = getattr(adapter, "refusal_counts", None)
+            with contextlib.suppress(Exception):
+                coverage.refusals.update(counts() if counts is not None else {})
     return None
 
 
@@ -441,6 +454,7 @@ class _Explorer:
         self.walk = _Walk(cfg, progress, host_bounded)
         #: Runs of states the reduction left with no move to take (see :meth:`explore`).
         self.blocked = 0
+        self.coverage = Coverage()
         self.interleavings = 0
         self.violating = 0
         self.deferred = 0
@@ -466,7 +480,7 @@ class _Explorer:
         self.interleavings += 1
         if self.progress is not None:
             self.progress(1)
-        found = _run(self.adapter_factory(), prefix, self.cfg.options)
+        found = _run(self.adapter_factory(), prefix, self.cfg.options, self.coverage)
         if found is None:
             return _NO_UNWIND
         index, rule, message = found
@@ -503,15 +517,16 @@ def _start_worker(parent: int) -> None:
 _Task = tuple[tuple[KitEvent, ...], _State, _Sleep]
 
 
-def _work(task: _Task) -> tuple[int, int, int, int, list[Violation]]:
+def _work(task: _Task) -> tuple[int, int, int, int, list[Violation], Coverage]:
     """Explore one subtree from a frontier prefix (a worker's task)."""
     assert _WORKER is not None
     sub = _Explorer(_WORKER.cfg, _WORKER.adapter_factory, _WORKER.model)
     sub.walk = _WORKER.walk
     sub.prefix = list(task[0])
-    sub.explore(task[1], task[2])
+    with recording_rows(sub.coverage):
+        sub.explore(task[1], task[2])
     found = list(sub.shortest.values())
-    return sub.interleavings, sub.violating, sub.deferred, sub.blocked, found
+    return sub.interleavings, sub.violating, sub.deferred, sub.blocked, found, sub.coverage
 
 
 def _frontier(walk: _Walk, width: int) -> list[_Task]:
@@ -593,7 +608,8 @@ def check_exhaustively(
             # the walk early (a stop signal raised as kvlife.cli.Stopped, an error) leaves
             # the block, whose exit terminates every worker by PID.
             with pool(jobs, _start_worker, (os.getpid(),)) as p:
-                for runs, violating, deferred, blocked, found in p.imap(_work, tasks):
+                for runs, violating, deferred, blocked, found, cov in p.imap(_work, tasks):
+                    explorer.coverage.merge(cov)
                     explorer.interleavings += runs
                     explorer.violating += violating
                     explorer.deferred += deferred
@@ -606,13 +622,15 @@ def check_exhaustively(
             _WORKER = None
     else:
         explorer.progress = progress
-        explorer.explore(_initial(cfg))
+        with recording_rows(explorer.coverage):
+            explorer.explore(_initial(cfg))
     return CheckReport(
         cfg,
         interleavings=explorer.interleavings,
         total=total,
         full=count_interleavings(cfg, model) if cfg.reduction else total,
         blocked=explorer.blocked,
+        coverage=explorer.coverage,
         violating=explorer.violating,
         deferred=explorer.deferred,
         progress=model,

@@ -10,6 +10,7 @@ import contextlib
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +129,8 @@ class Oracle:
         self._loads: dict[int, tuple[Life, tuple[str, ...]]] = {}
         #: A call did not return within the deadline: the adapter is left as it is.
         self.stuck = False
+        #: Rules that had something to judge, and how often (coverage).
+        self.reached: Counter[str] = Counter()
 
     def running(self) -> list[Life]:
         """Lives started and not finished."""
@@ -177,6 +180,7 @@ class Oracle:
         return [c for lf in lives for c in lf.copies if id(c) not in self._completed]
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        self.reached["stuck-copy"] += 1
         try:
             with _deadline(self.options.stuck_after):
                 return fn(*args)
@@ -275,6 +279,7 @@ class Oracle:
         life, keys = load
         if life.released:
             return
+        self.reached["load-bytes"] += ok
         if not ok:  # its pages hold whatever the copy left: recomputed before a decode
             life.failed_unpolled = max(life.failed_unpolled, len(keys))
             return
@@ -349,6 +354,10 @@ class Oracle:
         if never:
             raise InvariantViolation("unreleased", f"never released (device pages leaked): {never}")
         used = self.adapter.host_pages_allocated()
+        self.reached["host-leak"] += 1
+        self.reached["device-leak"] += (
+            getattr(self.adapter, "device_pages_allocated", None) is not None
+        )
         if used:
             raise InvariantViolation("host-leak", f"{used} host pages still allocated after close")
         held = getattr(self.adapter, "device_pages_allocated", None)
@@ -363,18 +372,21 @@ class Oracle:
         ``pinned_pages``, ``pending_keys`` and ``host_pages_held_by_tier`` say; without them
         those are not checked before close)."""
         found: list[tuple[str, str]] = []
+        self.reached["unreleased"] += 1
         never = [life for life in self.lives if not life.released]
         if never:
             found.append(("unreleased", f"lives never released: {never}"))
         pinned = getattr(self.adapter, "pinned_pages", None)
+        pending = getattr(self.adapter, "pending_keys", None)
+        by_tier = getattr(self.adapter, "host_pages_held_by_tier", None)
+        for rule, member in (("stuck-pin", pinned), ("stuck-pending", pending)):
+            self.reached[rule] += member is not None
         if pinned is not None and pinned():
             found.append(("stuck-pin", f"{pinned()} host pages still pinned for a load"))
-        pending = getattr(self.adapter, "pending_keys", None)
         keys = list(pending()) if pending is not None else []
         if keys:
             shown = ", ".join(f"{k[:12]}.." for k in keys[:4])
             found.append(("stuck-pending", f"{len(keys)} keys still pending: {shown}"))
-        by_tier = getattr(self.adapter, "host_pages_held_by_tier", None)
         if by_tier is not None:
             loose = self.adapter.host_pages_allocated() - by_tier()
             if loose:
@@ -447,6 +459,7 @@ class Oracle:
                     "copy-owner", f"{copy!r} submitted for {lives[-1]}, which already finished"
                 )
             self._owner[key] = life
+            self.reached["copy-owner"] += 1
             life.copies.append(copy)
             if self._is_load is not None and self._is_load(copy):
                 self._check_load(copy, life)
@@ -455,6 +468,7 @@ class Oracle:
         """Before a returning life decodes: every prompt page no load covered holds its KV
         (the restore-bytes rule; loaded pages were checked when their copy completed)."""
         life.restore_checked = True
+        self.reached["restore-bytes"] += 1
         for i in range(life.loaded_pages, life.prompt_pages):
             if not self._page_holds(life, i, life.keys[i]):
                 raise InvariantViolation(
@@ -467,9 +481,8 @@ class Oracle:
         """After a step of a life whose load failed: the pages that load covered hold their
         computed KV (recomputed), unless a new load of them is still in flight (the runtime
         loads them again and waits; that load's bytes are checked when it completes)."""
-        reloading = max(
-            (len(keys) for lf, keys in self._loads.values() if lf is life), default=0
-        )
+        self.reached["failed-load"] += 1
+        reloading = max((len(keys) for lf, keys in self._loads.values() if lf is life), default=0)
         for i in range(reloading, life.failed_pages):
             if not self._page_holds(life, i, life.keys[i]):
                 raise InvariantViolation(
@@ -499,6 +512,7 @@ class Oracle:
                     f"{life} loads key {key[:12]}.., which no completed copy wrote and the "
                     "store does not hold (its store still in flight?)",
                 )
+        self.reached["pending-load"] += 1
         self._loads[id(copy)] = (life, keys)
         life.loaded_pages = max(life.loaded_pages, len(keys))
 
@@ -507,6 +521,7 @@ class Oracle:
         while self._releases_seen < len(releases):
             release = releases[self._releases_seen]
             self._releases_seen += 1
+            self.reached.update(("release-once", "release-in-flight"))
             lives = self._lives_of(release.request, "a release")
             waiting = [lf for lf in lives if not lf.released]
             if not waiting:
@@ -539,6 +554,7 @@ class Oracle:
                     f"page stored under key {key[:12]}.., which no life's tokens hash to in "
                     "page order",
                 )
+            self.reached.update(("hash-chain", "misfiled-page"))
             if self.adapter.stored_page(key) != self.adapter.page_bytes(key):
                 raise InvariantViolation(
                     "misfiled-page",

@@ -220,7 +220,8 @@ def _save_replay(
     runtime: str | None,
     directory: str | os.PathLike[str] | None,
 ) -> str | None:
-    """The failure as a shrunk replay file; its path (None if it could not be written)."""
+    """The failure (shrunk by hypothesis) as a replay file; its path (None if it could not
+    be written)."""
     from kvlife.testing import replay
 
     record = replay.Replay(
@@ -232,7 +233,7 @@ def _save_replay(
         seed=seed,
         source="kit",
     )
-    try:
-        return str(replay.save(record, factory, directory=directory))
+    try:  # hypothesis has shrunk the run already
+        return str(replay.save(record, factory, directory=directory, shrunk=False))
     except OSError:
         return None

@@ -44,7 +44,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife.errors import ConfigError
-from kvlife.testing.oracle import InvariantViolation
+from kvlife.testing.oracle import InvariantViolation, _deadline, _Stuck
 from kvlife.testing.report import format_trace, rule_of
 from kvlife.testing.stateful import KIT_SETTINGS
 from kvlife.testing.strategies import sampled
@@ -100,9 +100,15 @@ class ManagerKitOptions:
     #: After every call, ``lookup`` every key seen with a probe request.
     probe: bool = True
 
+    #: Seconds one manager call (and the factory's call) may block before it is reported
+    #: ``stuck-call``; ``None`` waits forever (``kvlife check --stuck-after``).
+    stuck_after: float | None = 10.0
+
     def __post_init__(self) -> None:
         if not 1 <= self.chunks <= 64:
             raise ConfigError(f"chunks must be in 1..64, got {self.chunks}")
+        if self.stuck_after is not None and not 0 < self.stuck_after < 3600:
+            raise ConfigError(f"stuck_after must be in (0, 3600) s, got {self.stuck_after}")
 
 
 # ----------------------------------------------------------------------------- events
@@ -274,7 +280,7 @@ class ManagerOracle:
     def __init__(self, factory: ManagerFactory, options: ManagerKitOptions | None = None) -> None:
         self.options = options or ManagerKitOptions()
         self.capacity = self.options.chunks
-        self.manager = factory(self.capacity)
+        self.manager = self._call(f"factory({self.capacity})", factory, self.capacity)
         if not isinstance(self.manager, OffloadingManager):
             raise ConfigError(
                 f"the factory returned {type(self.manager).__name__}, not an OffloadingManager"
@@ -315,9 +321,17 @@ class ManagerOracle:
         raise InvariantViolation(rule, message)
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """A manager call; an exception from a call the connector may make is a finding."""
+        """A manager call; an exception from a call the connector may make is a finding, and
+        so is a call still blocked after ``options.stuck_after`` seconds (``stuck-call``)."""
         try:
-            return fn(*args, **kwargs)
+            with _deadline(self.options.stuck_after):
+                return fn(*args, **kwargs)
+        except _Stuck:
+            raise InvariantViolation(
+                "stuck-call",
+                f"{what} did not return within {self.options.stuck_after} s (--stuck-after): "
+                "it waits for a lock, a server or a job that never completes",
+            ) from None
         except InvariantViolation:
             raise
         except Exception as exc:
@@ -933,22 +947,39 @@ def run_manager_kit(
         raise ManagerKitFailure(rule, detail, events, lines, seed=seed) from exc
 
 
-def check_command(spec: str, *, failures: bool = True, json_out: bool = False) -> int:
+def check_command(
+    spec: str,
+    *,
+    failures: bool = True,
+    json_out: bool = False,
+    timeout: float | None = None,
+    stuck_after: float | None = 10.0,
+) -> int:
     """``kvlife check --vllm-manager MODULE:FACTORY``: the kit (:data:`KIT_SETTINGS`) on the
     managers ``FACTORY(chunks)`` builds. Exit status 0, or 1 with the failure; a factory
     that cannot be loaded, raises or returns no ``OffloadingManager`` is a
-    :class:`ConfigError` (``kvlife`` prints its one line, exit status 2)."""
-    factory = load_manager_factory(spec)
-    options = ManagerKitOptions(failures=failures)
+    :class:`ConfigError` (``kvlife`` prints its one line, exit status 2). The import and
+    the factory's first call each get ``timeout`` seconds (``--runtime-timeout``), as
+    ``--runtime`` does; every later factory and manager call ``stuck_after`` seconds
+    (``--stuck-after``), past which the run fails with ``stuck-call``."""
+    from kvlife.testing.command import RUNTIME_TIMEOUT_S, _within
+
+    limit = RUNTIME_TIMEOUT_S if timeout is None else timeout
+    factory = load_manager_factory(spec, timeout=limit)
+    options = ManagerKitOptions(failures=failures, stuck_after=stuck_after)
+    first = ManagerKitOptions(failures=failures, stuck_after=None)  # bounded by the thread
     try:
-        ManagerOracle(factory, options)
+        _within(limit, lambda: ManagerOracle(factory, first), f"the factory({options.chunks})")
     except ConfigError as exc:
+        if exc.__cause__ is not None:
+            cause = exc.__cause__
+            if isinstance(cause, ConfigError):
+                raise ConfigError(f"--vllm-manager {spec}: {cause}") from None
+            raise ConfigError(
+                f"--vllm-manager {spec}: the factory({options.chunks}) raised "
+                f"{type(cause).__name__}: {cause}"
+            ) from None
         raise ConfigError(f"--vllm-manager {spec}: {exc}") from None
-    except Exception as exc:
-        raise ConfigError(
-            f"--vllm-manager {spec}: the factory({options.chunks}) raised "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
     start = time.monotonic()
     failure: ManagerKitFailure | None = None
     try:
@@ -983,11 +1014,13 @@ def check_command(spec: str, *, failures: bool = True, json_out: bool = False) -
     return 1 if failure else 0
 
 
-def load_manager_factory(spec: str) -> ManagerFactory:
-    """``"module:factory"`` -> the factory, refused with :class:`ConfigError` (one line)."""
-    from kvlife.testing.command import load_factory
+def load_manager_factory(spec: str, *, timeout: float | None = None) -> ManagerFactory:
+    """``"module:factory"`` -> the factory, refused with :class:`ConfigError` (one line);
+    the import under ``timeout`` seconds (default: ``--runtime``'s)."""
+    from kvlife.testing.command import RUNTIME_TIMEOUT_S, load_factory
 
     try:
-        return cast(ManagerFactory, load_factory(spec))
+        limit = RUNTIME_TIMEOUT_S if timeout is None else timeout
+        return cast(ManagerFactory, load_factory(spec, timeout=limit))
     except ConfigError as exc:  # the loader words its refusals for --runtime
         raise ConfigError(str(exc).replace("--runtime", "--vllm-manager", 1)) from None

@@ -187,3 +187,20 @@ def test_kvlife_check_refuses_a_bad_manager_spec(
     assert main(["check", "--vllm-manager", spec]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvlife check: --vllm-manager"), err
+
+
+def test_kvlife_check_vllm_manager_calls_have_deadlines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 35: a factory that never returns is refused after --runtime-timeout (exit 2); a
+    manager call that never returns fails the run as stuck-call after --stuck-after."""
+    import time
+
+    t0 = time.monotonic()
+    argv = ["check", "--vllm-manager", "vllm_mutants:blocking_factory", "--runtime-timeout"]
+    assert main([*argv, "1"]) == 2
+    assert "did not return within 1.0 s" in capsys.readouterr().err
+    argv = ["check", "--vllm-manager", "vllm_mutants:blocking_lookup", "--json"]
+    assert main([*argv, "--stuck-after", "0.2"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["rule"] == "stuck-call" and time.monotonic() - t0 < 120

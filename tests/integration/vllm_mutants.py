@@ -133,3 +133,31 @@ class KeyOrderLog(_Mutant):
     def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
         KeyOrderLog.log.append("store " + ",".join(k.hex() for k in keys))
         super().complete_store(keys, req_context, success)
+
+
+# For kvlife check --vllm-manager's deadlines (issue 35): a factory that never returns, and
+# a manager whose lookup never returns.
+
+
+def blocking_factory(chunks: int) -> Any:
+    """Never returns (it waits on a lock nobody releases)."""
+    import threading
+
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()
+    return None  # never reached
+
+
+def blocking_lookup(chunks: int) -> Any:
+    """A manager whose lookup blocks for ever."""
+    manager = arc(chunks)
+
+    def lookup(*args: Any, **kwargs: Any) -> Any:
+        import time
+
+        while True:
+            time.sleep(0.01)
+
+    manager.lookup = lookup
+    return manager
