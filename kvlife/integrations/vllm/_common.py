@@ -1,6 +1,7 @@
-"""What both sides of the vLLM backend share: vLLM's keys as a Lifecycle records them,
-the host side of a job, the live roles of this process, reports, and the pools a worker
-hands to the manager of the same engine in one process."""
+"""What both sides of the vLLM backend share: vLLM's keys as a Lifecycle records them and
+as the persistent tier names them, the host side of a job, a registry of live roles,
+reports, and the host pool a worker shares with its scheduler (in one process, or in
+shared memory). It imports neither side."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 
@@ -29,10 +30,6 @@ from kvlife.store.base import Store
 logger = logging.getLogger("kvlife.integrations.vllm")
 
 _R = TypeVar("_R")
-
-if TYPE_CHECKING:
-    from kvlife.integrations.vllm.scheduler import KVLifeOffloadingManager
-    from kvlife.integrations.vllm.worker import KVLifeWorker
 
 
 def _hex_keys(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
@@ -77,20 +74,6 @@ class _Live(Generic[_R]):
     def members(self) -> list[_R]:
         refs = list(self._refs.values())
         return [m for m in (ref() for ref in refs) if m is not None]
-
-
-_LIVE_MANAGERS: _Live[KVLifeOffloadingManager] = _Live()
-_LIVE_WORKERS: _Live[KVLifeWorker] = _Live()
-
-
-def live_managers() -> list[KVLifeOffloadingManager]:
-    """The managers alive in this process (single-process vLLM: the engine's)."""
-    return _LIVE_MANAGERS.members()
-
-
-def live_workers() -> list[KVLifeWorker]:
-    """The workers alive in this process."""
-    return _LIVE_WORKERS.members()
 
 
 class PersistentTier(Store, Protocol):

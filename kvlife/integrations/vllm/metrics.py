@@ -1,4 +1,5 @@
-"""The vLLM backend's metric table (vLLM's ``get_stats``) and its Prometheus collector."""
+"""The vLLM backend's Prometheus collector (the metric table vLLM's ``get_stats`` reports,
+:data:`METRICS`, is the manager's, in :mod:`.scheduler`)."""
 
 from __future__ import annotations
 
@@ -6,37 +7,14 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from kvlife.integrations.vllm._common import live_managers, live_workers
+from kvlife.integrations.vllm.scheduler import METRICS, live_managers
+from kvlife.integrations.vllm.worker import live_workers
 from kvlife.manager import ManagerMetrics
 from kvlife.metrics import ManagerCollector, summed
 
 logger = logging.getLogger(__name__)
 
-#: Metric name -> (kind, documentation). Counters are deltas per ``get_stats``.
-METRICS: dict[str, tuple[str, str]] = {
-    "vllm:kvlife_stored_blocks": ("counter", "Blocks whose store to the host tier completed."),
-    "vllm:kvlife_loaded_blocks": ("counter", "Blocks loaded back to the device."),
-    "vllm:kvlife_loaded_from_store_blocks": (
-        "counter",
-        "Blocks loaded from the persistent tier (host miss).",
-    ),
-    "vllm:kvlife_promoted_blocks": (
-        "counter",
-        "Persistent-tier pages read and verified into the host tier before a hit.",
-    ),
-    "vllm:kvlife_promote_misses": (
-        "counter",
-        "Persistent-tier pages found, then damaged or gone (or no room) at the read: misses.",
-    ),
-    "vllm:kvlife_evicted_blocks": ("counter", "Host blocks evicted (LRU) to make room."),
-    "vllm:kvlife_dropped_host_full": (
-        "counter",
-        "prepare_store calls refused because every host page was pinned or pending.",
-    ),
-    "vllm:kvlife_refused": ("counter", "Lifecycle refusals and calls naming no known job."),
-    "vllm:kvlife_pending_blocks": ("gauge", "Host blocks whose store is in flight."),
-    "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
-}
+__all__ = ["METRICS", "OffloadCollector"]
 
 
 class _LiveManagers:

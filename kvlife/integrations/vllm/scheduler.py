@@ -33,17 +33,16 @@ from kvlife import FinishReason, Lifecycle, LoadTicket, State, Ticket
 from kvlife.errors import KVLifeError, LifecycleError, ManagerError, StoreError
 from kvlife.host_tier import HostTier, Lookup
 from kvlife.integrations.vllm._common import (
-    _LIVE_MANAGERS,
     FROM_STORE,
     HostBlocksSpec,
     PersistentTier,
     _hex_keys,
+    _Live,
     _start_store,
     _write_report,
     page_namer,
     shut_down,
 )
-from kvlife.integrations.vllm.metrics import METRICS
 from kvlife.manager import ManagerMetrics
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
@@ -133,6 +132,33 @@ class _Counts:
     finished_at_shutdown: int = 0
     shutdown_errors: int = 0  # shutdown steps that failed (logged, never raised in vLLM)
     preemptions: int = 0  # requests vLLM preempted (seen at the end of each step)
+
+
+#: Metric name -> (kind, documentation). Counters are deltas per ``get_stats``.
+METRICS: dict[str, tuple[str, str]] = {
+    "vllm:kvlife_stored_blocks": ("counter", "Blocks whose store to the host tier completed."),
+    "vllm:kvlife_loaded_blocks": ("counter", "Blocks loaded back to the device."),
+    "vllm:kvlife_loaded_from_store_blocks": (
+        "counter",
+        "Blocks loaded from the persistent tier (host miss).",
+    ),
+    "vllm:kvlife_promoted_blocks": (
+        "counter",
+        "Persistent-tier pages read and verified into the host tier before a hit.",
+    ),
+    "vllm:kvlife_promote_misses": (
+        "counter",
+        "Persistent-tier pages found, then damaged or gone (or no room) at the read: misses.",
+    ),
+    "vllm:kvlife_evicted_blocks": ("counter", "Host blocks evicted (LRU) to make room."),
+    "vllm:kvlife_dropped_host_full": (
+        "counter",
+        "prepare_store calls refused because every host page was pinned or pending.",
+    ),
+    "vllm:kvlife_refused": ("counter", "Lifecycle refusals and calls naming no known job."),
+    "vllm:kvlife_pending_blocks": ("gauge", "Host blocks whose store is in flight."),
+    "vllm:kvlife_host_usage_perc": ("gauge", "Fraction of host pages in use."),
+}
 
 
 #: The labels of ``vllm:kv_offload_config_info`` (vLLM 0.33+): the spec declares them,
@@ -619,7 +645,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.tier.abandon()
 
     def _stat_values(self) -> dict[str, float]:
-        """Every metric of :data:`~kvlife.integrations.vllm.metrics.METRICS`, by its name."""
+        """Every metric of :data:`METRICS`, by its name."""
         c, counts = self.tier.counts, self.counts
         return {
             "vllm:kvlife_stored_blocks": c.stored,
@@ -682,3 +708,11 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def _report(self) -> None:
         assert self._report_dir is not None
         _write_report(self._report_dir, f"manager-{os.getpid()}.json", self.accounting())
+
+
+_LIVE_MANAGERS: _Live[KVLifeOffloadingManager] = _Live()
+
+
+def live_managers() -> list[KVLifeOffloadingManager]:
+    """The managers alive in this process (single-process vLLM: the engine's)."""
+    return _LIVE_MANAGERS.members()

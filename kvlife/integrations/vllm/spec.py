@@ -39,8 +39,11 @@ from kvlife.integrations.vllm._common import (
     unlink_quietly,
     unpin_shared_pool,
 )
-from kvlife.integrations.vllm.metrics import METRICS
-from kvlife.integrations.vllm.scheduler import CONFIG_INFO_KEYS, KVLifeOffloadingManager
+from kvlife.integrations.vllm.scheduler import (
+    CONFIG_INFO_KEYS,
+    METRICS,
+    KVLifeOffloadingManager,
+)
 from kvlife.integrations.vllm.worker import KVLifeWorker, _block_views
 from kvlife.pool import HostPagePool
 from kvlife.store.directory import LocalDirectoryStore

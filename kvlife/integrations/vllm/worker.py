@@ -36,11 +36,11 @@ from kvlife.engine import (
 )
 from kvlife.errors import ConfigError, DuplicateAck
 from kvlife.integrations.vllm._common import (
-    _LIVE_WORKERS,
     _SHARED_POOLS,
     FROM_STORE,
     HostBlocksSpec,
     PersistentTier,
+    _Live,
     _write_report,
     page_namer,
     shut_down,
@@ -515,3 +515,11 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         report.update(self.refusals.snapshot())
         report["jobs_in_flight"] = len(self._jobs)
         _write_report(self._report_dir, f"worker-{os.getpid()}.json", report)
+
+
+_LIVE_WORKERS: _Live[KVLifeWorker] = _Live()
+
+
+def live_workers() -> list[KVLifeWorker]:
+    """The workers alive in this process."""
+    return _LIVE_WORKERS.members()
