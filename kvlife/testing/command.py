@@ -20,13 +20,11 @@ leave the second import without a deadline).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
 import reprlib
 import sys
-import threading
 from collections.abc import Callable
 from typing import cast
 
@@ -34,12 +32,10 @@ from kvlife._lifecycle import FinishReason
 from kvlife.errors import ConfigError
 from kvlife.testing.adapter import RuntimeAdapter
 from kvlife.testing.exhaustive import CheckConfig, CheckReport, check_exhaustively
+from kvlife.testing.loading import RUNTIME_TIMEOUT_S, _one_line, _within, load_factory
 from kvlife.testing.options import KitOptions
 
 __all__ = ["RUNTIME_TIMEOUT_S", "adapter_problem", "load_factory", "load_runtime", "register"]
-
-#: Seconds the ``--runtime`` import, and then the factory's first call, may each take.
-RUNTIME_TIMEOUT_S = 60.0
 
 #: ``kvlife check`` with no bounds (issue 35 item 6): two lives on one rid, the first
 #: storing up to two chunks, the second its conversation returning (a load) and storing
@@ -90,77 +86,6 @@ def _jobs(text: str) -> int:
             f"share them), got {text!r}"
         )
     return value
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    """``text`` on one line (a refusal is one line of stderr), cut at ``limit`` characters."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _describe(exc: BaseException) -> str:
-    return _one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-
-
-def _within(seconds: float, call: Callable[[], object], what: str) -> object:
-    """``call()`` on a daemon thread joined for ``seconds``: its result, or ConfigError
-    saying ``what`` raised (the exception is the ``__cause__``) or did not return."""
-    outcome: list[tuple[bool, object]] = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, call()))
-        except BaseException as exc:  # SystemExit too: the runtime's, reported, never ours
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=run, name="kvlife-check-runtime", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if not outcome:
-        raise ConfigError(
-            f"{what} did not return within {seconds} s (--runtime-timeout): does it wait "
-            "for a device, a server or a lock?"
-        )
-    ok, value = outcome[0]
-    if not ok:
-        assert isinstance(value, BaseException)
-        raise ConfigError(f"{what} raised {_describe(value)}") from value
-    return value
-
-
-def load_factory(spec: str, *, timeout: float = RUNTIME_TIMEOUT_S) -> Callable[[], object]:
-    """``"module:factory"`` (``factory`` may be dotted: ``module:Class.method``) -> callable.
-
-    The current directory is searched first, as ``python -m`` does; the import runs under
-    ``timeout`` seconds. Refused with :class:`~kvlife.errors.ConfigError` if it cannot
-    be imported (it raised, or took too long), or names nothing callable.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"--runtime wants module:factory, got {spec!r}")
-    if module_name.startswith("."):
-        raise ConfigError(
-            f"--runtime {spec}: {module_name!r} is a relative name; give the module's "
-            "absolute name (run from the directory that holds it)"
-        )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        what = f"--runtime {spec}: importing {module_name!r}"
-        target = _within(timeout, lambda: importlib.import_module(module_name), what)
-    except ConfigError as exc:
-        if not isinstance(exc.__cause__, ImportError):
-            raise
-        why = _describe(exc.__cause__)
-        raise ConfigError(f"--runtime {spec}: cannot import {module_name!r}: {why}") from None
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except Exception:  # AttributeError, or whatever a module __getattr__ raises
-            raise ConfigError(f"--runtime {spec}: {module_name} has no {attr!r}") from None
-    if not callable(target):
-        raise ConfigError(f"--runtime {spec}: {attr!r} is not callable")
-    return cast(Callable[[], object], target)
 
 
 def adapter_problem(obj: object) -> str | None:

@@ -972,7 +972,7 @@ def check_command(
     the factory's first call each get ``timeout`` seconds (``--runtime-timeout``), as
     ``--runtime`` does; every later factory and manager call ``stuck_after`` seconds
     (``--stuck-after``), past which the run fails with ``stuck-call``."""
-    from kvlife.testing.command import RUNTIME_TIMEOUT_S, _within
+    from kvlife.testing.loading import RUNTIME_TIMEOUT_S, _within
 
     limit = RUNTIME_TIMEOUT_S if timeout is None else timeout
     factory = load_manager_factory(spec, timeout=limit)
@@ -1027,7 +1027,7 @@ def check_command(
 def load_manager_factory(spec: str, *, timeout: float | None = None) -> ManagerFactory:
     """``"module:factory"`` -> the factory, refused with :class:`ConfigError` (one line);
     the import under ``timeout`` seconds (default: ``--runtime``'s)."""
-    from kvlife.testing.command import RUNTIME_TIMEOUT_S, load_factory
+    from kvlife.testing.loading import RUNTIME_TIMEOUT_S, load_factory
 
     try:
         limit = RUNTIME_TIMEOUT_S if timeout is None else timeout
