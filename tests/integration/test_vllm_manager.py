@@ -27,6 +27,7 @@ pytest.importorskip(
 )
 
 import torch
+import vllm_config
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from kvlife import Lifecycle, State
@@ -543,36 +544,7 @@ def test_the_state_says_a_load_is_what_is_left_after_the_store_ack() -> None:
 
 def offloading_config(model: str = "m", tp: int = 1, rank: int = 0, **extra: Any) -> Any:
     """vLLM's own ``OffloadingConfig`` for one group of two layers (32 KiB blocks)."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
-        worker_kv_bytes_per_block=32768,
-        enable_kv_cache_events=False,
-        extra_config={"host_bytes": 1 << 20, **extra},
-        engine_id="e",
-        model=OffloadingModelConfig(name=model, dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=tp,
-            tp_size=tp,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-        kv_cache_layout="LBHNC",
-    )
+    return vllm_config.offloading_config(model, tp=tp, rank=rank, **extra)
 
 
 @pytest.mark.parametrize(
