@@ -536,19 +536,8 @@ class OffloadManager:
         if agreement is not None:  # promote only what every rank can: the same on each
             wanted = todo = wanted[: agreement.least(self._loadable(wanted))]
             todo = wanted[: self._admit_promotions(wanted, agreement)]
-        ready: list[str] = []
-        host_pages: list[int] = []
-        for key in todo:  # pinned one by one: making room never evicts them
-            found = tier.lookup(key)
-            if found is Lookup.HIT:
-                host_pages += tier.prepare_load([key]) or ()
-            elif found is not Lookup.MISS or not self.transfers.promote(key):
-                break
-            else:
-                entry = tier.entry(key)
-                assert entry is not None  # promoted and pinned just now
-                host_pages.append(entry.page)
-            ready.append(key)
+        host_pages = self.transfers.pin_for_load(todo)
+        ready = list(todo[: len(host_pages)])
         if agreement is not None and wanted:  # a promotion failed on some rank: load less
             agreed = agreement.least(len(ready))
             tier.complete_load(ready[agreed:])

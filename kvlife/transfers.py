@@ -52,6 +52,7 @@ from kvlife.errors import (
     ReleaseCallbackError,
     StoreError,
 )
+from kvlife.host_tier import Lookup
 from kvlife.refusals import Refusals
 
 if TYPE_CHECKING:
@@ -235,7 +236,7 @@ class Transfers:
     def apply(self, ack: Ack) -> None:
         """Apply one ack to its ticket's owner and settle its pages (or hand it over)."""
         ticket = ack.ticket
-        owner = ticket[0]
+        owner: TicketOwner = ticket[0]
         found = self._route(owner)
         if found is None:  # forged: no owner of this host's to touch
             self.refusals.refuse(
@@ -341,6 +342,29 @@ class Transfers:
                 self._stored(owner, result)
 
     # ------------------------------------------------------------ promotion
+
+    def pin_for_load(self, keys: Sequence[Any]) -> list[int]:
+        """Pin the leading ``keys`` for a load, one by one (making room for a promotion never
+        evicts a page pinned before it): a ready entry's page, or a store page promoted into
+        the tier. Stops at the first key neither holds; the pinned pages, in key order (the
+        caller drops their pins with ``tier.complete_load`` if it does not load them)."""
+        tier = self.tier
+        assert tier is not None, "a load pins pages of a host tier"
+        pages: list[int] = []
+        for key in keys:
+            found = tier.lookup(key)
+            if found is Lookup.HIT:
+                pinned = tier.prepare_load([key])
+                if not pinned:
+                    break
+                pages += pinned
+            elif found is not Lookup.MISS or not self.promote(key):
+                break
+            else:
+                entry = tier.entry(key)
+                assert entry is not None  # promoted and pinned just now
+                pages.append(entry.page)
+        return pages
 
     def promote(self, key: Any, name: Any = None) -> bool:
         """Read ``key``'s page from the store (under ``name``, default the key) into the

@@ -38,7 +38,7 @@ import torch
 from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import Ack
 from kvlife.errors import ConfigError, DuplicateAck, EngineError, KVLifeError, ManagerError
-from kvlife.host_tier import HostTier, Lookup
+from kvlife.host_tier import HostTier
 from kvlife.layout import LayerFirstLayout
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
@@ -276,22 +276,16 @@ class _KVLifeCacheLinker:
     def _start_load(self, op: _Op) -> None:
         """Promote every page of the load into the host tier (pinned), then copy them to
         the device; a page missing, damaged or of another size fails the load, counted."""
-        tier, pages = self.tier, list[int]()
-        for key in op.keys:
-            found = tier.lookup(key)
-            if found is Lookup.HIT:
-                pages += tier.prepare_load([key]) or ()
-            elif found is Lookup.MISS and self.transfers.promote(key):
-                entry = tier.entry(key)
-                assert entry is not None  # promoted and pinned just now
-                pages.append(entry.page)
-            else:
-                tier.complete_load(op.keys[: len(pages)])
-                op.result = False
-                self.refusals.refuse(
-                    "load_miss", ManagerError(f"page {key[:16]} is not a whole page in the store")
-                )
-                return
+        tier = self.tier
+        pages = self.transfers.pin_for_load(op.keys)
+        if len(pages) < len(op.keys):
+            tier.complete_load(op.keys[: len(pages)])
+            op.result = False
+            key = op.keys[len(pages)]
+            self.refusals.refuse(
+                "load_miss", ManagerError(f"page {key[:16]} is not a whole page in the store")
+            )
+            return
         try:
             self.transfers.submit(op.ticket, op.device, pages, checked=False)
         except EngineError as exc:

@@ -426,10 +426,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         ``DevicePointers`` (``expedited`` loads are copied like the rest)."""
         spec = cast(HostBlocksSpec, src_spec)
         host_ids = spec.block_ids
-        blocks = self._device_blocks(dst_spec)
-        device_ids: list[int] = blocks if blocks is not None else []
+        device_ids = self._device_blocks(dst_spec)
         job = self._start(job_id, True, len(host_ids))
-        if blocks is None or len(blocks) != len(host_ids):
+        if device_ids is None or len(device_ids) != len(host_ids):
             job.failed = True
             self._done(job)
             return True
