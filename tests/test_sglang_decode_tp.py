@@ -129,6 +129,23 @@ class Timeline:
         return fn(*args)
 
 
+def books(mgr: Any, cc: Any, tl: Any, sched: DecodeScheduler) -> dict[str, Any]:
+    """What one rank applied, freed, admitted, stored (and whether the bytes are right),
+    refused and found full: the figures every workload reports for the ranks to compare."""
+    return {
+        "applied": tl.applied,
+        "frees": tl.frees,
+        "admits": tl.admits,
+        "stored": sorted(cc.store.keys()),
+        "stored_ok": all(
+            cc.store.get(k) == page_bytes_of(k, sched.layout.page_nbytes)
+            for k in cc.store.keys()  # noqa: SIM118 (a store, not a dict)
+        ),
+        "refusals": mgr.refusals.snapshot(),
+        "host_pool_exhausted": mgr.host_pool_exhausted,
+    }
+
+
 def unreleased(sched: DecodeScheduler) -> int:
     """Lives the manager still holds that were not released."""
     return sum(life.lifecycle.state is not State.RELEASED for life in sched.mgr._lives.values())
@@ -223,16 +240,7 @@ def workload(rank: int, mutant: str) -> dict[str, Any]:
             sched.engine.close()
     out.update(
         completion_order=list(cc.completion_order),
-        applied=tl.applied,
-        frees=tl.frees,
-        admits=tl.admits,
-        stored=sorted(cc.store.keys()),
-        stored_ok=all(
-            cc.store.get(k) == page_bytes_of(k, sched.layout.page_nbytes)
-            for k in cc.store.keys()  # noqa: SIM118 (a store, not a dict)
-        ),
-        refusals=mgr.refusals.snapshot(),
-        host_pool_exhausted=mgr.host_pool_exhausted,
+        **books(mgr, cc, tl, sched),
         lives=lives,
         released=mgr.released,
         leaks={
@@ -346,16 +354,7 @@ def refused_write_on_one_rank(rank: int) -> dict[str, Any]:
         refused_here=refused,
         writes_refused=mgr.writes_refused,
         chunks_failed=mgr.chunks_failed,
-        applied=tl.applied,
-        frees=tl.frees,
-        admits=tl.admits,
-        stored=sorted(cc.store.keys()),
-        stored_ok=all(
-            cc.store.get(k) == page_bytes_of(k, sched.layout.page_nbytes)
-            for k in cc.store.keys()  # noqa: SIM118 (a store, not a dict)
-        ),
-        refusals=mgr.refusals.snapshot(),
-        host_pool_exhausted=mgr.host_pool_exhausted,
+        **books(mgr, cc, tl, sched),
         released=mgr.released,
         leaks=[sched.device.allocated(), sched.host.num_used, len(mgr._pins), unreleased(sched)],
     )
