@@ -564,22 +564,19 @@ class OffloadManager:
         keys, the host tier, whose entries are the agreed loads' pinned pages, and the
         agreed budget), so every rank is charged the same whatever a read does later; a
         page admitted and not loaded comes back with the budget at the next poll."""
-        tier, n = self.tier, 0
-        for key in keys:
-            found = tier.lookup(key)
-            if found is not Lookup.HIT and (found is not Lookup.MISS or not agreement.admit(1)):
-                break
-            n += 1
-        return n
+        return self._leading(keys, lambda key: agreement.admit(1))
 
     def _loadable(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are ready on the host tier or held by the store."""
+        return self._leading(keys, self.transfers.in_store)
+
+    def _leading(self, keys: Sequence[str], missing: Callable[[str], bool]) -> int:
+        """How many leading ``keys`` are ready on the host tier, or missing from it and
+        accepted by ``missing`` (in order: it is not asked past the first refusal)."""
         tier, n = self.tier, 0
         for key in keys:
             found = tier.lookup(key)
-            if found is not Lookup.HIT and (
-                found is not Lookup.MISS or not self.transfers.in_store(key)
-            ):
+            if found is not Lookup.HIT and (found is not Lookup.MISS or not missing(key)):
                 break
             n += 1
         return n
