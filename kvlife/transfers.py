@@ -24,7 +24,9 @@ nothing. :class:`Transfers` does the rest, the same for every host:
   keeps written pages; counted; the host's ``stored`` hook hears each;
 - **a load's ack**: the host tier's pins on its keys are dropped;
 - **promotion**: a store page read, verified (whole, the pool's page size) and
-  written into the host tier under the tier's page rules, pinned for a load.
+  written into the host tier under the tier's page rules, pinned for a load
+  (:func:`promote_pages`: the one promotion; the vLLM scheduler reads its ranks'
+  pages on a reader thread and hands them to it).
 
 Counts are by name (:class:`TransferCounts`, or a host's metrics object with the
 same fields); refusals go through one :class:`~kvlife.refusals.Refusals`. Only
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
     from kvlife.pool import HostPagePool
     from kvlife.store.base import Store, StoreResult
 
-__all__ = ["TicketOwner", "TransferCounts", "Transfers"]
+__all__ = ["TicketOwner", "TransferCounts", "Transfers", "promote_pages"]
 
 
 class TicketOwner(Protocol):
@@ -370,22 +372,17 @@ class Transfers:
         """Read ``key``'s page from the store (under ``name``, default the key) into the
         host tier, verified and pinned for a load; whether it is there now. A page damaged,
         gone, of another size, or a store that cannot answer is a miss."""
-        store, tier = self.store, self.tier
-        assert tier is not None, "promotion needs a host tier"
-        if store is None:
+        assert self.tier is not None, "promotion needs a host tier"
+        if self.store is None:
             return False
-
-        def fill(page: int) -> bool:
-            try:
-                payload = store.get(key if name is None else name)
-            except (StoreError, OSError):
-                return False
-            return payload is not None and self.host.write_bytes(page, payload)
-
-        if tier.insert_ready(key, fill, pin=True):
-            self.counts.pages_promoted += 1
-            return True
-        return False
+        try:
+            payload = self.store.get(key if name is None else name)
+        except (StoreError, OSError):
+            return False
+        if not promote_pages(self.tier, key, [self.host], [payload], pin=True):
+            return False
+        self.counts.pages_promoted += 1
+        return True
 
     def in_store(self, key: Any) -> bool:
         """Whether the store holds a whole page under ``key``; a store that cannot answer
@@ -419,6 +416,36 @@ class Transfers:
         self.counts.release_callback_errors += 1
         self.callback_errors.append(exc)
         del self.callback_errors[:-100]
+
+
+def promote_pages(
+    tier: HostTier[Any],
+    key: Any,
+    pools: Sequence[HostPagePool],
+    payloads: Sequence[bytes | None] | None,
+    *,
+    pin: bool,
+) -> bool:
+    """The one promotion: ``key`` becomes a ready host entry whose page holds, in each of
+    ``pools`` (one per rank, the same page index), that pool's payload read back from the
+    persistent tier, pinned once for a load with ``pin``. Every payload is checked first
+    (present, exactly one page), so a damaged or missing page evicts nothing; the page is
+    taken under the tier's rules (never one pinned or pending). ``False``, nothing
+    changed, when a payload is bad, the key is held, or there is no room."""
+    whole = [
+        payload
+        for pool, payload in zip(pools, payloads or (), strict=False)
+        if payload is not None and len(payload) == pool.page_numel * pool.dtype.itemsize
+    ]
+    if payloads is None or not len(payloads) == len(whole) == len(pools):
+        return False
+
+    def fill(page: int) -> bool:
+        return all(
+            pool.write_bytes(page, payload) for pool, payload in zip(pools, whole, strict=True)
+        )
+
+    return tier.insert_ready(key, fill, pin=pin)
 
 
 def _left(deadline: float | None) -> float | None:

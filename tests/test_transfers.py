@@ -203,6 +203,23 @@ def test_promotion_reads_verifies_and_pins_and_a_load_ack_unpins(rig: Rig) -> No
     assert rig.pipe.counts.pages_loaded == 1 and rig.pipe.counts.pages_promoted == 1
 
 
+def test_a_bad_page_is_refused_before_the_full_tier_evicts_for_it(rig: Rig) -> None:
+    """Scenario: the host tier is full of evictable entries and the store's page for the
+    key asked is of another size. Promotion checks the bytes it read before it takes a
+    page, so no entry is evicted for a page that cannot be used (before, one was)."""
+    tier: HostTier[str] = HostTier(rig.host, refusals=rig.pipe.refusals, keep=True)
+    pipe = Transfers(rig.engine, rig.host, rig.store, refusals=rig.pipe.refusals, tier=tier)
+    held = [f"{i:02x}" for i in range(rig.host.capacity)]
+    for key in held:
+        assert tier.insert_ready(key, lambda page: True)
+    rig.store.put("t", ["ee"], torch.zeros(1, 3, dtype=torch.float32))
+    rig.store.drain()
+    before = snapshot(rig)
+    assert not pipe.promote("ee")
+    assert all(tier.lookup(key) is Lookup.HIT for key in held)
+    assert snapshot(rig) == before and tier.counts.evicted == 0
+
+
 def test_a_page_of_another_size_or_a_store_that_cannot_answer_is_a_miss(rig: Rig) -> None:
     """Promotion verifies: a stored page of another size, or a read that fails, is a miss
     that leaves no entry, no pin and no page behind."""

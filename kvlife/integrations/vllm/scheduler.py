@@ -47,6 +47,7 @@ from kvlife.manager import ManagerMetrics
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
 from kvlife.store.directory import LocalDirectoryStore
+from kvlife.transfers import promote_pages
 
 logger = logging.getLogger(__name__)
 
@@ -446,19 +447,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             payloads = None
         except Exception:  # an I/O error: a miss like any unreadable page
             payloads = None
-        pools = self._rank_pools
-        if payloads is None or any(len(p) != pools[0].page_numel for p in payloads):
-            self.counts.promote_misses += 1  # damaged or gone since the header check
-            return False
-
-        def fill(page: int) -> bool:
-            return all(
-                pool.write_bytes(page, payload)
-                for pool, payload in zip(pools, payloads, strict=True)
-            )
-
-        if not self.tier.insert_ready(key, fill):
-            self.counts.promote_misses += 1  # every page pinned or pending: no room now
+        if not promote_pages(self.tier, key, self._rank_pools, payloads, pin=False):
+            self.counts.promote_misses += 1  # damaged or gone since the lookup, or no room
             return False
         self.counts.promoted += 1
         return True
