@@ -565,7 +565,6 @@ def offloading_config(model: str = "m", tp: int = 1, rank: int = 0, **extra: Any
         ("model_id", 5),
         ("pending_timeout", -1),
         ("pending_timeout", float("nan")),
-        ("eviction", "arc"),
     ],
 )
 def test_every_extra_config_value_is_checked_at_start_naming_key_and_value(

@@ -44,7 +44,7 @@ from kvlife.integrations.vllm.scheduler import (
     METRICS,
     KVLifeOffloadingManager,
 )
-from kvlife.integrations.vllm.worker import KVLifeWorker, _block_views
+from kvlife.integrations.vllm.worker import KVLifeWorker, host_row_bytes
 from kvlife.pool import HostPagePool
 from kvlife.store.directory import LocalDirectoryStore
 
@@ -143,9 +143,6 @@ class Settings:
         memory = _memory_bytes()
         if memory is not None and host_bytes > memory:
             raise _bad("host_bytes", host_bytes, f"is more than this machine's {memory} B")
-        eviction = extra.get("eviction", "lru")
-        if eviction != "lru":
-            raise _bad("eviction", eviction, "is not supported (only 'lru')")
         strict = extra.get("strict", False)
         if not isinstance(strict, bool):
             raise _bad("strict", strict, "must be a bool")
@@ -273,15 +270,18 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         self.strict = settings.strict
         self.store_dir = settings.store_dir
         self.report_dir = settings.report_dir
-        if len(config.groups) != 1:
-            raise ConfigError(f"kvlife: one KV cache group is supported, got {len(config.groups)}")
-        if self.blocks_per_chunk != 1:
-            raise ConfigError(f"kvlife: blocks_per_chunk must be 1, got {self.blocks_per_chunk}")
-        self.page_bytes = int(config.worker_kv_bytes_per_block)
-        self.capacity = self.host_bytes // self.page_bytes
+        if not config.groups:
+            raise ConfigError("kvlife: vLLM offers no KV cache group to offload")
+        bpc = self.blocks_per_chunk
+        if isinstance(bpc, bool) or not isinstance(bpc, int) or bpc < 1:
+            raise ConfigError(f"kvlife: blocks_per_chunk must be a positive int, got {bpc!r}")
+        # One host page a key, whatever its group: a chunk of blocks_per_chunk blocks of the
+        # backing allocation (each group's layers overlay it), from one pool for all groups.
+        self.page_bytes = int(config.worker_kv_bytes_per_block) * bpc
+        self.capacity = self.host_bytes // self.page_bytes if self.page_bytes > 0 else 0
         if self.capacity < 1:
             raise ConfigError(
-                f"kvlife: host_bytes {self.host_bytes} hold no block of {self.page_bytes} bytes"
+                f"kvlife: host_bytes {self.host_bytes} hold no chunk of {self.page_bytes} bytes"
             )
         weights = None
         if settings.model_id is None:
@@ -396,8 +396,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            views = _block_views(kv_caches)
-            row = sum(int(view.shape[1]) for view in views)
+            row = host_row_bytes(kv_caches, self.blocks_per_chunk)
             # The persistent tier first: an unusable one (a store_dir that cannot be made, an
             # unreachable Mooncake master) is refused before the host tier is allocated.
             store = self._open_store()
@@ -405,7 +404,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             shared_path: str | None = None
             pinned: list[int] | None = None
             try:
-                device = views[0].device.type
+                device = kv_caches.tensors[0].tensor.device.type
                 if store is not None and device in ("cpu", "cuda"):
                     # Shared with the scheduler process, so it promotes persistent-tier pages
                     # into host memory itself; for a KV cache on CUDA, page-locked as well.
@@ -426,7 +425,8 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                     report_dir=self.report_dir,
                     strict=self.strict,
                     pool_key=self._pool_key,
-                    tokens_per_block=self.tokens_per_block[0],
+                    tokens_per_block=self.tokens_per_block,
+                    blocks_per_chunk=self.blocks_per_chunk,
                     shared_path=shared_path,
                     pinned=pinned or (),
                 )

@@ -9,7 +9,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife import LoadTicket, Ticket
+from kvlife._checks import positive_int
 from kvlife.engine import (
     Ack,
     CpuCopyEngine,
@@ -61,10 +62,25 @@ logger = logging.getLogger(__name__)
 TAKES_FAILURES = hasattr(sys.modules[OffloadingWorker.__module__], "DevicePointers")
 
 
-def _block_views(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
-    """vLLM's block views of the one KV cache group, each tensor once."""
-    indices = dict.fromkeys(ref.tensor_idx for ref in kv_caches.group_data_refs[0])
-    return [kv_caches.tensors[i].tensor for i in indices]
+def _group_tensors(kv_caches: CanonicalKVCaches) -> list[tuple[int, ...]]:
+    """Each KV cache group's tensors (indices into ``kv_caches.tensors``), each once, in
+    vLLM's data-ref order; a group without one is refused (ConfigError)."""
+    groups = [
+        tuple(dict.fromkeys(ref.tensor_idx for ref in refs)) for refs in kv_caches.group_data_refs
+    ]
+    if not groups or not all(groups):
+        raise ConfigError(f"kvlife: a KV cache group has no layers ({len(groups)} groups)")
+    return groups
+
+
+def host_row_bytes(kv_caches: CanonicalKVCaches, blocks_per_chunk: int = 1) -> int:
+    """A host page's bytes: one key's chunk, ``blocks_per_chunk`` blocks of the group whose
+    blocks are widest (every group's keys share the host tier's pages)."""
+    widths = [
+        sum(int(kv_caches.tensors[i].tensor.shape[1]) for i in group)
+        for group in _group_tensors(kv_caches)
+    ]
+    return blocks_per_chunk * max(widths)
 
 
 #: Rows this wide are gathered one by one (the per-row cost is lost in the copy's).
@@ -75,12 +91,13 @@ _WORD = torch.complex128
 
 
 def _as_words(
-    blocks: Sequence[tuple[torch.Tensor, slice]], page_numel: int
+    blocks: Sequence[tuple[torch.Tensor, slice]], host_stride: int
 ) -> list[tuple[torch.Tensor, slice]] | None:
     """Each view as rows of 16-byte words with its columns of a host page in words, or None
-    when a view's rows, strides or place in the page are not 16-byte aligned."""
+    when a view's rows, strides, place in the page or the host rows' stride are not 16-byte
+    aligned."""
     size = _WORD.itemsize
-    if page_numel % size:
+    if host_stride % size:
         return None
     words = []
     for view, cols in blocks:
@@ -96,9 +113,16 @@ def _as_words(
 
 class BlockViewsLayout(KVLayout):
     """vLLM's KV cache as a kvlife layout: block ``b`` is row ``b`` of every view, vLLM's
-    per-layer ``(num_blocks, page_bytes)`` int8 views (strided, each row contiguous)."""
+    per-layer ``(num_blocks, page_bytes)`` int8 views (strided, each row contiguous).
+    ``host_stride``: the bytes between the host rows it copies to and from (default its
+    page: a host page is one block)."""
 
-    def __init__(self, views: Sequence[torch.Tensor], tokens_per_block: int = 1) -> None:
+    def __init__(
+        self,
+        views: Sequence[torch.Tensor],
+        tokens_per_block: int = 1,
+        host_stride: int | None = None,
+    ) -> None:
         # KVLayout checks the rest: at least one, 2-D, contiguous rows, one block count.
         for view in views:
             if view.dtype != torch.int8:
@@ -108,7 +132,7 @@ class BlockViewsLayout(KVLayout):
         self.views = self.buffers()
         self._np_views: tuple[np.ndarray[Any, Any], ...] | None = None
         self._wide_rows = all(int(view.shape[1]) >= _WIDE_ROW_BYTES for view in self.views)
-        self._words = _as_words(self._blocks, self.page_numel)
+        self._words = _as_words(self._blocks, host_stride or self.page_numel)
 
     def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
         """A store's copy on a CPU below ``STREAM_BYTES`` (larger ones are streamed by
@@ -162,6 +186,120 @@ class BlockViewsLayout(KVLayout):
             np.take(source, index, out=target, mode="clip")  # indices checked: no buffering
 
 
+class GroupedBlocksLayout(KVLayout):
+    """Several KV cache groups, or chunks of several blocks, as one layout the copy engine
+    drives: a host page is one key's chunk, ``blocks_per_chunk`` slots as wide as the widest
+    group's block, slot ``j`` holding the chunk's block ``j`` as its group's
+    :class:`BlockViewsLayout` lays it out (from the slot's start). A device "page" names one
+    key's blocks: ``part * num_blocks + block`` (``part``: the key's group, groups over the
+    same tensors sharing one), ``block`` its chunk's first real block; with several blocks a
+    chunk, the worker registers the chunk's blocks under it while its copy is in flight."""
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int = 1,
+        tokens_per_block: Sequence[int] = (),
+    ) -> None:
+        groups = _group_tensors(kv_caches)
+        parts = list(dict.fromkeys(groups))
+        #: Each group's part (the layout of its tensors), by group position.
+        self.group_part = [parts.index(group) for group in groups]
+        tokens = list(tokens_per_block) or [1] * len(groups)
+        self.slot_numel = host_row_bytes(kv_caches)
+        #: One :class:`BlockViewsLayout` per distinct set of group tensors.
+        self.parts = [
+            BlockViewsLayout(
+                [kv_caches.tensors[i].tensor for i in part],
+                tokens[groups.index(part)],
+                host_stride=self.slot_numel,
+            )
+            for part in parts
+        ]
+        counts = {part.num_pages for part in self.parts}
+        if len(counts) != 1:
+            raise ConfigError(f"kvlife: KV cache groups of different block counts {counts}")
+        self.num_blocks = counts.pop()
+        self.blocks_per_chunk = positive_int("blocks_per_chunk", blocks_per_chunk)
+        width = self.slot_numel * blocks_per_chunk
+        first = self.parts[0]
+        # KVLayout's own rows are a placeholder (no memory): every copy goes through a part.
+        placeholder = torch.zeros((1, width), dtype=torch.int8, device=first.device)
+        super().__init__([placeholder.expand(len(parts) * self.num_blocks, width)], tokens[0])
+        #: The blocks of each chunk in flight (``blocks_per_chunk`` > 1), by device page;
+        #: -1 where a chunk has no block.
+        self.chunks: dict[int, tuple[int, ...]] = {}
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return tuple(dict.fromkeys(v for part in self.parts for v in part.views))
+
+    def blocks_of(self, page: int) -> tuple[int, tuple[int, ...]]:
+        """A device page's part and blocks."""
+        part, block = divmod(page, self.num_blocks)
+        return part, self.chunks[page] if self.blocks_per_chunk > 1 else (block,)
+
+    def gather_runs(
+        self,
+        pages: torch.Tensor,
+        host: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+        *,
+        max_staging_bytes: int = 256 << 20,
+    ) -> None:
+        self._copy_parts(False, pages, host, runs, max_staging_bytes)
+
+    def scatter_runs(
+        self,
+        pages: torch.Tensor,
+        host: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+        *,
+        max_staging_bytes: int = 256 << 20,
+    ) -> None:
+        self._copy_parts(True, pages, host, runs, max_staging_bytes)
+
+    def _copy_parts(
+        self,
+        load: bool,
+        pages: torch.Tensor,
+        host: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+        max_staging_bytes: int,
+    ) -> None:
+        """Each part's blocks and host slots in one copy of that part's layout."""
+        self._check_rows("host", host)
+        rows: list[int] = []
+        for _, row, length in sorted(runs):
+            rows.extend(range(row, row + length))
+        bpc, width = self.blocks_per_chunk, self.slot_numel
+        slots = host.view(host.shape[0] * bpc, width)
+        wanted: dict[int, tuple[list[int], list[int]]] = {}
+        for page, row in zip(pages.tolist(), rows, strict=True):
+            part, blocks = self.blocks_of(page)
+            device, host_slots = wanted.setdefault(part, ([], []))
+            for j, block in enumerate(blocks):
+                if block >= 0:
+                    device.append(block)
+                    host_slots.append(row * bpc + j)
+        for part, (device, host_slots) in wanted.items():
+            layout = self.parts[part]
+            target = slots[:, : layout.page_numel]
+            copy = layout.scatter_runs if load else layout.gather_runs
+            index = torch.tensor(device, dtype=torch.int64).to(layout.device)
+            copy(index, target, host_runs(host_slots), max_staging_bytes=max_staging_bytes)
+
+    def read_page(self, page: int) -> torch.Tensor:
+        out = torch.zeros((1, self.page_numel), dtype=self.dtype)
+        self.gather_runs(torch.tensor([self._page(page)]), out, [(0, 0, 1)])
+        return out[0].to(self.device)
+
+    def write_page(self, page: int, values: torch.Tensor) -> None:
+        if values.dtype != self.dtype or tuple(values.shape) != (self.page_numel,):
+            raise ConfigError(f"values must be {self.dtype} of shape ({self.page_numel},)")
+        row = values.reshape(1, -1).cpu()
+        self.scatter_runs(torch.tensor([self._page(page)]), row, [(0, 0, 1)])
+
+
 @dataclass(slots=True, eq=False)  # compared and hashed by identity, never by job id
 class _WorkerJob:
     """One vLLM transfer job on the worker: the owner of its chunks' tickets, a record
@@ -177,6 +315,10 @@ class _WorkerJob:
     failed: bool = False
     #: Chunks of the job in flight (what the pipeline reads).
     inflight: int = 0
+    #: Keys of the job by KV cache group (position).
+    groups: dict[int, int] = field(default_factory=dict)
+    #: Device pages whose chunk's blocks the job registered (``blocks_per_chunk`` > 1).
+    pages: list[int] = field(default_factory=list)
 
     def ack(self, ticket: object) -> None:
         """One chunk of the job is over; more acks than chunks are refused, nothing changed."""
@@ -207,11 +349,19 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         report_dir: str | None = None,
         strict: bool = False,
         pool_key: str | None = None,
-        tokens_per_block: int = 1,
+        tokens_per_block: int | Sequence[int] = 1,
         shared_path: str | None = None,
         pinned: Sequence[int] = (),
+        blocks_per_chunk: int = 1,
     ) -> None:
-        layout = BlockViewsLayout(_block_views(kv_caches), tokens_per_block)
+        tokens = [tokens_per_block] if isinstance(tokens_per_block, int) else tokens_per_block
+        groups = _group_tensors(kv_caches)
+        layout: BlockViewsLayout | GroupedBlocksLayout
+        if len(set(groups)) == 1 and blocks_per_chunk == 1:  # one group's blocks: as they are
+            views = [kv_caches.tensors[i].tensor for i in groups[0]]
+            layout = BlockViewsLayout(views, tokens[0])
+        else:
+            layout = GroupedBlocksLayout(kv_caches, blocks_per_chunk, tokens)
         if pool.page_numel != layout.page_numel or pool.dtype != torch.int8:
             raise ConfigError(
                 f"host pages of {pool.page_numel} {pool.dtype} cannot hold a block of "
@@ -219,6 +369,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             )
         self.layout = layout
         self.row_bytes = layout.page_numel
+        self._num_blocks = (
+            layout.num_blocks if isinstance(layout, GroupedBlocksLayout) else layout.num_pages
+        )
         engine = CudaCopyEngine if layout.device.type == "cuda" else CpuCopyEngine
         self.engine: CpuCopyEngine | CudaCopyEngine = engine(layout, pool)
         self._pool = pool
@@ -249,12 +402,19 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         )
         self.stats: Counter[str] = Counter()
         self.seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
-        # Each view's base address and row stride, in vLLM's data-ref order, to read device
-        # pointers (vLLM 0.34) back as block ids: a pointer is ``base + block * stride``.
-        refs = kv_caches.group_data_refs[0]
-        tensors = [kv_caches.tensors[ref.tensor_idx].tensor for ref in refs]
-        self._bases = np.array([t.data_ptr() for t in tensors], dtype=np.uint64)[:, None]
-        self._strides = np.array([t.stride(0) for t in tensors], dtype=np.uint64)[:, None]
+        self.blocks_per_chunk = positive_int("blocks_per_chunk", blocks_per_chunk)
+        #: Each group's part of the layout (0 for every group over the same tensors).
+        self._parts = (
+            layout.group_part if isinstance(layout, GroupedBlocksLayout) else [0] * len(groups)
+        )
+        # Per group, each data ref's view base address and row stride, in vLLM's order, to
+        # read device pointers (vLLM 0.34) back as block ids: ``base + block * stride``.
+        self._refs: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
+        for refs in kv_caches.group_data_refs:
+            tensors = [kv_caches.tensors[ref.tensor_idx].tensor for ref in refs]
+            bases = np.array([t.data_ptr() for t in tensors], dtype=np.uint64)[:, None]
+            strides = np.array([t.stride(0) for t in tensors], dtype=np.uint64)[:, None]
+            self._refs.append((bases, strides))
         _LIVE_WORKERS.add(self)
 
     @property
@@ -363,7 +523,14 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         if self._jobs.get(job.job_id) is job:  # not a later job that reused the id
             del self._jobs[job.job_id]
         elapsed = (job.copy_done or time.perf_counter()) - job.started
-        self.stats["loaded_blocks" if job.load else "stored_blocks"] += job.blocks
+        what = "loaded" if job.load else "stored"
+        self.stats[f"{what}_blocks"] += job.blocks
+        if not job.failed:
+            for g, n in job.groups.items():
+                self.stats[f"{what}_keys_group{g}"] += n
+        if job.pages and isinstance(self.layout, GroupedBlocksLayout):
+            for page in job.pages:  # its chunks' copies are over
+                self.layout.chunks.pop(page, None)
         self.seconds["load" if job.load else "store"] += elapsed
         self._finished.append(
             TransferResult(job.job_id, not job.failed, job.blocks * self.row_bytes, elapsed)
@@ -375,40 +542,99 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         else:
             self.refusals.note("disk_write_failures", repr(result.error))
 
-    def _device_blocks(self, device: Any) -> list[int] | None:
-        """A job's device blocks: vLLM 0.32's ``GPULoadStoreSpec`` names them; vLLM 0.34's
-        ``DevicePointers`` gives each view's row address (``base + block * stride``, views
-        in data-ref order), read back here: every view must name the same blocks, inside the
-        cache. ``None`` (counted) for pointers this worker's cache does not hold."""
-        ptrs = getattr(device, "ptrs", None)
+    def _device_groups(self, device: Any) -> list[tuple[list[int], int]] | None:
+        """A job's device blocks per KV cache group, each group's with the request's index
+        of its first block: vLLM 0.32's ``GPULoadStoreSpec`` names them; vLLM 0.34's
+        ``DevicePointers`` give each data ref's row address per block (``base + block *
+        stride``; group by group, ref by ref), read back here: every ref of a group must
+        name the same blocks, inside the cache. ``None`` (counted) for a spec that does not
+        fit this worker's groups or cache."""
+        ptrs, groups = getattr(device, "ptrs", None), len(self._refs)
         if ptrs is None:
-            blocks: list[int] = device.block_ids.tolist()
-            return blocks
-        counts, bases = tuple(device.group_block_counts), self._bases
-        n = counts[0] if counts else 0
-        if len(counts) != 1 or len(ptrs) != n * len(bases):
+            ids: list[int] = device.block_ids.tolist()
+            sizes = list(device.group_sizes or [len(ids)])
+            starts = list(device.block_indices or [0] * len(sizes))
+            if len(sizes) != groups or len(starts) != groups or sum(sizes) != len(ids):
+                self.refusals.note("device_spec_refused", f"{len(sizes)} groups of {groups}")
+                return None
+            ends = np.cumsum(sizes).tolist()
+            return [
+                (ids[end - n : end], int(first))
+                for n, end, first in zip(sizes, ends, starts, strict=True)
+            ]
+        counts, refs = tuple(device.group_block_counts), tuple(device.group_data_ref_counts)
+        if (
+            len(counts) != groups
+            or refs != tuple(len(bases) for bases, _ in self._refs)
+            or len(ptrs) != sum(n * r for n, r in zip(counts, refs, strict=True))
+        ):
             self.refusals.note("device_pointers_refused", f"{len(counts)} groups, {len(ptrs)} ptrs")
             return None
-        offsets = np.asarray(ptrs, dtype=np.uint64).reshape(len(bases), n) - bases
-        rows = offsets // self._strides
-        if n and (
-            (rows * self._strides != offsets).any()
-            or (rows != rows[0]).any()
-            or int(rows[0].max()) >= self.layout.num_pages
-        ):
-            self.refusals.note("device_pointers_refused", "pointers outside the KV cache views")
+        flat, at = np.asarray(ptrs, dtype=np.uint64), 0
+        out: list[tuple[list[int], int]] = []
+        starts = device.block_indices
+        for n, first, (bases, strides) in zip(counts, starts, self._refs, strict=True):
+            offsets = flat[at : at + n * len(bases)].reshape(len(bases), n) - bases
+            at += n * len(bases)
+            rows = offsets // strides
+            if n and (
+                (rows * strides != offsets).any()
+                or (rows != rows[0]).any()
+                or int(rows[0].max()) >= self._num_blocks
+            ):
+                self.refusals.note("device_pointers_refused", "pointers outside the KV cache views")
+                return None
+            out.append(([int(b) for b in rows[0].tolist()], int(first)))
+        return out
+
+    def _device_pages(self, job: _WorkerJob, device: Any, keys: int) -> list[int] | None:
+        """Each key's device page, in the job's key order (vLLM's: group by group, each
+        group's keys in request order): a group's blocks fill its keys' chunks in order, the
+        first one from slot ``first % blocks_per_chunk`` (vLLM's offset into a chunk). With
+        several blocks a chunk, each chunk's blocks are registered under its page until the
+        job is over. ``None`` (counted) when they do not make one chunk per key."""
+        groups = self._device_groups(device)
+        if groups is None:
             return None
-        return [int(b) for b in rows[0].tolist()]
+        bpc, stride = self.blocks_per_chunk, self._num_blocks
+        pages: list[int] = []
+        chunks: list[tuple[int, ...]] = []
+        for g, (blocks, first) in enumerate(groups):
+            if not blocks:
+                continue
+            skip = first % bpc
+            padded = [-1] * skip + blocks + [-1] * (-(skip + len(blocks)) % bpc)
+            for k in range(0, len(padded), bpc):
+                chunk = tuple(padded[k : k + bpc])
+                # Named by its first real block (vLLM 0.34 keeps null block 0 as a placeholder).
+                real = next((b for b in chunk if b > 0), max(chunk))
+                pages.append(self._parts[g] * stride + real)
+                chunks.append(chunk)
+                job.groups[g] = job.groups.get(g, 0) + 1
+        if len(pages) != keys or len(set(pages)) != len(pages):
+            self.refusals.note("device_spec_refused", f"{len(pages)} chunks for {keys} keys")
+            return None
+        layout = self.layout
+        if isinstance(layout, GroupedBlocksLayout) and bpc > 1:
+            if not layout.chunks.keys().isdisjoint(pages):  # an earlier job's chunk: wait
+                self.stats["engine_busy_waits"] += 1
+                self.transfers.apply_acks(self.engine.drain())
+            if not layout.chunks.keys().isdisjoint(pages):
+                self.refusals.note("device_spec_refused", "a chunk's page is still in use")
+                return None
+            layout.chunks.update(zip(pages, chunks, strict=True))
+            job.pages = pages
+        return pages
 
     def submit_store(
         self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec, **kwargs: Any
     ) -> bool:
         """Device -> host: ``src_spec`` is vLLM 0.32's ``GPULoadStoreSpec`` or vLLM 0.34's
-        ``DevicePointers``; ``dst_spec`` the scheduler's host pages."""
+        ``DevicePointers``; ``dst_spec`` the scheduler's host pages, one a key."""
         spec = cast(HostBlocksSpec, dst_spec)
         host_pages = list(spec.block_ids)
         job = self._start(job_id, False, len(host_pages))
-        device = self._device_blocks(src_spec)
+        device = self._device_pages(job, src_spec, len(host_pages))
         if device is None:
             job.failed = True
         elif host_pages:  # named for the persistent tier where there is one, once, here
@@ -426,9 +652,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         ``DevicePointers`` (``expedited`` loads are copied like the rest)."""
         spec = cast(HostBlocksSpec, src_spec)
         host_ids = spec.block_ids
-        device_ids = self._device_blocks(dst_spec)
         job = self._start(job_id, True, len(host_ids))
-        if device_ids is None or len(device_ids) != len(host_ids):
+        device_ids = self._device_pages(job, dst_spec, len(host_ids))
+        if device_ids is None:
             job.failed = True
             self._done(job)
             return True
