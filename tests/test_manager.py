@@ -31,6 +31,7 @@ from kvlife.layout import LayerFirstLayout
 from kvlife.manager import OffloadManager, OffloadRequest
 from kvlife.pool import HostPagePool
 from kvlife.store.memory import MemoryStore
+from kvlife.testing.faults import FaultyMemoryStore
 
 PAGE = 4
 
@@ -42,7 +43,7 @@ class Rig:
     layout: LayerFirstLayout
     host: HostPagePool
     engine: CpuCopyEngine
-    store: MemoryStore
+    store: FaultyMemoryStore  # a MemoryStore that fails a put when a test says so
     manager: OffloadManager
     released: list[tuple[OffloadRequest, tuple[int, ...]]] = field(default_factory=list)
 
@@ -77,7 +78,7 @@ def rig() -> Iterator[Rig]:
     )
     host = HostPagePool(32, layout.page_numel, torch.float32)
     engine = CpuCopyEngine(layout, host, copy_delay=0.05)
-    store = MemoryStore()
+    store = FaultyMemoryStore()
     manager = OffloadManager(engine, host, store, page_size=PAGE)
     yield Rig(layout, host, engine, store, manager)
     manager.close(timeout=10)

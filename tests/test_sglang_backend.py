@@ -141,10 +141,10 @@ class FailingKey(MemoryStore):
         self.bad = bad
         super().__init__()
 
-    def _store_pages(self, keys, pages, fault_at, *rest):  # type: ignore[no-untyped-def]
+    def _store_pages(self, keys, pages, *rest):  # type: ignore[no-untyped-def]
         if self.bad in keys:
             raise OSError(5, "injected EIO")
-        return super()._store_pages(keys, pages, fault_at, *rest)
+        return super()._store_pages(keys, pages, *rest)
 
 
 def test_defect23_6_batch_set_of_pages_of_different_sizes_is_all_or_none() -> None:

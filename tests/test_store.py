@@ -35,6 +35,7 @@ from kvlife.store import (
 )
 from kvlife.store.base import Payload, QueuedStore, Written, frame_page, unframe_page
 from kvlife.store.directory import PAGES_DIR
+from kvlife.testing.faults import FaultyDirectoryStore, FaultyMemoryStore, FaultyStore
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ["memory", "directory"]
@@ -47,9 +48,23 @@ def make_store(kind: str, tmp_path: Path, **kw: object) -> QueuedStore:
     return LocalDirectoryStore(tmp_path / "root", "model/rank0", **kw)  # type: ignore[arg-type]
 
 
+def make_faulty(kind: str, tmp_path: Path, **kw: object) -> FaultyStore:
+    """:func:`make_store`'s store with fault injection (``fail_rate``, ``seed``, ``fail_next``)."""
+    if kind == "memory":
+        return FaultyMemoryStore(**kw)
+    return FaultyDirectoryStore(tmp_path / "root", "model/rank0", **kw)
+
+
 @pytest.fixture(params=KINDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[QueuedStore]:
     s = make_store(request.param, tmp_path)
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=KINDS)
+def faulty(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FaultyStore]:
+    s = make_faulty(request.param, tmp_path)
     yield s
     s.close()
 
@@ -98,12 +113,11 @@ class GatedMemoryStore(MemoryStore):
         self,
         keys: tuple[str, ...],
         pages: Sequence[Payload],
-        fault_at: int | None,
         kept: list[str] | None = None,
     ) -> Written:
         self.gate.entered.set()
         self.gate.opened.wait()
-        return super()._store_pages(keys, pages, fault_at, kept)
+        return super()._store_pages(keys, pages, kept)
 
 
 class GatedDirectoryStore(LocalDirectoryStore):
@@ -117,12 +131,11 @@ class GatedDirectoryStore(LocalDirectoryStore):
         self,
         keys: tuple[str, ...],
         pages: Sequence[Payload],
-        fault_at: int | None,
         kept: list[str] | None = None,
     ) -> Written:
         self.gate.entered.set()
         self.gate.opened.wait()
-        return super()._store_pages(keys, pages, fault_at, kept)
+        return super()._store_pages(keys, pages, kept)
 
 
 @pytest.fixture(params=KINDS)
@@ -299,7 +312,7 @@ def test_refused_put_changes_nothing(
     make: Callable[[], tuple[object, object]],
     match: str,
 ) -> None:
-    with make_store(kind, tmp_path) as s:
+    with make_faulty(kind, tmp_path) as s:
         s.put("before", [key(100)], pages_of(1))
         s.drain()
         s.fail_next(1)
@@ -322,8 +335,8 @@ def test_refused_put_changes_nothing(
 @pytest.mark.parametrize("kind", KINDS)
 def test_refused_puts_draw_no_faults(tmp_path: Path, kind: str) -> None:
     """Two stores with one seed agree on which puts fail, whatever refusals come between."""
-    a = make_store(kind, tmp_path / "a", fail_rate=0.5, seed=7)
-    b = make_store(kind, tmp_path / "b", fail_rate=0.5, seed=7)
+    a = make_faulty(kind, tmp_path / "a", fail_rate=0.5, seed=7)
+    b = make_faulty(kind, tmp_path / "b", fail_rate=0.5, seed=7)
     with a, b:
         for i in range(30):
             a.put(i, [key(i)], pages_of(1))
@@ -346,8 +359,8 @@ def test_bad_keys_are_refused_on_reads_too(store: QueuedStore) -> None:
 def test_bad_fault_settings_are_refused(tmp_path: Path, kind: str) -> None:
     for rate in (-0.1, 1.5, float("nan")):
         with pytest.raises(ConfigError):
-            make_store(kind, tmp_path, fail_rate=rate)
-    with make_store(kind, tmp_path) as s:
+            make_faulty(kind, tmp_path, fail_rate=rate)
+    with make_faulty(kind, tmp_path) as s:
         for n in (-1, 1.5, True):
             with pytest.raises(ConfigError):
                 s.fail_next(n)  # type: ignore[arg-type]
@@ -358,7 +371,8 @@ def test_bad_fault_settings_are_refused(tmp_path: Path, kind: str) -> None:
 # ----------------------------------------------------------------------------- failures
 
 
-def test_fail_next_fails_exactly_that_many_puts(store: QueuedStore) -> None:
+def test_fail_next_fails_exactly_that_many_puts(faulty: FaultyStore) -> None:
+    store = faulty
     store.fail_next(2)
     for i in range(4):
         store.put(i, [key(i)], pages_of(1, seed=i))
@@ -369,6 +383,50 @@ def test_fail_next_fails_exactly_that_many_puts(store: QueuedStore) -> None:
     assert store.stats().puts_failed == 2 and store.stats().puts_ok == 2
 
 
+class GatedFaultyStore(FaultyMemoryStore):
+    """The faulty MemoryStore whose writer waits for a gate before each put."""
+
+    def __init__(self, gate: Gate, **kw: object) -> None:
+        self.gate = gate
+        super().__init__(**kw)
+
+    def _store_pages(
+        self,
+        keys: tuple[str, ...],
+        pages: Sequence[Payload],
+        kept: list[str] | None = None,
+    ) -> Written:
+        self.gate.entered.set()
+        self.gate.opened.wait()
+        return super()._store_pages(keys, pages, kept)
+
+
+def test_fault_settings_apply_to_the_puts_accepted_after_them() -> None:
+    """fail_next and fail_rate are decided at put: a put accepted before the call keeps
+    its outcome even while the writer has not started it."""
+    gate = Gate()
+    with GatedFaultyStore(gate) as s:
+        s.put("writing", [key(0)], pages_of(1))
+        assert gate.entered.wait(10)
+        s.put("queued", [key(1)], pages_of(1))
+        s.fail_next(1)
+        s.put("failed", [key(2)], pages_of(1))
+        s.fail_rate = 1.0
+        s.put("failed too", [key(3)], pages_of(1))
+        s.fail_rate = 0.0
+        s.put("after", [key(4)], pages_of(1))
+        gate.opened.set()
+        results = {r.token: r for r in s.drain()}
+        assert [results[t].ok for t in ("writing", "queued", "failed", "failed too", "after")] == [
+            True,
+            True,
+            False,
+            False,
+            True,
+        ]
+        assert injected(results["failed"].error) and injected(results["failed too"].error)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_failed_put_leaves_none_of_its_pages(tmp_path: Path, kind: str) -> None:
     """Scenario: every put fails, at every internal step (temporary writes and renames).
@@ -377,7 +435,7 @@ def test_a_failed_put_leaves_none_of_its_pages(tmp_path: Path, kind: str) -> Non
     After each failure exactly the page stored before remains, byte for byte, and
     the directory holds no temporary file.
     """
-    with make_store(kind, tmp_path, seed=3) as s:
+    with make_faulty(kind, tmp_path, seed=3) as s:
         shared = pages_of(1, seed=99)
         s.put("shared", [key(0, salt=9)], shared)
         assert s.drain()[0].ok
@@ -404,15 +462,15 @@ def test_a_failed_put_leaves_none_of_its_pages(tmp_path: Path, kind: str) -> Non
                 for i in range(4)
             }
         else:
-            expected = {f"injected failure before page {i} of 4" for i in range(4)}
-            expected.add("injected failure before committing 4 pages")
+            expected = {f"injected failure before page {i} (4 pages)" for i in range(4)}
+            expected.add("injected failure before committing (4 pages)")
         assert messages == expected
         assert s.stats().puts_failed == 60 and s.stats().pages_written == 1
 
 
 def test_failed_put_keeps_pages_that_were_stored_before(tmp_path: Path) -> None:
     """A failed put removes only the pages it created, never a page already stored."""
-    with LocalDirectoryStore(tmp_path, "ns", fail_rate=1.0, seed=1) as s:
+    with FaultyDirectoryStore(tmp_path, "ns", fail_rate=1.0, seed=1) as s:
         s.fail_next(0)
         old = pages_of(1, seed=5)
         # Store the old page with fault injection off: use a second store on the same files.
@@ -428,7 +486,7 @@ def test_failed_put_keeps_pages_that_were_stored_before(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_mixed_failures_all_or_nothing_per_put(tmp_path: Path, kind: str) -> None:
-    with make_store(kind, tmp_path, fail_rate=0.4, seed=11) as s:
+    with make_faulty(kind, tmp_path, fail_rate=0.4, seed=11) as s:
         expected: dict[str, bytes] = {}
         outcomes = {}
         for p in range(40):

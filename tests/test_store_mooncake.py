@@ -36,6 +36,7 @@ from kvlife.store.base import (
 
 try:
     from kvlife.store.mooncake import MooncakeStore, load_client_class
+    from kvlife.testing.faults import FaultyMooncakeStore
     from kvlife.testing.mooncake_local import LocalMooncake
 
     load_client_class()
@@ -244,19 +245,23 @@ def test_large_page_read_by_a_new_reader(cluster: LocalMooncake, store: Mooncake
         reader.close()
 
 
-def test_injected_faults_roll_back_every_page(store: MooncakeStore) -> None:
+def test_injected_faults_roll_back_every_page(cluster: LocalMooncake) -> None:
     """Faults at every step (before lookup, before writing, after writing): nothing visible."""
-    store.fail_rate = 1.0
-    for i in range(9):
-        store.put(i, [key(i, 8), key(100 + i, 8)], pages_for(2, tag=i))
-    results = store.drain(60)
-    assert len(results) == 9
-    for r in results:
-        assert type(r.error) is StoreError and "injected" in str(r.error), r.error
-        assert r.error.code is None and r.error.call is None
-    assert store.get_batch([k for r in results for k in r.keys]) == [None] * 18
-    store.fail_rate = 0.0
-    assert put_one(store, [key(0, 8)], pages_for(1, tag=0)).ok
+    store = FaultyMooncakeStore(cluster.master, cluster.metadata, fresh_namespace())
+    try:
+        store.fail_rate = 1.0
+        for i in range(9):
+            store.put(i, [key(i, 8), key(100 + i, 8)], pages_for(2, tag=i))
+        results = store.drain(60)
+        assert len(results) == 9
+        for r in results:
+            assert type(r.error) is StoreError and "injected" in str(r.error), r.error
+            assert r.error.code is None and r.error.call is None
+        assert store.get_batch([k for r in results for k in r.keys]) == [None] * 18
+        store.fail_rate = 0.0
+        assert put_one(store, [key(0, 8)], pages_for(1, tag=0)).ok
+    finally:
+        store.close()
 
 
 def test_evicted_pages_are_misses_not_errors(tmp_path: object) -> None:

@@ -33,7 +33,6 @@ from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.manager import OffloadManager
 from kvlife.pool import HostPagePool
 from kvlife.store.base import QueuedStore
-from kvlife.store.directory import LocalDirectoryStore
 
 __all__ = ["SimConfig", "SimManager", "SimReport", "make_store_dir", "run_simulation"]
 
@@ -291,18 +290,19 @@ class Simulation:
         self._own_dir = cfg.store == "directory" and not cfg.store_dir
         # The store tier: rank r's pages under the namespace sim/rank<r>.
         namespace = f"sim/rank{cfg.rank}"
+        # kvlife's stores plus fault injection (none at store_fail_rate 0).
+        from kvlife.testing.faults import FaultyDirectoryStore, FaultyMooncakeStore
+
         faults: dict[str, Any] = {"fail_rate": cfg.store_fail_rate, "seed": cfg.seed}
         if cfg.store == "mooncake":
-            from kvlife.store.mooncake import MooncakeStore
-
             assert cfg.mooncake_master and cfg.mooncake_metadata  # SimConfig.check
             self.store_dir = ""
-            self.store: QueuedStore = MooncakeStore(
+            self.store: QueuedStore = FaultyMooncakeStore(
                 cfg.mooncake_master, cfg.mooncake_metadata, namespace, **faults
             )
         else:
             self.store_dir = make_store_dir(cfg.store_dir)
-            self.store = LocalDirectoryStore(self.store_dir, namespace, **faults)
+            self.store = FaultyDirectoryStore(self.store_dir, namespace, **faults)
         #: Keys stored before this run (a reused store directory): not this run's to verify.
         self.keys_before = set(self.store.keys())
         #: Keys this run added to the store, found by :meth:`run`.

@@ -1,15 +1,15 @@
 """The storage tier's protocol, its typed errors, the page format, and the one-writer-thread
 base every store shares; the rules are in ``docs/store.md``.
 
-Theory of operation: ``put(token, keys, pages)`` validates, draws any injected
-fault and queues; one writer thread per store calls ``_store_pages`` (all or
-nothing, rolled back on failure) and queues a :class:`StoreResult` carrying the
-caller's ``token``, which the caller collects with ``poll``/``drain`` on its own
-thread. The writer has finished reading the host pages before their result is
-visible. Every page is stored as :func:`frame_page` frames it and served only if
-:func:`unframe_page` finds it whole; a page failing the check is a counted miss
-(``pages_corrupt``) that the next put of its key replaces. A key stored with
-other bytes fails the put with :class:`~kvlife.errors.PageMismatch`.
+Theory of operation: ``put(token, keys, pages)`` validates and queues; one writer
+thread per store calls ``_store_pages`` (all or nothing, rolled back on failure)
+and queues a :class:`StoreResult` carrying the caller's ``token``, which the
+caller collects with ``poll``/``drain`` on its own thread. The writer has finished
+reading the host pages before their result is visible. Every page is stored as
+:func:`frame_page` frames it and served only if :func:`unframe_page` finds it
+whole; a page failing the check is a counted miss (``pages_corrupt``) that the
+next put of its key replaces. A key stored with other bytes fails the put with
+:class:`~kvlife.errors.PageMismatch`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from __future__ import annotations
 import abc
 import itertools
 import queue
-import random
 import re
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -35,7 +34,6 @@ from kvlife.errors import (
     InvalidPut,
     PageMismatch,
     StoreClosed,
-    StoreError,
 )
 
 __all__ = [
@@ -297,17 +295,6 @@ def unframe_page(key: str, stored: _B, namespace: str = "") -> _B | None:
     return payload
 
 
-def fault_steps(fault_at: int | None, n_pages: int) -> Callable[[int, str], None]:
-    """The ``step(i, what)`` a store's ``_store_pages`` calls before each internal step
-    of a put: at step ``fault_at`` it raises the injected :class:`StoreError`."""
-
-    def step(i: int, what: str) -> None:
-        if fault_at == i:
-            raise StoreError(f"injected failure {what} ({n_pages} pages)")
-
-    return step
-
-
 def check_held(
     key: str,
     held: bytes | memoryview | None,
@@ -381,12 +368,6 @@ def _check_max_page(max_page_bytes: object) -> int:
     return max_page_bytes
 
 
-def _check_rate(rate: object) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
-        raise ConfigError(f"fail_rate must be in [0, 1], got {rate!r}")
-    return float(rate)
-
-
 def tensor_segments(tensor: torch.Tensor, *, writable: bool = False) -> Payload:
     """Zero-copy byte views of a host tensor's memory, in the tensor's element order: one
     view if it is contiguous, else one per contiguous run (a strided page view of a host
@@ -453,7 +434,6 @@ class _Put:
     token: object
     keys: tuple[str, ...]
     pages: torch.Tensor | Sequence[torch.Tensor]
-    fault_at: int | None
     keep_first: bool
 
 
@@ -487,7 +467,7 @@ class Written:
 
 
 class QueuedStore(abc.ABC):
-    """A store with one writer thread: validation, queue, results, fault injection, counters.
+    """A store with one writer thread: validation, queue, results, counters.
 
     Subclasses say how one put's pages are stored all-or-nothing
     (``_store_pages``) and how pages are read back.
@@ -496,18 +476,13 @@ class QueuedStore(abc.ABC):
     def __init__(
         self,
         *,
-        fail_rate: float = 0.0,
-        seed: int = 0,
         name: str = "store",
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
         page_namespace: str = "",
     ) -> None:
         #: The namespace every page header of this store binds (:func:`frame_page`).
         self._page_namespace = check_frame_namespace(page_namespace)
-        self._fail_rate = _check_rate(fail_rate)
         self._max_page = _check_max_page(max_page_bytes)
-        self._rng = random.Random(seed)
-        self._fail_next = 0
         self._lock = threading.Lock()
         self._done_cv = threading.Condition(self._lock)
         self._done: list[StoreResult] = []
@@ -522,22 +497,21 @@ class QueuedStore(abc.ABC):
     # -- what a subclass provides
 
     @abc.abstractmethod
-    def _fault_steps(self, n_pages: int) -> int:
-        """How many internal steps one put of ``n_pages`` has (where a fault can strike)."""
-
-    @abc.abstractmethod
     def _store_pages(
         self,
         keys: tuple[str, ...],
         pages: Sequence[Payload],
-        fault_at: int | None,
         kept: list[str] | None = None,
     ) -> Written:
         """Store every page (``pages[i]``: the raw bytes of ``keys[i]``) or none; raise
-        (after rolling back) on failure, and at step ``fault_at`` (if not None) raise a
-        StoreError whose message says "injected" (:func:`fault_steps`). A key holding
-        other bytes fails the put, or, when ``kept`` is a list, is appended to it and
-        kept as stored (:func:`check_held`)."""
+        (after rolling back) on failure, and call :meth:`_step` before each internal
+        step. A key holding other bytes fails the put, or, when ``kept`` is a list, is
+        appended to it and kept as stored (:func:`check_held`)."""
+
+    def _step(self, i: int, what: str) -> None:  # noqa: B027 (a hook, a no-op here)
+        """Called by ``_store_pages`` before internal step ``i`` of a put (``what``: "before
+        writing page 0", say); a no-op. The point where :mod:`kvlife.testing.faults`
+        fails a put part way, so that every rollback path is tested."""
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
@@ -621,15 +595,9 @@ class QueuedStore(abc.ABC):
         with self._lock:
             if self._closed:
                 raise StoreClosed("put on a closed store")
-            fail = self._fail_next > 0
-            if fail:
-                self._fail_next -= 1
-            elif self._fail_rate > 0.0:
-                fail = self._rng.random() < self._fail_rate
-            fault_at = self._rng.randrange(self._fault_steps(len(checked))) if fail else None
             self._unfinished += 1
             self._pending += 1
-            self._queue.put(_Put(token, checked, pages, fault_at, bool(keep_first)))
+            self._queue.put(_Put(token, checked, pages, bool(keep_first)))
 
     def poll(self) -> list[StoreResult]:
         """Results completed since the last poll or drain, in completion order; never blocks."""
@@ -651,23 +619,6 @@ class QueuedStore(abc.ABC):
                     )
                 self._done_cv.wait(left)
             return self._take()
-
-    @property
-    def fail_rate(self) -> float:
-        """Probability that an accepted put fails (fault injection)."""
-        return self._fail_rate
-
-    @fail_rate.setter
-    def fail_rate(self, rate: float) -> None:
-        with self._lock:
-            self._fail_rate = _check_rate(rate)
-
-    def fail_next(self, n: int = 1) -> None:
-        """Make the next ``n`` accepted puts fail (fault injection)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ConfigError(f"fail_next needs a count >= 0, got {n!r}")
-        with self._lock:
-            self._fail_next += n
 
     def close(self) -> None:
         """Finish queued puts and stop the writer; results stay available to poll. Idempotent."""
@@ -740,7 +691,7 @@ class QueuedStore(abc.ABC):
             error: BaseException | None = None
             try:
                 kept: list[str] | None = [] if job.keep_first else None
-                written = self._store_pages(job.keys, page_views(job.pages), job.fault_at, kept)
+                written = self._store_pages(job.keys, page_views(job.pages), kept)
             except BaseException as exc:  # reported on the result, never lost
                 error = exc
             with self._lock:

@@ -34,7 +34,6 @@ from kvlife.store.base import (
     check_held,
     check_key,
     checksum_matches,
-    fault_steps,
     frame_page,
     header_size,
     parse_header,
@@ -113,8 +112,6 @@ class LocalDirectoryStore(QueuedStore):
         root: str | os.PathLike[str],
         namespace: str = "default",
         *,
-        fail_rate: float = 0.0,
-        seed: int = 0,
         fsync: bool = False,
         clean_temps: bool = True,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
@@ -147,8 +144,6 @@ class LocalDirectoryStore(QueuedStore):
         if clean_temps:
             self.clean_stale_temps()
         super().__init__(
-            fail_rate=fail_rate,
-            seed=seed,
             name="directory-store",
             max_page_bytes=max_page_bytes,
             page_namespace=namespace,
@@ -320,25 +315,21 @@ class LocalDirectoryStore(QueuedStore):
         point for tests)."""
         file.write(page)
 
-    def _fault_steps(self, n_pages: int) -> int:
-        # Before writing each page's temporary file, and before each link.
-        return 2 * n_pages
-
     def _store_pages(
         self,
         keys: tuple[str, ...],
         pages: Sequence[Payload],
-        fault_at: int | None,
         kept: list[str] | None = None,
     ) -> Written:
+        # Steps 0 to n - 1: before writing each page's temporary file; n to 2n - 1: before
+        # each link.
         n = len(keys)
         temps: dict[int, tuple[Path, Path]] = {}  # page index -> (temporary, final)
         created: list[Path] = []
         written: list[Payload] = []
-        step = fault_steps(fault_at, n)
         try:
             for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
-                step(i, f"before writing page {i}")
+                self._step(i, f"before writing page {i}")
                 final = self.path(key)
                 if check_held(key, self._read(final, key), page, kept):
                     continue
@@ -359,7 +350,7 @@ class LocalDirectoryStore(QueuedStore):
                         file.flush()
                         os.fsync(file.fileno())
             for i in range(n):
-                step(n + i, f"before linking page {i}")
+                self._step(n + i, f"before linking page {i}")
                 if i in temps:
                     temp, final = temps[i]
                     if self._claim(temp, final, keys[i], pages[i], kept):

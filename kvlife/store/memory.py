@@ -3,9 +3,10 @@ on the caller's thread (see ``docs/store.md``).
 
 ``MemoryStore`` completes asynchronously exactly like the directory store, so
 tests see the same interleavings. Its writer frames every page of a put first
-and commits them to the dict in one step under the lock; a failure (injected,
-or a key holding other bytes) strikes before the commit, so nothing of that put
-is ever visible. Pages are kept framed and checked on every read like files.
+and commits them to the dict in one step under the lock; a failure (one
+:mod:`kvlife.testing.faults` injects, or a key holding other bytes) strikes before
+the commit, so nothing of that put is ever visible. Pages are kept framed and
+checked on every read like files.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvlife.errors import PageMismatch, StoreError
+from kvlife.errors import PageMismatch
 from kvlife.store.base import (
     DEFAULT_MAX_PAGE_BYTES,
     Payload,
@@ -40,34 +41,23 @@ class MemoryStore(QueuedStore):
     def __init__(
         self,
         *,
-        fail_rate: float = 0.0,
-        seed: int = 0,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         self._pages: dict[str, bytes] = {}  # key -> framed page (header + payload)
         self._pages_lock = threading.Lock()
-        super().__init__(
-            fail_rate=fail_rate, seed=seed, name="memory-store", max_page_bytes=max_page_bytes
-        )
-
-    def _fault_steps(self, n_pages: int) -> int:
-        # A fault can strike before copying any page, or after the last: n + 1 steps.
-        return n_pages + 1
+        super().__init__(name="memory-store", max_page_bytes=max_page_bytes)
 
     def _store_pages(
         self,
         keys: tuple[str, ...],
         pages: Sequence[Payload],
-        fault_at: int | None,
         kept: list[str] | None = None,
     ) -> Written:
         framed: list[bytes] = []
-        for i, key in enumerate(keys):
-            if fault_at == i:
-                raise StoreError(f"injected failure before page {i} of {len(keys)}")
+        for i, key in enumerate(keys):  # steps 0 to n - 1, then n: before the commit
+            self._step(i, f"before page {i}")
             framed.append(b"".join((frame_page(key, pages[i], self._page_namespace), *pages[i])))
-        if fault_at == len(keys):
-            raise StoreError(f"injected failure before committing {len(keys)} pages")
+        self._step(len(keys), "before committing")
         new: dict[str, bytes] = {}
         written: list[Payload] = []
         with self._pages_lock:

@@ -44,7 +44,6 @@ from kvlife.store.base import (
     check_frame_namespace,
     check_held,
     check_key,
-    fault_steps,
     frame_into,
     frame_size,
     payload_nbytes,
@@ -151,8 +150,6 @@ class MooncakeStore(QueuedStore):
         retry_after: float = 1.0,
         full_wait: float = 2.0,
         setup_retries: int = 1,
-        fail_rate: float = 0.0,
-        seed: int = 0,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         check_namespace(namespace)
@@ -212,8 +209,6 @@ class MooncakeStore(QueuedStore):
         self._known_lock = threading.Lock()
         self._client_closed = False
         super().__init__(
-            fail_rate=fail_rate,
-            seed=seed,
             name="mooncake-store",
             max_page_bytes=max_page_bytes,
             page_namespace=namespace,
@@ -392,17 +387,14 @@ class MooncakeStore(QueuedStore):
 
     # -- writes (writer thread)
 
-    def _fault_steps(self, n_pages: int) -> int:
-        # Before looking for stored pages, before writing, after writing (rolled back).
-        return 3
-
     def _store_pages(
         self,
         keys: tuple[str, ...],
         pages: Sequence[Payload],
-        fault_at: int | None,
         kept: list[str] | None = None,
     ) -> Written:
+        # Steps 0, 1, 2: before looking for stored pages, before writing, after writing
+        # (rolled back).
         now = time.monotonic()
         if now < self._down_until and self._down_error is not None:
             raise StoreUnavailable(
@@ -411,7 +403,7 @@ class MooncakeStore(QueuedStore):
                 call=self._down_error.call,
             )
         try:
-            return self._write(keys, pages, fault_steps(fault_at, len(keys)), kept)
+            return self._write(keys, pages, kept)
         except StoreUnavailable as exc:
             self._down_error = exc
             self._down_until = time.monotonic() + self._retry_after
@@ -421,11 +413,10 @@ class MooncakeStore(QueuedStore):
         self,
         keys: tuple[str, ...],
         pages: Sequence[Payload],
-        step: Callable[[int, str], None],
         kept: list[str] | None,
     ) -> Written:
         names = [self._prefix + k for k in keys]
-        step(0, "before looking for stored pages")
+        self._step(0, "before looking for stored pages")
         found = self._client.batch_is_exist(names)
         for name, code in zip(names, found, strict=True):
             if code < 0:
@@ -455,11 +446,11 @@ class MooncakeStore(QueuedStore):
                     if code not in (0, OBJECT_NOT_FOUND):
                         raise _error("batch_remove (a page failing verification)", code, names[i])
         to_write.sort()
-        step(1, "before writing")
+        self._step(1, "before writing")
         created: list[str] = []
         try:
             self._put(names, keys, pages, to_write, created)
-            step(2, "after writing")
+            self._step(2, "after writing")
         except BaseException:
             if created:
                 self._client.batch_remove(created, True)  # best effort: the cluster may be gone
