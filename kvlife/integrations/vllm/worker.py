@@ -206,6 +206,8 @@ class GroupedBlocksLayout(KVLayout):
         #: Each group's part (the layout of its tensors), by group position.
         self.group_part = [parts.index(group) for group in groups]
         tokens = list(tokens_per_block) or [1] * len(groups)
+        if len(tokens) != len(groups):
+            raise ConfigError(f"kvlife: {len(tokens)} block sizes for {len(groups)} groups")
         self.slot_numel = host_row_bytes(kv_caches)
         #: One :class:`BlockViewsLayout` per distinct set of group tensors.
         self.parts = [
@@ -354,8 +356,12 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         pinned: Sequence[int] = (),
         blocks_per_chunk: int = 1,
     ) -> None:
-        tokens = [tokens_per_block] if isinstance(tokens_per_block, int) else tokens_per_block
         groups = _group_tensors(kv_caches)
+        tokens = (
+            [tokens_per_block] * len(groups)
+            if isinstance(tokens_per_block, int)
+            else list(tokens_per_block)
+        )
         layout: BlockViewsLayout | GroupedBlocksLayout
         if len(set(groups)) == 1 and blocks_per_chunk == 1:  # one group's blocks: as they are
             views = [kv_caches.tensors[i].tensor for i in groups[0]]
