@@ -9,20 +9,28 @@ request; its metric table) and :mod:`.worker` (:class:`KVLifeWorker`, which hold
 bytes and copies through kvlife's copy pipeline); :mod:`.metrics` is the Prometheus
 collector over both. Imports point one way: ``_common`` <- ``scheduler``, ``worker``
 <- ``metrics``, ``spec``. The rules, keys, call sequence, process layouts,
-persistent tier and metrics are in ``docs/vllm.md``. Limits: one KV cache group (plain
-attention models), ``blocks_per_chunk`` 1.
+persistent tier and metrics are in ``docs/vllm.md``. Hybrid models (several KV cache
+groups: full attention with sliding window or Mamba, each group's own block size) and
+``blocks_per_chunk`` > 1 are taken as vLLM's connector offers them, every group's keys
+sharing one host tier (``docs/vllm.md``, "Hybrid models").
 """
 
 from kvlife.integrations.vllm._common import FROM_STORE, HostBlocksSpec
 from kvlife.integrations.vllm.metrics import OffloadCollector
 from kvlife.integrations.vllm.scheduler import METRICS, KVLifeOffloadingManager, live_managers
 from kvlife.integrations.vllm.spec import KVLifeOffloadingSpec, store_namespace, transfer_config
-from kvlife.integrations.vllm.worker import BlockViewsLayout, KVLifeWorker, live_workers
+from kvlife.integrations.vllm.worker import (
+    BlockViewsLayout,
+    GroupedBlocksLayout,
+    KVLifeWorker,
+    live_workers,
+)
 
 __all__ = [
     "FROM_STORE",
     "METRICS",
     "BlockViewsLayout",
+    "GroupedBlocksLayout",
     "HostBlocksSpec",
     "KVLifeOffloadingManager",
     "KVLifeOffloadingSpec",
