@@ -26,6 +26,7 @@ import os
 import reprlib
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import cast
 
 from kvlife._lifecycle import FinishReason
@@ -231,8 +232,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--replay",
         metavar="FILE",
-        help="re-run one replay file (a counterexample this command or the kit wrote) exactly "
-        "on its runtime (or --runtime); exit 1 if it still fails, 0 if it passes now",
+        help="re-run one replay file (a counterexample this command or a kit wrote) exactly "
+        "on its runtime (or --runtime; a vLLM manager's: on its manager, or --vllm-manager); "
+        "exit 1 if it still fails, 0 if it passes now, 2 if it is refused",
     )
     p.add_argument(
         "--replay-dir",
@@ -270,26 +272,53 @@ def _config(args: argparse.Namespace) -> CheckConfig:
     )
 
 
-def _check_vllm_manager(args: argparse.Namespace) -> int:
-    """``--vllm-manager``: kvlife.testing.vllm, imported only here (it imports vLLM)."""
+def _vllm_kit(what: str) -> ModuleType:
+    """kvlife.testing.vllm, imported only where asked for (it imports vLLM)."""
     try:
         from kvlife.testing import vllm as manager_kit
     except ImportError as exc:
-        raise ConfigError(f"--vllm-manager needs vLLM installed ({exc})") from None
-    return manager_kit.check_command(
-        args.vllm_manager,
-        failures=args.failures,
-        json_out=args.json,
-        timeout=args.runtime_timeout,
-        stuck_after=args.stuck_after,
+        raise ConfigError(f"{what} needs vLLM installed ({exc})") from None
+    return manager_kit
+
+
+def _check_vllm_manager(args: argparse.Namespace) -> int:
+    """``--vllm-manager``: the vLLM manager kit; each failure written as a replay file."""
+    return cast(
+        int,
+        _vllm_kit("--vllm-manager").check_command(
+            args.vllm_manager,
+            failures=args.failures,
+            json_out=args.json,
+            timeout=args.runtime_timeout,
+            stuck_after=args.stuck_after,
+            replay_dir=args.replay_dir,
+        ),
     )
 
 
 def _replay(args: argparse.Namespace) -> int:
-    """``--replay FILE``: run it exactly, say whether it still fails."""
+    """``--replay FILE``: run it exactly, say whether it still fails. A vLLM manager's
+    replay re-runs on its manager (``--vllm-manager`` overrides it), a kit replay on its
+    runtime (``--runtime`` overrides it); the other flag is refused (ReplayKindError)."""
     from kvlife.testing import replay as replays
     from kvlife.testing.exhaustive import default_factory
 
+    kind = replays.kind_of(args.replay)
+    if kind == "vllm-manager":
+        if args.runtime:
+            raise replays.ReplayKindError(args.replay, kind, "kit", " (--runtime)")
+        manager_kit = _vllm_kit("--replay of a vllm-manager replay")
+        return cast(
+            int,
+            manager_kit.replay_command(
+                args.replay,
+                spec=args.vllm_manager,
+                json_out=args.json,
+                timeout=args.runtime_timeout,
+            ),
+        )
+    if args.vllm_manager:
+        raise replays.ReplayKindError(args.replay, kind, "vllm-manager", " (--vllm-manager)")
     replay = replays.load(args.replay)
     spec = args.runtime or replay.runtime
     if spec:
@@ -297,26 +326,10 @@ def _replay(args: argparse.Namespace) -> int:
     elif replay.config is not None:
         factory = default_factory(CheckConfig.from_dict(replay.config, replay.options))
     else:
-        raise ConfigError(f"--replay {args.replay}: names no runtime; give --runtime")
+        raise replays.ReplayFileError(args.replay, "names no runtime; give --runtime")
     found = replays.rerun(replay, factory)
-    if args.json:
-        out = {"file": args.replay, "fails": found is not None, "rule": found and found[0]}
-        print(json.dumps({**out, "recorded_rule": replay.rule, "events": len(replay.events)}))
-    else:
-        from kvlife.testing.report import format_trace
-
-        print(
-            f"kvlife check --replay {args.replay}: {len(replay.events)} events on "
-            f"{spec or 'kvlife OffloadManager'} (written by kvlife {replay.kvlife}, "
-            f"{replay.source}; it broke {replay.rule})"
-        )
-        print(format_trace([str(e) for e in replay.events]))
-        if found is None:
-            print("PASSES now: the runtime keeps every rule on this run")
-        else:
-            same = "the same rule" if found[0] == replay.rule else f"not {replay.rule}"
-            print(f"STILL FAILS ({same}): {_one_line(found[1], 400)}")
-    return 0 if found is None else 1
+    on = spec or "kvlife OffloadManager"
+    return replays.print_rerun(args.replay, replay, on, found, json_out=args.json)
 
 
 def _save_replays(

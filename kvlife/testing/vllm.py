@@ -8,7 +8,9 @@ blocks (``prepare_store`` each step; ``None`` is retried), finish, abort, are pr
 rescheduled, and every job completes late, in any order, in parts, or as a failed store;
 ``touch``, ``take_events`` and ``reset_cache`` come in between. A model of what the tier
 holds checks the manager after every call; a failure is one readable trace with its seed,
-replayed by :func:`replay_manager`. Guide: docs/testing-kit.md, "Any vLLM offloading manager".
+replayed by :func:`replay_manager`, and a replay file (:mod:`kvlife.testing.replay`, kind
+``"vllm-manager"``) that ``kvlife check --replay FILE`` re-runs (:func:`replay_command`).
+Guide: docs/testing-kit.md, "Any vLLM offloading manager" and "Replay files".
 
 This module imports vLLM; ``kvlife.testing`` does not import this module.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import random
 import time
 from collections import deque
@@ -44,6 +47,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife.errors import ConfigError
+from kvlife.testing import replay as replays
 from kvlife.testing.oracle import InvariantViolation, _deadline, _Stuck
 from kvlife.testing.report import format_trace, rule_of
 from kvlife.testing.stateful import KIT_SETTINGS
@@ -55,9 +59,12 @@ __all__ = [
     "ManagerOracle",
     "check_command",
     "load_manager_factory",
+    "load_manager_replay",
     "offload_key",
+    "replay_command",
     "replay_manager",
     "run_manager_kit",
+    "shrink_manager_run",
 ]
 
 #: ``factory(chunks)``: a fresh manager whose tier holds ``chunks`` blocks.
@@ -113,6 +120,10 @@ class ManagerKitOptions:
             raise ConfigError(f"chunks must be in 1..64, got {self.chunks}")
         if self.stuck_after is not None and not 0 < self.stuck_after < 3600:
             raise ConfigError(f"stuck_after must be in (0, 3600) s, got {self.stuck_after}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict, for JSON (a replay file's ``options``)."""
+        return dataclasses.asdict(self)
 
 
 # ----------------------------------------------------------------------------- events
@@ -222,6 +233,10 @@ class End:
 
 ManagerEvent = (
     Arrive | Schedule | Compute | Finish | Preempt | Complete | Touch | StepEnd | Reset | End
+)
+#: The events of a ``"vllm-manager"`` replay file, by the ``kind`` their JSON objects carry.
+MANAGER_EVENTS: dict[str, type[ManagerEvent]] = replays.event_table(
+    Arrive, Schedule, Compute, Finish, Preempt, Complete, Touch, StepEnd, Reset, End
 )
 
 
@@ -355,6 +370,42 @@ class ManagerOracle:
 
     def keys_of(self, req: _Request) -> list[bytes]:
         return [self.key(req.prompt[: i + 1]) for i in range(len(req.prompt))]
+
+    def unmakeable(self, event: ManagerEvent) -> str | None:
+        """Why the connector, as the kit drives it under these options, would not make
+        ``event`` now (None: it would). A shrunk run must be one the kit could have drawn:
+        left-out events must not leave, say, a finished request computing."""
+        o = self.options
+        if isinstance(event, Arrive):
+            if event.rid in {r.rid for r in self.live()}:
+                return f"rid {event.rid} is in use"
+            return None if event.prompt and set(event.prompt) <= set(VOCAB) else "a bad prompt"
+        if isinstance(event, Complete):
+            job = self.jobs.get(event.job)
+            if job is None:
+                return f"no job {event.job} in flight"
+            hows = {"all", *(("part", "superset") if o.split_completions else ())}
+            hows |= {"fail"} if o.failures else set()
+            ok = event.how in hows and (not job.load or event.how in ("all", "part"))
+            return None if ok else f"job {event.job} cannot complete as {event.how}"
+        if isinstance(event, Reset):
+            return None if o.resets and self.entries else "no reset here"
+        if not isinstance(event, Schedule | Compute | Finish | Preempt | Touch):
+            return None  # step end, end
+        if not 0 <= event.req < len(self.requests):
+            return f"no req {event.req}"
+        req = self.requests[event.req]
+        if isinstance(event, Schedule):
+            ok = req in self.schedulable()
+        elif isinstance(event, Compute):
+            ok = req.state == "running" and req.stored < len(req.prompt)
+        elif isinstance(event, Finish) and event.aborted:
+            ok = o.aborts and req.state != "finished"
+        elif isinstance(event, Finish | Preempt):
+            ok = req.state == "running" and (isinstance(event, Finish) or o.preemptions)
+        else:
+            ok = req.state != "finished"
+        return None if ok else f"{req} is {req.state}"
 
     # -- running events
 
@@ -779,11 +830,14 @@ class ManagerKitFailure(InvariantViolation):
         lines: Sequence[str],
         *,
         seed: int | None,
+        replay_path: str | None = None,
     ) -> None:
         self.events = list(events)
         self.trace = list(lines)
         self.seed = seed
         self.detail = message
+        #: The replay file written for it (``kvlife check --replay``), if one was.
+        self.replay_path = replay_path
         seeded = f", seed {seed}" if seed is not None else ""
         how = "replay: kvlife.testing.vllm.replay_manager(factory, failure.events)"
         how += (
@@ -791,6 +845,8 @@ class ManagerKitFailure(InvariantViolation):
             if seed is not None
             else ("; derandomized: the same settings rerun the same search")
         )
+        if replay_path is not None:
+            how += f"\nreplay file: {replay_path} (kvlife check --replay {replay_path})"
         super().__init__(
             rule,
             f"{message}\nshortest failing run found ({len(self.trace)} events{seeded}):\n"
@@ -807,6 +863,89 @@ def replay_manager(
     oracle = ManagerOracle(factory, options)
     oracle.run(events)
     return oracle
+
+
+def _detail(exc: BaseException, rule: str) -> str:
+    """An exception's message without its ``[rule]`` prefix."""
+    text = str(exc)
+    return text[len(rule) + 3 :] if text.startswith(f"[{rule}] ") else f"{rule}: {text}"
+
+
+def _run_events(
+    factory: ManagerFactory,
+    events: Sequence[ManagerEvent],
+    options: ManagerKitOptions,
+    *,
+    makeable: bool = False,
+) -> tuple[tuple[str, str] | None, list[str]]:
+    """``events`` on a fresh manager under the oracle: ((rule, message) of what it broke,
+    or None) and the run's lines. ``makeable``: an event the kit could not have drawn
+    there ends the run as passing (a shrink candidate that is no run at all)."""
+    oracle: ManagerOracle | None = None
+    try:
+        oracle = ManagerOracle(factory, options)
+        for event in events:
+            if makeable and oracle.unmakeable(event) is not None:
+                return None, oracle.lines
+            oracle.apply(event)
+    except Exception as exc:
+        rule = rule_of(exc)
+        return (rule, _detail(exc, rule)), oracle.lines if oracle else []
+    return None, oracle.lines
+
+
+def shrink_manager_run(
+    factory: ManagerFactory,
+    events: Sequence[ManagerEvent],
+    options: ManagerKitOptions,
+    rule: str,
+) -> list[ManagerEvent]:
+    """``events`` with as many events left out as still break ``rule`` on a fresh manager,
+    each left a run the kit could have drawn (:meth:`ManagerOracle.unmakeable`): the
+    replay files' shrinker (:func:`kvlife.testing.replay.shrink_run`); a final ``end`` stays."""
+
+    def fails(candidate: list[ManagerEvent]) -> bool:
+        found, _ = _run_events(factory, candidate, options, makeable=True)
+        return found is not None and found[0] == rule
+
+    return replays.shrink_run(events, fails, last=End)
+
+
+def _save_replay(
+    failure: ManagerKitFailure,
+    options: ManagerKitOptions,
+    *,
+    runtime: str | None,
+    source: str,
+    found_events: int,
+    directory: str | os.PathLike[str] | None,
+) -> str | None:
+    """``failure`` (its events shrunk) as a ``"vllm-manager"`` replay file; its path (None
+    if it could not be written)."""
+    record: replays.Replay[ManagerEvent, ManagerKitOptions] = replays.Replay(
+        failure.events,
+        options,
+        failure.rule,
+        failure.detail,
+        runtime=runtime,
+        seed=failure.seed,
+        source=source,
+        kind="vllm-manager",
+        extra={"found_events": found_events},
+    )
+    try:
+        return str(replays.save(record, directory=directory, shrunk=False))
+    except OSError:
+        return None
+
+
+def load_manager_replay(
+    path: str | os.PathLike[str],
+) -> replays.Replay[ManagerEvent, ManagerKitOptions]:
+    """The ``"vllm-manager"`` replay a file holds; another version or kind is refused
+    (:class:`~kvlife.testing.replay.ReplayVersionError`,
+    :class:`~kvlife.testing.replay.ReplayKindError`)."""
+    return replays.load_kind(path, "vllm-manager", MANAGER_EVENTS, ManagerKitOptions)
 
 
 #: The machine's actions, weighted by repetition. Hypothesis draws the first and the last
@@ -925,10 +1064,18 @@ def run_manager_kit(
     *,
     options: ManagerKitOptions | None = None,
     seed: int | None = None,
+    runtime: str | None = None,
+    replay_dir: str | os.PathLike[str] | None = None,
+    source: str = "kit",
 ) -> None:
     """Drive the managers ``factory(options.chunks)`` builds, one per run, as vLLM's connector
     would; raise one :class:`ManagerKitFailure` (rule, shrunk trace, seed) on a violation.
-    ``settings`` default to :data:`kvlife.testing.KIT_SETTINGS` (100 runs of up to 40 events)."""
+    ``settings`` default to :data:`kvlife.testing.KIT_SETTINGS` (100 runs of up to 40 events).
+    The run Hypothesis shrank is shrunk further, event by event
+    (:func:`shrink_manager_run`), and written as a replay file (in ``replay_dir``, default
+    :func:`kvlife.testing.replay.default_dir`; ``runtime`` names the factory as
+    ``module:factory`` where its own name does not import back), its path in
+    ``failure.replay_path`` and the message."""
     chosen = settings or KIT_SETTINGS
     chosen = type(chosen)(chosen, report_multiple_bugs=False)
     kit_options = options or ManagerKitOptions()
@@ -950,11 +1097,27 @@ def run_manager_kit(
     except Exception as exc:
         oracle = made[0] if made else None
         rule = rule_of(exc)
-        text = str(exc)
-        detail = text[len(rule) + 3 :] if text.startswith(f"[{rule}] ") else f"{rule}: {text}"
+        detail = _detail(exc, rule)
         events = oracle.events if oracle else []
         lines = oracle.lines if oracle else []
-        raise ManagerKitFailure(rule, detail, events, lines, seed=seed) from exc
+        found = len(events)
+        shrunk = shrink_manager_run(factory, events, kit_options, rule)
+        if len(shrunk) < len(events):
+            again, shrunk_lines = _run_events(factory, shrunk, kit_options)
+            if again is not None and again[0] == rule:
+                events, lines, detail = shrunk, shrunk_lines, again[1]
+        failure = ManagerKitFailure(rule, detail, events, lines, seed=seed)
+        path = _save_replay(
+            failure,
+            kit_options,
+            runtime=runtime or replays.factory_spec(factory),
+            source=source,
+            found_events=found,
+            directory=replay_dir,
+        )
+        if path is not None:
+            failure = ManagerKitFailure(rule, detail, events, lines, seed=seed, replay_path=path)
+        raise failure from exc
 
 
 def check_command(
@@ -964,36 +1127,24 @@ def check_command(
     json_out: bool = False,
     timeout: float | None = None,
     stuck_after: float | None = 10.0,
+    replay_dir: str | os.PathLike[str] | None = None,
 ) -> int:
     """``kvlife check --vllm-manager MODULE:FACTORY``: the kit (:data:`KIT_SETTINGS`) on the
-    managers ``FACTORY(chunks)`` builds. Exit status 0, or 1 with the failure; a factory
-    that cannot be loaded, raises or returns no ``OffloadingManager`` is a
-    :class:`ConfigError` (``kvlife`` prints its one line, exit status 2). The import and
-    the factory's first call each get ``timeout`` seconds (``--runtime-timeout``), as
-    ``--runtime`` does; every later factory and manager call ``stuck_after`` seconds
-    (``--stuck-after``), past which the run fails with ``stuck-call``."""
-    from kvlife.testing.loading import RUNTIME_TIMEOUT_S, _within
-
-    limit = RUNTIME_TIMEOUT_S if timeout is None else timeout
-    factory = load_manager_factory(spec, timeout=limit)
+    managers ``FACTORY(chunks)`` builds. Exit status 0, or 1 with the failure (written as a
+    replay file in ``replay_dir``: ``--replay-dir``); a factory that cannot be loaded,
+    raises or returns no ``OffloadingManager`` is a :class:`ConfigError` (``kvlife``
+    prints its one line, exit status 2). The import and the factory's first call each get
+    ``timeout`` seconds (``--runtime-timeout``), as ``--runtime`` does; every later
+    factory and manager call ``stuck_after`` seconds (``--stuck-after``), past which the
+    run fails with ``stuck-call``."""
     options = ManagerKitOptions(failures=failures, stuck_after=stuck_after)
-    first = ManagerKitOptions(failures=failures, stuck_after=None)  # bounded by the thread
-    try:
-        _within(limit, lambda: ManagerOracle(factory, first), f"the factory({options.chunks})")
-    except ConfigError as exc:
-        if exc.__cause__ is not None:
-            cause = exc.__cause__
-            if isinstance(cause, ConfigError):
-                raise ConfigError(f"--vllm-manager {spec}: {cause}") from None
-            raise ConfigError(
-                f"--vllm-manager {spec}: the factory({options.chunks}) raised "
-                f"{type(cause).__name__}: {cause}"
-            ) from None
-        raise ConfigError(f"--vllm-manager {spec}: {exc}") from None
+    factory = _checked_factory(spec, timeout, options)
     start = time.monotonic()
     failure: ManagerKitFailure | None = None
     try:
-        run_manager_kit(factory, options=options)
+        run_manager_kit(
+            factory, options=options, runtime=spec, replay_dir=replay_dir, source="check"
+        )
     except ManagerKitFailure as exc:
         failure = exc
     elapsed = round(time.monotonic() - start, 2)
@@ -1009,6 +1160,7 @@ def check_command(
                     "message": failure.detail if failure else None,
                     "trace": failure.trace if failure else [],
                     "seed": failure.seed if failure else None,
+                    "replay": failure.replay_path if failure else None,
                     "runs": runs,
                     "elapsed_s": elapsed,
                     "options": dataclasses.asdict(options),
@@ -1022,6 +1174,53 @@ def check_command(
         )
         print(f"violation {failure}" if failure else f"OK: every run kept every rule ({elapsed} s)")
     return 1 if failure else 0
+
+
+def _checked_factory(
+    spec: str, timeout: float | None, options: ManagerKitOptions
+) -> ManagerFactory:
+    """The factory ``spec`` names, its import and first call each under ``timeout`` seconds
+    (default: ``--runtime``'s); one that cannot be loaded, raises, blocks or builds no
+    ``OffloadingManager`` is refused with a one-line :class:`ConfigError`."""
+    from kvlife.testing.loading import RUNTIME_TIMEOUT_S, _within
+
+    limit = RUNTIME_TIMEOUT_S if timeout is None else timeout
+    factory = load_manager_factory(spec, timeout=limit)
+    first = dataclasses.replace(options, stuck_after=None)  # bounded by the thread
+    try:
+        _within(limit, lambda: ManagerOracle(factory, first), f"the factory({options.chunks})")
+    except ConfigError as exc:
+        if exc.__cause__ is not None:
+            cause = exc.__cause__
+            if isinstance(cause, ConfigError):
+                raise ConfigError(f"--vllm-manager {spec}: {cause}") from None
+            raise ConfigError(
+                f"--vllm-manager {spec}: the factory({options.chunks}) raised "
+                f"{type(cause).__name__}: {cause}"
+            ) from None
+        raise ConfigError(f"--vllm-manager {spec}: {exc}") from None
+    return factory
+
+
+def replay_command(
+    path: str,
+    *,
+    spec: str | None = None,
+    json_out: bool = False,
+    timeout: float | None = None,
+) -> int:
+    """``kvlife check --replay FILE`` of a ``"vllm-manager"`` replay: its events, exactly,
+    on a fresh manager from the factory it names (``spec``: ``--vllm-manager``, to try a
+    fix), under its options. Exit status 1 if it still fails, 0 if it passes now; a file of
+    another version or kind, or a factory that cannot be loaded, is refused (exit 2)."""
+    replay = load_manager_replay(path)
+    chosen = spec or replay.runtime
+    if not chosen:
+        raise replays.ReplayFileError(path, "names no manager; give --vllm-manager")
+    factory = _checked_factory(chosen, timeout, replay.options)
+    found, lines = _run_events(factory, replay.events, replay.options)
+    on = f"vLLM manager {chosen}"
+    return replays.print_rerun(path, replay, on, found, json_out=json_out, trace=lines)
 
 
 def load_manager_factory(spec: str, *, timeout: float | None = None) -> ManagerFactory:

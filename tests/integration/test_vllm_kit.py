@@ -1,7 +1,8 @@
 """The kit for any vLLM offloading manager (``kvlife.testing.vllm``): vLLM's own
 ``CPUOffloadingManager`` (LRU and ARC) keeps every rule, every seeded bug in
-``vllm_mutants.py`` is caught with a replayable trace that vLLM's manager passes,, and
-kvlife's own vLLM manager keeps every rule too. No model runs here.
+``vllm_mutants.py`` is caught with a replayable trace that vLLM's manager passes, written
+as a replay file that ``kvlife check --replay`` re-runs, and kvlife's own vLLM manager
+keeps every rule too. No model runs here.
 
 CI size: 150 derandomized runs of up to 40 actions each. The full size (``-m slow``):
 2,000 runs per policy and tier size, with vLLM 0.32's connector guards on and off.
@@ -27,7 +28,9 @@ import vllm_mutants as mutants
 from hypothesis import Phase, settings
 
 from kvlife.cli import main
-from kvlife.testing import KIT_SETTINGS
+from kvlife.testing import KIT_SETTINGS, KitOptions
+from kvlife.testing import replay as replays
+from kvlife.testing.events import Close, Start
 from kvlife.testing.oracle import InvariantViolation
 from kvlife.testing.vllm import (
     Arrive,
@@ -35,8 +38,12 @@ from kvlife.testing.vllm import (
     ManagerKitFailure,
     ManagerKitOptions,
     Schedule,
+    StepEnd,
+    Touch,
+    load_manager_replay,
     replay_manager,
     run_manager_kit,
+    shrink_manager_run,
 )
 
 pytestmark = pytest.mark.vllm
@@ -45,6 +52,18 @@ CI = settings(KIT_SETTINGS, max_examples=150, derandomize=True)
 #: Finding is enough where the shrunk trace is not what a test reads.
 UNSHRUNK = settings(CI, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 EVENTS = ManagerKitOptions(events=True)
+
+
+@pytest.fixture(autouse=True)
+def _replays_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each failure's replay file goes to the test's own directory."""
+    monkeypatch.setenv("KVLIFE_REPLAY_DIR", str(tmp_path / "replays"))
+
+
+def _replay_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, Any]:
+    """``kvlife check --replay ... --json``: its exit status and its JSON object."""
+    status = main(["check", "--replay", *argv, "--json"])
+    return status, json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
@@ -63,7 +82,7 @@ def test_vllm_cpu_manager_full_size(factory: Any, chunks: int, guards: bool) -> 
 
 
 @pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
-def test_the_kit_catches_each_seeded_bug(name: str) -> None:
+def test_the_kit_catches_each_seeded_bug(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     factory, rules = mutants.MUTANTS[name]
     with pytest.raises(ManagerKitFailure) as caught:
         run_manager_kit(factory, UNSHRUNK, options=EVENTS)
@@ -73,6 +92,72 @@ def test_the_kit_catches_each_seeded_bug(name: str) -> None:
         replay_manager(factory, failure.events, EVENTS)
     assert replayed.value.rule == failure.rule
     replay_manager(mutants.lru, failure.events, EVENTS)  # the bug is the mutant's, not vLLM's
+    # The replay file: the shrunk run, which kvlife check --replay re-runs on the mutant it
+    # names (it still fails, with the same rule) and, given vLLM's manager, passes.
+    assert failure.replay_path and failure.replay_path in str(failure)
+    data = json.loads(Path(failure.replay_path).read_text())
+    assert data["kind"] == "vllm-manager" and data["runtime"] == f"vllm_mutants:{factory.__name__}"
+    assert data["options"] == EVENTS.as_dict() and data["rule"] == failure.rule
+    assert len(data["events"]) == len(failure.events) <= data["found_events"]
+    assert load_manager_replay(failure.replay_path).events == failure.events
+    status, out = _replay_json([failure.replay_path], capsys)
+    assert (status, out["fails"], out["rule"]) == (1, True, failure.rule), out
+    status, out = _replay_json([failure.replay_path, "--vllm-manager", "vllm_mutants:lru"], capsys)
+    assert (status, out["fails"]) == (0, False), out
+
+
+def test_a_correct_managers_replay_passes_and_an_old_or_foreign_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ManagerKitFailure) as caught:
+        run_manager_kit(mutants.PendingIsAHit, UNSHRUNK, options=EVENTS)
+    path = Path(caught.value.replay_path or "")
+    data = json.loads(path.read_text())
+    # The same file naming vLLM's own manager: it keeps every rule on this run.
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps({**data, "runtime": "vllm_mutants:arc"}))
+    assert main(["check", "--replay", str(fixed)]) == 0
+    assert "PASSES now" in capsys.readouterr().out
+    # A file of the format before kinds (version 1, written by an older kvlife): refused.
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**data, "version": 1, "kvlife": "0.0.9"}))
+    with pytest.raises(replays.ReplayVersionError, match=r"version 1 \(written by kvlife 0.0.9"):
+        load_manager_replay(old)
+    assert main(["check", "--replay", str(old)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is an older format than this kvlife" in err[0], err
+    # A kit replay is not a manager's, and a manager's takes no --runtime.
+    kit = replays.Replay([Start("r", (1, 2)), Close()], KitOptions(), "unreleased")
+    kit_path = replays.save(kit, directory=tmp_path, shrunk=False)
+    with pytest.raises(replays.ReplayKindError, match=r"a kit replay .*not a vllm-manager one"):
+        load_manager_replay(kit_path)
+    assert main(["check", "--replay", str(kit_path), "--vllm-manager", "vllm_mutants:lru"]) == 2
+    assert main(["check", "--replay", str(path), "--runtime", "vllm_mutants:lru"]) == 2
+    err = capsys.readouterr().err
+    assert "not a vllm-manager one (--vllm-manager)" in err and "not a kit one (--runtime)" in err
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({**data, "kind": "sglang-radix"}))
+    with pytest.raises(replays.ReplayKindError, match=r"kind 'sglang-radix'.* does not know"):
+        load_manager_replay(odd)
+
+
+def test_a_manager_replay_is_shrunk_to_a_run_the_kit_could_draw() -> None:
+    """The shared shrinker leaves out the padding but keeps ``schedule``: without it the
+    compute would run on a request never scheduled (which breaks the same rule on this
+    mutant, but is no run vLLM's connector makes)."""
+    padded = [
+        Arrive("r0", "ab"),
+        StepEnd(),
+        Arrive("r1", "b"),
+        Schedule(0),
+        Touch(1),
+        Compute(0, 1),
+    ]
+    shrunk = shrink_manager_run(mutants.PendingIsAHit, padded, EVENTS, "pending-hit")
+    assert [type(e) for e in shrunk] == [Arrive, Schedule, Compute], shrunk  # either arrival
+    assert shrunk[1:] == [Schedule(0), Compute(0, 1)]
+    with pytest.raises(InvariantViolation, match="pending-hit"):  # what it kept out
+        replay_manager(mutants.PendingIsAHit, [Arrive("r0", "ab"), Compute(0, 1)], EVENTS)
 
 
 _KEY_ORDER_RUN = """
@@ -168,6 +253,11 @@ def test_kvlife_check_vllm_manager(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--vllm-manager", "vllm_mutants:PendingIsAHit", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["rule"] == "pending-hit" and report["trace"] and not report["ok"]
+    assert json.loads(Path(report["replay"]).read_text())["source"] == "check"
+    assert main(["check", "--replay", report["replay"]]) == 1
+    out = capsys.readouterr().out
+    assert "vLLM manager vllm_mutants:PendingIsAHit" in out
+    assert "STILL FAILS (the same rule): lookup(a) is HIT while its store" in out
 
 
 @pytest.mark.parametrize(
