@@ -411,6 +411,31 @@ def test_replay_files_round_trip_every_event_and_refuse_another_version(tmp_path
         replays.load(path)
 
 
+def test_a_vllm_manager_replay_without_vllm_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manager's file names its kind: without vLLM, --replay says what it needs (exit 2)
+    instead of misreading its events as the kit's; an unknown kind is refused by name."""
+    import importlib.util
+
+    from kvlife.testing import replay as replays
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: tests/integration/test_vllm_kit.py re-runs these")
+    path = tmp_path / "manager.json"
+    data = {"format": "kvlife-replay", "version": replays.FORMAT_VERSION}
+    path.write_text(json.dumps({**data, "kind": "vllm-manager", "events": [], "options": {}}))
+    assert replays.kind_of(path) == "vllm-manager"
+    with pytest.raises(replays.ReplayKindError, match=r"a vllm-manager replay .* not a kit one"):
+        replays.load(path)
+    assert main(["check", "--replay", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vllm-manager replay needs vLLM installed" in err[0], err
+    path.write_text(json.dumps({**data, "kind": "nope", "events": [], "options": {}}))
+    assert main(["check", "--replay", str(path)]) == 2
+    assert "a replay of kind 'nope', which this kvlife does not know" in capsys.readouterr().err
+
+
 def test_a_replay_file_is_shrunk_toward_the_fewest_events(tmp_path: Path) -> None:
     from kvlife.testing import replay as replays
     from kvlife.testing.events import Finish, Poll, Start, Step
