@@ -551,9 +551,8 @@ class Lifecycle:
                 InvalidTransition, _SUBMIT, "the table has no such transition"
             ) from None
         try:
-            hashed: Sequence[str] = self._hasher(tokens, page_size, self._tail)
-            # A list, usually (the ticket holds a tuple); a tuple is taken as it is.
-            keys = hashed if type(hashed) is tuple else tuple(hashed)
+            # A list, usually (the ticket holds a tuple); tuple() returns a tuple as it is.
+            keys = tuple(self._hasher(tokens, page_size, self._tail))
         except (HashingError, TypeError) as exc:
             raise self._refuse(InvalidChunk, _SUBMIT, str(exc)) from None
         if len(keys) != pages:

@@ -70,6 +70,9 @@ K = TypeVar("K", bound=Hashable)
 #: :meth:`HostTier.rank`).
 Rank = tuple[int, int]
 
+#: The deadline of an entry no pending store times out.
+_NO_DEADLINE = float("inf")
+
 
 class Lookup(Enum):
     """What the host tier holds under a key."""
@@ -87,11 +90,11 @@ class HostEntry:
 
     __slots__ = ("deadline", "keep", "page", "pending", "pins")
 
-    def __init__(self, page: int, deadline: float, keep: bool) -> None:
+    def __init__(self, page: int, deadline: float, keep: bool, pending: bool = True) -> None:
         #: The host page (a row of the pool's tensor).
         self.page = page
         #: A store copy is writing the page: not a hit, never evicted.
-        self.pending = True
+        self.pending = pending
         #: Readers in flight (loads, store writes); never evicted while > 0.
         self.pins = 0
         #: When the pending store is failed (``inf``: no deadline).
@@ -149,6 +152,8 @@ class HostTier(Generic[K]):
     entry stays on the host once idle (a cache); without it an entry is freed as soon as
     its store completed and no pin is left (a staging buffer). ``pending_timeout``:
     seconds a store may stay pending before :meth:`expire` fails it (None: never).
+    ``events``: whether to queue events (:class:`TierEvent`) for :meth:`take_events`; a host
+    that never takes them (the :class:`~kvlife.OffloadManager`) says ``False``, so none pile up.
     """
 
     def __init__(
@@ -159,6 +164,7 @@ class HostTier(Generic[K]):
         pending_timeout: float | None = None,
         refusals: Refusals | None = None,
         clock: Callable[[], float] = time.monotonic,
+        events: bool = True,
     ) -> None:
         if pending_timeout is not None and (
             isinstance(pending_timeout, bool)
@@ -184,6 +190,7 @@ class HostTier(Generic[K]):
         self._orphans: dict[K, HostEntry] = {}
         self._deadlines: deque[tuple[float, K, HostEntry]] = deque()  # in deadline order
         self._events: list[TierEvent[K]] = []
+        self._record_events = bool(events)
         #: The counters; read them from any thread.
         self.counts = TierCounts()
 
@@ -304,7 +311,7 @@ class HostTier(Generic[K]):
                 self._refuse_key(key, "complete_store")
         c.stored += len(ready)
         if ready:  # announced before any removal an idle, not-kept entry makes below
-            self._events.append(TierEvent(tuple(ready), False, source))
+            self._announce(ready, False, source)
         for key in ready:
             self._settled(key, index[key], freed)
         if freed:
@@ -407,6 +414,7 @@ class HostTier(Generic[K]):
         """Pin each key (one pin per occurrence) and return its pages, in order; every key
         must be ready. Refused as a whole (nothing pinned) otherwise: ``None``."""
         index = self._index
+        entries = []
         for key in keys:
             entry = index.get(key)
             if entry is None or entry.pending:
@@ -416,7 +424,8 @@ class HostTier(Generic[K]):
                     TierError(f"cannot load key {_short(key)}: {what}", key=key),
                 )
                 return None
-        pages = [self._pin(key) for key in keys]
+            entries.append(entry)
+        pages = [self._pin(key, entry) for key, entry in zip(keys, entries, strict=True)]
         self.counts.loads += len(keys)
         return pages
 
@@ -425,7 +434,7 @@ class HostTier(Generic[K]):
         for key in keys:
             entry = self._index.get(key)
             if entry is not None and not entry.pending:
-                self._pin(key)
+                self._pin(key, entry)
 
     def complete_load(self, keys: Iterable[K]) -> None:
         """Drop one pin per named key (a load, or another reader, is over). A key with no
@@ -435,22 +444,21 @@ class HostTier(Generic[K]):
     def unpin(self, keys: Iterable[K], what: str = "unpin") -> None:
         """Drop one pin per named key; an idle entry that is not kept is freed."""
         named = list(keys)
-        left: dict[K, int] = {}
-
-        def has_pin(key: K) -> bool:
-            entry = self._index.get(key) or self._orphans.get(key)
-            held = 0 if entry is None else entry.pins
-            left[key] = left.get(key, held) - 1
-            return left[key] >= 0
-
-        self._check_each(named, has_pin, what)
+        index, orphans = self._index, self._orphans
+        if self.refusals.strict:  # every key checked before any pin is dropped
+            dropped: dict[K, int] = {}
+            for key in named:
+                n = dropped[key] = dropped.get(key, 0) + 1
+                entry = index.get(key) or orphans.get(key)
+                if entry is None or entry.pins < n:
+                    self._refuse_key(key, what)
         freed: list[int] = []
         c = self.counts
         for key in named:
-            entry = self._index.get(key)
+            entry = index.get(key)
             orphan = entry is None
             if orphan:
-                entry = self._orphans.get(key)
+                entry = orphans.get(key)
             if entry is None or entry.pins <= 0:
                 self._refuse_key(key, what)
                 continue
@@ -537,7 +545,7 @@ class HostTier(Generic[K]):
         c.dropped += len(removed)
         c.entries = c.pending = c.evictable = 0
         if removed:
-            self._events.append(TierEvent(tuple(removed), True))
+            self._announce(removed, True)
         if freed:
             self.pool.free(freed, self)
 
@@ -591,10 +599,11 @@ class HostTier(Generic[K]):
 
     def _push(self, key: K) -> None:
         """(Re-)enter an idle key in the heap at its current rank."""
-        self._seq += 1
-        self._evictable[key] = self._seq
-        heapq.heappush(self._heap, (self._ranks[key], self._seq, key))
-        if len(self._heap) > max(64, 2 * len(self._evictable)):  # drop stale entries
+        seq = self._seq = self._seq + 1
+        self._evictable[key] = seq
+        heap = self._heap
+        heapq.heappush(heap, (self._ranks[key], seq, key))
+        if len(heap) > 64 and len(heap) > 2 * len(self._evictable):  # drop stale entries
             ranks = self._ranks
             self._heap = [(ranks[k], seq, k) for k, seq in self._evictable.items()]
             heapq.heapify(self._heap)
@@ -602,23 +611,28 @@ class HostTier(Generic[K]):
     def _add_ready(self, keys: list[K], pages: Sequence[int]) -> list[HostEntry]:
         """Index ``keys`` as ready entries on ``pages`` (already the tier's), announced
         stored; their entries, not yet settled (idle ones go to the caller's ``_settled``)."""
+        index, ranks, keep = self._index, self._ranks, self.keep
         entries = []
         for key, page in zip(keys, pages, strict=True):
-            entry = self._index[key] = HostEntry(page, float("inf"), self.keep)
-            self._ranks[key] = self.new_rank()
-            entry.pending = False
+            entry = index[key] = HostEntry(page, _NO_DEADLINE, keep, False)
+            ranks[key] = self.new_rank()
             entries.append(entry)
         self.counts.entries += len(keys)
         self.counts.stored += len(keys)
-        self._events.append(TierEvent(tuple(keys), False))
+        self._announce(keys, False)
         return entries
+
+    def _announce(self, keys: Sequence[K], removed: bool, source: object = None) -> None:
+        """Queue one event for :meth:`take_events` (where events are taken at all)."""
+        if self._record_events:
+            self._events.append(TierEvent(tuple(keys), removed, source))
 
     def _deadline(self) -> float:
         timeout = self.pending_timeout
-        return float("inf") if timeout is None else self._clock() + timeout
+        return _NO_DEADLINE if timeout is None else self._clock() + timeout
 
-    def _pin(self, key: K) -> int:
-        entry = self._index[key]
+    def _pin(self, key: K, entry: HostEntry) -> int:
+        """One more reader of ``key``'s ready ``entry``: no longer evictable; its page."""
         if not entry.pins and key in self._evictable:
             del self._evictable[key]
             self.counts.evictable -= 1
@@ -636,7 +650,7 @@ class HostTier(Generic[K]):
         else:
             freed.append(self._drop(key))
             self.counts.dropped += 1
-            self._events.append(TierEvent((key,), True))
+            self._announce((key,), True)
 
     def _evict(self, keys: list[K]) -> None:
         """Evict idle entries: announced removed, their pages freed."""
@@ -644,7 +658,7 @@ class HostTier(Generic[K]):
             return
         freed = [self._drop(key) for key in keys]
         self.counts.evicted += len(keys)
-        self._events.append(TierEvent(tuple(keys), True))
+        self._announce(keys, True)
         self.pool.free(freed, self)
 
     def _drop(self, key: K) -> int:

@@ -314,7 +314,9 @@ class OffloadManager:
         self.refusals = Refusals()
         #: The host tier: pages kept under their keys (written chunks with ``keep_on_host``,
         #: store pages promoted for a load), pinned while a load reads them.
-        self.tier: HostTier[str] = HostTier(host, keep=keep_on_host, refusals=Refusals(strict=True))
+        self.tier: HostTier[str] = HostTier(
+            host, keep=keep_on_host, refusals=Refusals(strict=True), events=False
+        )
         #: The counters, mutated in place (by the pipeline too); :meth:`metrics` copies them.
         self._metrics = ManagerMetrics()
         #: The copy pipeline: acks to their requests, pages to the store, freed or kept.
