@@ -34,7 +34,7 @@ def worker_main(config: Any, conn: Any) -> None:
         group_data_refs=[[CanonicalKVCacheRef(i, ROW) for i in range(len(views))]],
     )
     worker = spec.get_worker(caches)
-    conn.send(("ready", worker._shared_path is not None))
+    conn.send(("ready", worker._shared.path is not None))
     while True:
         command, *args = conn.recv()
         if command == "stop":

@@ -642,29 +642,30 @@ def test_a_shared_pool_is_not_page_locked_where_vllm_cannot_and_nothing_stays_re
 ) -> None:
     """On vLLM's CPU build its own ``host_register`` does nothing and says so: a worker over
     a CUDA KV cache would keep a private pinned pool (logged), nothing half registered."""
-    from kvlife.integrations.vllm._common import create_shared_pool, pin_shared_pool
+    from kvlife.integrations.vllm.shared_pool import SharedHostPool
 
-    pool = create_shared_pool(str(tmp_path / "pool"), 4, 8192)
-    assert pool is not None
+    path = tmp_path / "pool"
     with caplog.at_level(logging.WARNING):
-        assert pin_shared_pool(pool) is None
+        assert SharedHostPool.create(str(path), 4, 8192, lock=True) is None
     assert any("could not be page-locked" in r.getMessage() for r in caplog.records)
-    assert not pool.tensor.is_pinned()
+    assert not path.exists()  # nothing left: no name, no registered range
+    unlocked = SharedHostPool.create(str(path), 4, 8192)
+    assert unlocked is not None and not unlocked.pinned and not unlocked.pool.tensor.is_pinned()
+    unlocked.close()
+    assert not path.exists()
 
 
 def test_a_page_lock_that_raises_is_logged_never_raised_into_vllm(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kvlife.integrations.vllm import _common
+    from kvlife.integrations.vllm import shared_pool
 
     def register(address: int, nbytes: int) -> bool:
         raise OSError("libcudart gone")
 
-    monkeypatch.setattr(_common, "_host_register", lambda: (register, lambda a: None))
-    pool = _common.create_shared_pool(str(tmp_path / "pool"), 4, 8192)
-    assert pool is not None
+    monkeypatch.setattr(shared_pool, "_host_register", lambda: (register, lambda a: None))
     with caplog.at_level(logging.WARNING):
-        assert _common.pin_shared_pool(pool) is None
+        assert shared_pool.SharedHostPool.create(str(tmp_path / "pool"), 4, 8192, lock=True) is None
     assert any("OSError: libcudart gone" in r.getMessage() for r in caplog.records)
 
 
@@ -675,13 +676,11 @@ def test_a_vllm_without_host_register_is_one_warning_that_says_why(
     fallback (the import's, then the fallback's)."""
     import sys
 
-    from kvlife.integrations.vllm import _common
+    from kvlife.integrations.vllm.shared_pool import SharedHostPool
 
     monkeypatch.setitem(sys.modules, "vllm.v1.kv_offload.cpu.host_register", None)
-    pool = _common.create_shared_pool(str(tmp_path / "pool"), 4, 8192)
-    assert pool is not None
     with caplog.at_level(logging.WARNING, logger="kvlife"):
-        assert _common.pin_shared_pool(pool) is None
+        assert SharedHostPool.create(str(tmp_path / "pool"), 4, 8192, lock=True) is None
     (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "vLLM has no host_register" in record.getMessage()
     assert "could not be page-locked" in record.getMessage()
@@ -693,17 +692,17 @@ def test_the_worker_unlocks_its_shared_pool_after_its_engine_closed(
     """A worker whose shared pool was page-locked (a CUDA KV cache; faked here, no GPU)
     unregisters every range at shutdown, after its copy engine closed (a copy still running
     would read memory no longer locked), once, and a second shutdown does nothing."""
-    from kvlife.integrations.vllm import _common
+    from kvlife.integrations.vllm import shared_pool
 
     views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
     worker = _worker(views)
     unregistered: list[tuple[int, bool]] = []
     monkeypatch.setattr(
-        _common,
+        shared_pool,
         "_host_register",
         lambda: (None, lambda a: unregistered.append((a, worker.engine.closed))),
     )
-    worker._pinned = [1 << 20, 2 << 20]
+    worker._shared._pinned = [1 << 20, 2 << 20]
     worker.shutdown()
     worker.shutdown()
     assert unregistered == [(2 << 20, True), (1 << 20, True)]
@@ -930,7 +929,7 @@ def test_multiprocess_tp2_a_hit_is_host_bytes_in_every_rank_and_survives_the_pag
     import shm_worker
 
     from kvlife.integrations.vllm import FROM_STORE, KVLifeOffloadingSpec
-    from kvlife.integrations.vllm._common import shared_pool_path
+    from kvlife.integrations.vllm.shared_pool import SharedHostPool
 
     config = offloading_config(tp=2, store_dir=str(tmp_path))
     ctx = multiprocessing.get_context("spawn")
@@ -948,7 +947,7 @@ def test_multiprocess_tp2_a_hit_is_host_bytes_in_every_rank_and_survives_the_pag
         m = spec.get_manager()
         assert m.holds_bytes
         for r in range(2):  # mapped, and the names gone: nothing left if a process dies
-            assert not os.path.exists(shared_pool_path(spec._engine, os.getpid(), r))
+            assert not os.path.exists(SharedHostPool.path_for(spec._engine, os.getpid(), r))
         rank0, rank1 = spec.rank_namespaces
         ctx_r = ReqContext("r")
         m.on_new_request(ctx_r)

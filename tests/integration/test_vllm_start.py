@@ -31,7 +31,7 @@ import vllm_config
 
 from kvlife.errors import ConfigError
 from kvlife.integrations.vllm import KVLifeOffloadingSpec
-from kvlife.integrations.vllm._common import _SHARED_POOLS, create_shared_pool, shared_pool_path
+from kvlife.integrations.vllm.shared_pool import SharedHostPool
 
 pytestmark = pytest.mark.vllm
 
@@ -64,7 +64,7 @@ def kv_caches() -> Any:
 def worker_pool_files(config: Any) -> list[str]:
     """Every shared-memory file of ``config``'s engine (any process, any rank)."""
     spec_engine = f"{config.engine_id}/dp0"
-    pattern = shared_pool_path(spec_engine, 0, 0).replace("-0-rank0", "-*")
+    pattern = SharedHostPool.path_for(spec_engine, 0, 0).replace("-0-rank0", "-*")
     return glob.glob(pattern)
 
 
@@ -153,7 +153,7 @@ def test_a_store_dir_under_a_file_is_refused_before_the_host_tier_is_allocated(
         KVLifeOffloadingSpec(config).get_worker(kv_caches())
     assert worker_pool_files(config) == [], "a failed start left its host tier in /dev/shm"
     assert f"['store_dir'] = {value!r}" in str(caught.value), caught.value
-    assert f"{config.engine_id}/0" not in _SHARED_POOLS
+    assert SharedHostPool.offered(f"{config.engine_id}/0") is None
 
 
 def test_a_store_dir_spoiled_before_the_worker_starts_leaks_no_host_tier(
@@ -179,7 +179,7 @@ def test_a_store_dir_spoiled_before_the_worker_starts_leaks_no_host_tier(
     with pytest.raises(ConfigError):
         spec.get_worker(kv_caches())
     assert worker_pool_files(config) == [], "a failed start left its host tier in /dev/shm"
-    assert f"{config.engine_id}/0" not in _SHARED_POOLS
+    assert SharedHostPool.offered(f"{config.engine_id}/0") is None
 
 
 def _closed_port() -> int:
@@ -204,7 +204,7 @@ def test_an_unreachable_mooncake_master_leaks_no_host_tier() -> None:
     with pytest.raises(StoreError, match="is the master running"):
         KVLifeOffloadingSpec(config).get_worker(kv_caches())
     assert worker_pool_files(config) == [], "a failed start left its host tier in /dev/shm"
-    assert f"{config.engine_id}/0" not in _SHARED_POOLS
+    assert SharedHostPool.offered(f"{config.engine_id}/0") is None
 
 
 def test_a_scheduler_whose_store_fails_unlinks_every_worker_pool(tmp_path: Path) -> None:
@@ -214,8 +214,8 @@ def test_a_scheduler_whose_store_fails_unlinks_every_worker_pool(tmp_path: Path)
     store = tmp_path / "kv"
     config = offloading_config(store_dir=str(store))
     spec = KVLifeOffloadingSpec(config)
-    path = shared_pool_path(spec._engine, os.getpid(), 0)  # the worker's, for this process
-    assert create_shared_pool(path, spec.capacity, spec.page_bytes) is not None
+    path = SharedHostPool.path_for(spec._engine, os.getpid(), 0)  # the worker's, for here
+    assert SharedHostPool.create(path, spec.capacity, spec.page_bytes) is not None
     store.write_text("a file now")
     with pytest.raises(ConfigError):
         spec.get_manager()

@@ -28,22 +28,13 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 
 from kvlife.errors import ConfigError
 from kvlife.integrations.checkpoint import checkpoint_fingerprint
-from kvlife.integrations.vllm._common import (
-    _SHARED_POOLS,
-    PersistentTier,
-    attach_shared_pool,
-    create_shared_pool,
-    pin_shared_pool,
-    shared_pool_path,
-    shut_down,
-    unlink_quietly,
-    unpin_shared_pool,
-)
+from kvlife.integrations.vllm._common import PersistentTier, shut_down
 from kvlife.integrations.vllm.scheduler import (
     CONFIG_INFO_KEYS,
     METRICS,
     KVLifeOffloadingManager,
 )
+from kvlife.integrations.vllm.shared_pool import SharedHostPool
 from kvlife.integrations.vllm.worker import KVLifeWorker, host_row_bytes
 from kvlife.pool import HostPagePool
 from kvlife.store.directory import LocalDirectoryStore
@@ -336,11 +327,10 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         # One process: the worker built the pool first; allocate from that same memory.
         pool: HostPagePool | None = None
         rank_pools: list[HostPagePool] = []
-        built = _SHARED_POOLS.get(self._pool_key)
-        if built is not None and built[0].capacity == self.capacity:
-            del _SHARED_POOLS[self._pool_key]
-            pool = built[0]
-            unlink_quietly(built[1] or "")  # mapped here already: the name may go
+        built = SharedHostPool.take(self._pool_key, self.capacity)
+        if built is not None:
+            pool = built.pool
+            built.unlink()  # mapped here already: the name may go
         if pool is None:  # multiprocess: every rank's worker shared its pool's memory
             shared = self._attach_workers()
             if shared is not None:
@@ -366,12 +356,16 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     def _unlink_shared(self) -> None:
         """Remove the names of the shared pools this engine's workers made for this process
         (a failed start: nobody maps them now; mappings already made stay valid)."""
-        built = _SHARED_POOLS.get(self._pool_key)
+        built = SharedHostPool.offered(self._pool_key)
         if built is not None:
-            unlink_quietly(built[1] or "")
+            built.unlink()
         if self._has_store():
             for r in range(self._world_size):
-                unlink_quietly(shared_pool_path(self._engine, os.getpid(), r))
+                SharedHostPool.discard(self._worker_pool_path(r))
+
+    def _worker_pool_path(self, rank: int) -> str:
+        """Where rank ``rank``'s worker (a child of this process) shares its host pool."""
+        return SharedHostPool.path_for(self._engine, os.getpid(), rank)
 
     def _has_store(self) -> bool:
         return self.settings.store == "mooncake" or self.store_dir is not None
@@ -383,10 +377,10 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         shared memory if a process dies."""
         if not self._has_store():
             return None
-        paths = [shared_pool_path(self._engine, os.getpid(), r) for r in range(self._world_size)]
-        pools = [attach_shared_pool(p, self.capacity, self.page_bytes) for p in paths]
-        for path in paths:
-            unlink_quietly(path)
+        pools = [
+            SharedHostPool.attach(self._worker_pool_path(r), self.capacity, self.page_bytes)
+            for r in range(self._world_size)
+        ]
         if any(pool is None for pool in pools):
             if any(pool is not None for pool in pools):
                 logger.warning("kvlife: not every rank shared its host tier: the workers read")
@@ -400,58 +394,39 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             # The persistent tier first: an unusable one (a store_dir that cannot be made, an
             # unreachable Mooncake master) is refused before the host tier is allocated.
             store = self._open_store()
-            pool: HostPagePool | None = None
-            shared_path: str | None = None
-            pinned: list[int] | None = None
+            shared: SharedHostPool | None = None
             try:
                 device = kv_caches.tensors[0].tensor.device.type
                 if store is not None and device in ("cpu", "cuda"):
                     # Shared with the scheduler process, so it promotes persistent-tier pages
                     # into host memory itself; for a KV cache on CUDA, page-locked as well.
-                    shared_path = shared_pool_path(self._engine, os.getppid(), self._rank)
-                    pool = create_shared_pool(shared_path, self.capacity, row)
-                    if pool is not None and device == "cuda":
-                        pinned = pin_shared_pool(pool)
-                        if pinned is None:
-                            unlink_quietly(shared_path)
-                            pool = None
-                if pool is None:
-                    pool, shared_path = HostPagePool(self.capacity, row, torch.int8), None
-                _SHARED_POOLS[self._pool_key] = (pool, shared_path)
+                    path = SharedHostPool.path_for(self._engine, os.getppid(), self._rank)
+                    shared = SharedHostPool.create(path, self.capacity, row, lock=device == "cuda")
+                if shared is None:
+                    shared = SharedHostPool(HostPagePool(self.capacity, row, torch.int8))
+                shared.offer(self._pool_key)
                 self._worker = KVLifeWorker(
                     kv_caches,
-                    pool,
+                    shared,
                     store=store,
                     report_dir=self.report_dir,
                     strict=self.strict,
                     pool_key=self._pool_key,
                     tokens_per_block=self.tokens_per_block,
                     blocks_per_chunk=self.blocks_per_chunk,
-                    shared_path=shared_path,
-                    pinned=pinned or (),
                 )
-            except BaseException:  # a failed start leaves nothing: no name, lock or entry
-                self._abandon_worker(store, pool, shared_path, pinned or [])
+            except BaseException:  # a failed start leaves nothing: no name, lock or offer
+                self._abandon_worker(store, shared)
                 raise
         return self._worker
 
-    def _abandon_worker(
-        self,
-        store: PersistentTier | None,
-        pool: HostPagePool | None,
-        shared_path: str | None,
-        pinned: list[int],
-    ) -> None:
-        def unshare() -> None:
-            built = _SHARED_POOLS.get(self._pool_key)
-            if built is not None and built[0] is pool:
-                del _SHARED_POOLS[self._pool_key]
-
-        steps: list[tuple[str, Callable[[], object]]] = [
-            ("unpin", lambda: unpin_shared_pool(pinned)),
-            ("unlink", lambda: unlink_quietly(shared_path or "")),
-            ("unshare", unshare),
-        ]
+    def _abandon_worker(self, store: PersistentTier | None, shared: SharedHostPool | None) -> None:
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if shared is not None:
+            steps += [
+                ("unshare", lambda: shared.withdraw(self._pool_key)),
+                ("unpin_unlink", shared.close),
+            ]
         if store is not None:
             steps.append(("store_close", store.close))
         shut_down("worker start", steps)

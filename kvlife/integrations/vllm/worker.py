@@ -37,7 +37,6 @@ from kvlife.engine import (
 )
 from kvlife.errors import ConfigError, DuplicateAck
 from kvlife.integrations.vllm._common import (
-    _SHARED_POOLS,
     FROM_STORE,
     HostBlocksSpec,
     PersistentTier,
@@ -45,9 +44,8 @@ from kvlife.integrations.vllm._common import (
     _write_report,
     page_namer,
     shut_down,
-    unlink_quietly,
-    unpin_shared_pool,
 )
+from kvlife.integrations.vllm.shared_pool import SharedHostPool
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
@@ -345,17 +343,18 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def __init__(
         self,
         kv_caches: CanonicalKVCaches,
-        pool: HostPagePool,
+        pool: HostPagePool | SharedHostPool,
         *,
         store: PersistentTier | None = None,
         report_dir: str | None = None,
         strict: bool = False,
         pool_key: str | None = None,
         tokens_per_block: int | Sequence[int] = 1,
-        shared_path: str | None = None,
-        pinned: Sequence[int] = (),
         blocks_per_chunk: int = 1,
     ) -> None:
+        # A shared pool is this worker's to close (its page lock and name) at shutdown.
+        shared = pool if isinstance(pool, SharedHostPool) else SharedHostPool(pool)
+        pool = shared.pool
         groups = _group_tensors(kv_caches)
         tokens = (
             [tokens_per_block] * len(groups)
@@ -386,8 +385,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self._report_dir = report_dir
         self._strict = strict
         self._pool_key = pool_key
-        self._shared_path = shared_path  # the pool's shared-memory name, removed at shutdown
-        self._pinned = list(pinned)  # the pool's page-locked ranges, unlocked at shutdown
+        self._shared = shared
         self._pages_claimed = False
         self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
         self._finished: list[TransferResult] = []
@@ -434,15 +432,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         return len(self._jobs)
 
     def _unshare(self) -> bool:
-        """Take the pool back from ``_SHARED_POOLS`` if no manager of this process took it."""
-        key = self._pool_key
-        if key is None:
-            return False
-        built = _SHARED_POOLS.get(key)
-        if built is not None and built[0] is self._pool:
-            del _SHARED_POOLS[key]
-            return True
-        return False
+        """Take the pool back if no manager of this process took it."""
+        return self._pool_key is not None and self._shared.withdraw(self._pool_key)
 
     def _start(self, job_id: int, load: bool, blocks: int) -> _WorkerJob:
         if not self._pages_claimed:  # the first job
@@ -718,9 +709,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         steps: list[tuple[str, Callable[[], object]]] = [
             ("drain", lambda: self.transfers.apply_acks(self.engine.drain(timeout=60.0))),
             ("engine_close", self.engine.close),
-            ("unpin", self._unpin),
             ("unshare", self._unshare),
-            ("unlink", lambda: unlink_quietly(self._shared_path or "")),
+            ("unpin_unlink", self._shared.close),
             ("store_close", self._close_store),
         ]
         if self._report_dir is not None:
@@ -729,10 +719,6 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self.stats["shutdown_errors"] += len(errors)
         if errors and self._strict:
             raise errors[0]
-
-    def _unpin(self) -> None:
-        pinned, self._pinned = self._pinned, []
-        unpin_shared_pool(pinned)
 
     def _close_store(self) -> None:
         store, self._store = self._store, None
