@@ -150,13 +150,13 @@ class TierError(KVLifeError, ValueError):
 
 
 class StoreError(KVLifeError):
-    """Base of every error the storage tier raises or reports. Raised as is, or reported
-    as a put's ``StoreResult.error``, for a put or read that failed: a fault the store's
-    fault injection made (the message says "injected"), or a Mooncake call that answered
-    an error code (``code`` and ``call`` say which; both ``None`` for other failures). A
-    failed put leaves the stored pages as they were (all-or-nothing; a directory store's
-    I/O error is reported as the ``OSError`` it is). Catch it to drop the one put (the
-    manager counts a store failure and goes on without those pages).
+    """Base of every error the storage tier raises or reports. Raised as is, or reported as a
+    put's ``StoreResult.error``, for a put or read that failed: a fault a test injected
+    (``kvlife.testing.faults``; the message says "injected"), or a Mooncake call that
+    answered an error code (``code`` and ``call`` say which; both ``None`` for other
+    failures). A failed put leaves the stored pages as they were (all-or-nothing; a
+    directory store's I/O error is reported as the ``OSError`` it is). Catch it to drop the
+    one put (the manager counts a store failure and goes on without those pages).
     :class:`InvalidPut`, :class:`StoreClosed`, :class:`PageMismatch` and
     :class:`StoreUnavailable` are the ones a caller handles apart."""
 
