@@ -27,7 +27,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs each refused store
 
 
-def build_tiny_llama(path: str, seed: int = 0) -> None:
+def build_tiny_llama(path: str, seed: int = 0, **fields: object) -> None:
+    """A random-init Llama small enough for a CPU (``fields``: other LlamaConfig fields)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,6 +42,7 @@ def build_tiny_llama(path: str, seed: int = 0) -> None:
         intermediate_size=128,
         vocab_size=1024,
         max_position_embeddings=512,
+        **fields,
     )
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
 

