@@ -102,26 +102,8 @@ class Gate:
         self.entered = threading.Event()
 
 
-class GatedMemoryStore(MemoryStore):
-    """The real MemoryStore whose writer waits for a gate before each put."""
-
-    def __init__(self, gate: Gate, **kw: object) -> None:
-        self.gate = gate
-        super().__init__(**kw)  # type: ignore[arg-type]
-
-    def _store_pages(
-        self,
-        keys: tuple[str, ...],
-        pages: Sequence[Payload],
-        kept: list[str] | None = None,
-    ) -> Written:
-        self.gate.entered.set()
-        self.gate.opened.wait()
-        return super()._store_pages(keys, pages, kept)
-
-
-class GatedDirectoryStore(LocalDirectoryStore):
-    """The real LocalDirectoryStore whose writer waits for a gate before each put."""
+class Gated(QueuedStore):
+    """A real store (mixed in before it) whose writer waits for a gate before each put."""
 
     def __init__(self, gate: Gate, *args: object, **kw: object) -> None:
         self.gate = gate
@@ -135,7 +117,15 @@ class GatedDirectoryStore(LocalDirectoryStore):
     ) -> Written:
         self.gate.entered.set()
         self.gate.opened.wait()
-        return super()._store_pages(keys, pages, kept)
+        return super()._store_pages(keys, pages, kept)  # type: ignore[safe-super]
+
+
+class GatedMemoryStore(Gated, MemoryStore):
+    """The real MemoryStore, gated."""
+
+
+class GatedDirectoryStore(Gated, LocalDirectoryStore):
+    """The real LocalDirectoryStore, gated."""
 
 
 @pytest.fixture(params=KINDS)
@@ -383,22 +373,8 @@ def test_fail_next_fails_exactly_that_many_puts(faulty: FaultyStore) -> None:
     assert store.stats().puts_failed == 2 and store.stats().puts_ok == 2
 
 
-class GatedFaultyStore(FaultyMemoryStore):
-    """The faulty MemoryStore whose writer waits for a gate before each put."""
-
-    def __init__(self, gate: Gate, **kw: object) -> None:
-        self.gate = gate
-        super().__init__(**kw)
-
-    def _store_pages(
-        self,
-        keys: tuple[str, ...],
-        pages: Sequence[Payload],
-        kept: list[str] | None = None,
-    ) -> Written:
-        self.gate.entered.set()
-        self.gate.opened.wait()
-        return super()._store_pages(keys, pages, kept)
+class GatedFaultyStore(Gated, FaultyMemoryStore):
+    """The faulty MemoryStore, gated."""
 
 
 def test_fault_settings_apply_to_the_puts_accepted_after_them() -> None:
