@@ -224,6 +224,9 @@ if ROOT is not None:
             self._results: dict[int, Any] = {}
             #: Each job handed to vLLM: whether kvlife's result said it succeeded.
             self.outcomes: dict[int, bool] = {}
+            #: Each load job's GPU block ids and host pages; the synchronous ones.
+            self.loads: dict[int, tuple[list[int], list[int]]] = {}
+            self.expedited: set[int] = set()
 
         def submit_store(self, job_id: int, device_ptrs: Any, dst_spec: Any) -> bool:
             super().submit_store(job_id, device_ptrs, dst_spec)
@@ -232,11 +235,20 @@ if ROOT is not None:
         def submit_load(
             self, job_id: int, src_spec: Any, device_ptrs: Any, expedited: bool = False
         ) -> bool:
+            gpu = self._gpu_spec_map[id(device_ptrs)]
+            self.loads[job_id] = ([int(b) for b in gpu.block_ids], list(src_spec.block_ids))
+            if expedited:
+                self.expedited.add(job_id)
             super().submit_load(job_id, src_spec, device_ptrs, expedited)
             self._failing_jobs.discard(job_id)
             if self.fail_loads:  # the harness's failed load: kvlife's engine fails the copy
                 self.kvlife.engine.fail_next()
             return bool(self.kvlife.submit_load(job_id, src_spec, device_ptrs, expedited=expedited))
+
+        def wait(self, job_ids: set[int]) -> None:
+            """vLLM's wait (on a flush, on its synchronous loads) reaches kvlife's."""
+            self.kvlife.wait(set(job_ids))
+            super().wait(job_ids)
 
         def complete_jobs(self, job_ids: set[int]) -> None:
             wanted = [j for j in job_ids if j in self.waiting_jobs]

@@ -55,8 +55,8 @@ from kvlife.transfers import Transfers
 logger = logging.getLogger(__name__)
 
 #: vLLM 0.34 and later take a failed job (a failed load is recomputed, a failed store
-#: dropped) and hand the worker device pointers; vLLM 0.32 stops on a failed job and hands
-#: block ids.
+#: dropped; but a failed synchronous load, ``expedited``, stops vLLM) and hand the worker
+#: device pointers; vLLM 0.32 stops on a failed job and hands block ids.
 TAKES_FAILURES = hasattr(sys.modules[OffloadingWorker.__module__], "DevicePointers")
 
 
@@ -313,6 +313,9 @@ class _WorkerJob:
     copy_done: float = 0.0
     #: A copy of the job could not be made, even directly: its result says so.
     failed: bool = False
+    #: vLLM 0.34's synchronous load (``expedited``): waited on in the step that runs its
+    #: request, so a failed result cannot become a recompute (vLLM stops).
+    expedited: bool = False
     #: Chunks of the job in flight (what the pipeline reads).
     inflight: int = 0
     #: Keys of the job by KV cache group (position).
@@ -476,8 +479,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _recover(self, job: _WorkerJob, device: Sequence[int], host: Sequence[int]) -> None:
         """A chunk the engine refused or failed: vLLM 0.34+ takes the job as failed (a
-        load is recomputed, a store dropped); vLLM 0.32 cannot, so it is made here."""
-        if TAKES_FAILURES:
+        load is recomputed, a store dropped), except a synchronous load, whose request
+        already runs on the blocks (vLLM raises on its failure); vLLM 0.32 takes no
+        failure. Those are made here, at once."""
+        if TAKES_FAILURES and not job.expedited:
             job.failed = True
         else:
             self._copy_directly(job, device, host)
@@ -486,7 +491,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self, job: _WorkerJob, device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> None:
         """The copy the engine failed or refused, made here, at once; if this fails too,
-        the job's result is a failure (vLLM 0.32 then stops rather than use the blocks)."""
+        the job's result is a failure (vLLM 0.32, or 0.34 on a synchronous load, then
+        stops rather than use the blocks)."""
         pages = torch.tensor(list(device_pages), dtype=torch.int64, device=self.layout.device)
         runs = host_runs(host_pages)
         try:
@@ -646,10 +652,13 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, **kwargs: Any
     ) -> bool:
         """Host -> device: ``dst_spec`` is vLLM 0.32's ``GPULoadStoreSpec`` or vLLM 0.34's
-        ``DevicePointers`` (``expedited`` loads are copied like the rest)."""
+        ``DevicePointers``. An ``expedited`` load (vLLM 0.34's synchronous load, waited on
+        in its request's step) is copied like the rest, and a copy of it that fails is
+        made again at once, as on vLLM 0.32: its failure would stop vLLM."""
         spec = cast(HostBlocksSpec, src_spec)
         host_ids = spec.block_ids
         job = self._start(job_id, True, len(host_ids))
+        job.expedited = bool(kwargs.get("expedited", False))
         device_ids = self._device_pages(job, dst_spec, len(host_ids))
         if device_ids is None:
             job.failed = True
