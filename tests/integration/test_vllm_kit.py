@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,7 +258,8 @@ def test_kvlife_check_vllm_manager(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--replay", report["replay"]]) == 1
     out = capsys.readouterr().out
     assert "vLLM manager vllm_mutants:PendingIsAHit" in out
-    assert "STILL FAILS (the same rule): lookup(a) is HIT while its store" in out
+    # Which key the shrunk run names depends on the run Hypothesis found: any, the same rule.
+    assert re.search(r"STILL FAILS \(the same rule\): lookup\(\w+\) is HIT while its store", out)
 
 
 @pytest.mark.parametrize(
