@@ -293,6 +293,21 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
     flat_dst = torch.empty_like(flat_src)
     times: dict[str, list[float]] = {"store": [], "load": [], "contiguous": []}
     perf = time.perf_counter
+    # Each job's copy as the engine runs it, timed inside the engine thread: a job's time
+    # less its copy is its fixed cost (submit, checks, hand-offs, the ack, the result).
+    copies: dict[str, list[float]] = {"store": [], "load": []}
+    layout = worker.layout
+
+    def timed_copy(name: str, copy: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any, **kwargs: Any) -> None:
+            start = perf()
+            copy(*args, **kwargs)
+            copies[name].append(perf() - start)
+
+        return run
+
+    layout.gather_runs = timed_copy("store", layout.gather_runs)  # type: ignore[method-assign]
+    layout.scatter_runs = timed_copy("load", layout.scatter_runs)  # type: ignore[method-assign]
 
     def job(job_id: int, load: bool) -> float:
         start = perf()
@@ -335,6 +350,16 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
     worker.shutdown()
     gb = blocks * row / 1e9
     med = {k: statistics.median(v) for k, v in times.items()}
+    fixed = {  # per round: the job's time less its copy's (round 0, the warm-up, left out)
+        k: [t - c for t, c in zip(times[k], copies[k][1:], strict=True)] for k in copies
+    }
+    shares = {
+        f"{k}_fixed_share_of_copy": round(
+            statistics.median(f / c for f, c in zip(fixed[k], copies[k][1:], strict=True)), 3
+        )
+        for k in copies
+    }
+    shares.update({f"{k}_fixed_ms": round(statistics.median(v) * 1e3, 3) for k, v in fixed.items()})
     spread = {  # GB/s of the slowest and the fastest round
         f"{k}_gbps_range": [round(gb / max(v), 2), round(gb / min(v), 2)] for k, v in times.items()
     }
@@ -350,6 +375,7 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
     return {
         **spread,
         **per_round,
+        **shares,
         "bw_blocks": blocks,
         "bw_mib": round(blocks * row / 2**20, 1),
         "bw_rounds": rounds,

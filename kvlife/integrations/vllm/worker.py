@@ -605,6 +605,11 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         for g, (blocks, first) in enumerate(groups):
             if not blocks:
                 continue
+            if bpc == 1:  # a chunk is its block (the common case: one list, no tuples)
+                base = self._parts[g] * stride
+                pages += [base + b for b in blocks] if base else blocks
+                job.groups[g] = job.groups.get(g, 0) + len(blocks)
+                continue
             skip = first % bpc
             padded = [-1] * skip + blocks + [-1] * (-(skip + len(blocks)) % bpc)
             for k in range(0, len(padded), bpc):
