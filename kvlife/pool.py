@@ -152,6 +152,18 @@ class HostPagePool:
 
     def free(self, pages: Sequence[int], owner: object) -> None:
         """Return ``pages`` (all owned by ``owner``) to the pool; every page is checked first."""
+        seen = self._disown(pages, owner)
+        if not seen:
+            return
+        owners, free = self._owner, self._free
+        for p in reversed(pages):
+            owners[p] = None
+            free.append(p)
+
+    def _disown(self, pages: Sequence[int], owner: object) -> set[int]:
+        """Check that every page is ``owner``'s, each once, then drop them from its set;
+        the pages (their owner entries are the caller's to change). Raises, changing
+        nothing, at the first page that is not."""
         if not isinstance(pages, Sequence):  # a set has no order; a generator, one pass
             raise PoolError(f"pages must be a sequence of ints, got {type(pages).__name__}")
         owners = self._owner
@@ -163,16 +175,12 @@ class HostPagePool:
             if current is not owner:
                 raise PoolError(f"host page {p} is owned by {current!r}, not {owner!r}")
             seen.add(p)
-        if not seen:
-            return
-        free = self._free
-        for p in reversed(pages):
-            owners[p] = None
-            free.append(p)
-        held = self._owned[id(owner)]
-        held.difference_update(seen)
-        if not held:
-            del self._owned[id(owner)]
+        if seen:
+            held = self._owned[id(owner)]
+            held.difference_update(seen)
+            if not held:
+                del self._owned[id(owner)]
+        return seen
 
     def write_bytes(self, page: int, payload: bytes) -> bool:
         """Copy ``payload`` into host page ``page`` if it is exactly one page's bytes (a
@@ -190,14 +198,13 @@ class HostPagePool:
         chunk's staged pages kept by the host tier); every page is checked first."""
         if new_owner is None:
             raise PoolError("new_owner must not be None (None marks a free page)")
-        self.free(pages, owner)  # every check (duplicates refused); then they are free...
-        if not pages:
+        seen = self._disown(pages, owner)
+        if not seen:
             return
-        del self._free[-len(pages) :]  # ...and taken straight back: free() pushed them last
         owners = self._owner
         for p in pages:
             owners[p] = new_owner
-        self._owned.setdefault(id(new_owner), set()).update(pages)
+        self._owned.setdefault(id(new_owner), set()).update(seen)
 
     def _check(self, page: object) -> int:
         if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < len(self._owner):
