@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mutant_runtimes import MUTANTS, reported
@@ -370,8 +371,11 @@ def test_the_reduced_walk_finds_the_full_walks_bug_and_the_flag_keeps_the_full_w
     argv = ["check", "--requests", "2", "--chunks", "1", "--returns", "0", "--no-failures"]
     assert main([*argv, "--json", "--no-reduction"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["interleavings"] == out["total"] == out["full"] == count_interleavings(
-        CheckConfig(2, 1, options=KitOptions(failures=False))
+    assert (
+        out["interleavings"]
+        == out["total"]
+        == out["full"]
+        == count_interleavings(CheckConfig(2, 1, options=KitOptions(failures=False)))
     )
 
 
@@ -408,6 +412,60 @@ def test_replay_files_round_trip_every_event_and_refuse_another_version(tmp_path
     assert main(["check", "--replay", str(path)]) == 2
     path.write_text("{}")
     with pytest.raises(ConfigError, match="not a kvlife replay file"):
+        replays.load(path)
+
+
+HOSTILE_REPLAYS: list[tuple[str, Any]] = [
+    ("kind not a str", lambda d: d.update(kind=[])),
+    ("a life index as a str", lambda d: d["events"][1].update(life="zero")),
+    ("a negative life index", lambda d: d["events"][1].update(life=-1)),
+    ("a life index of 10**30", lambda d: d["events"][1].update(life=10**30)),
+    ("a fractional life index", lambda d: d["events"][1].update(life=0.5)),
+    ("a bool for an index", lambda d: d["events"][1].update(life=True)),
+    ("a prompt as a str", lambda d: d["events"][0].update(prompt="123")),
+    ("an infinite token", lambda d: d["events"][0].update(prompt=[1, float("inf")])),
+    ("ok as an int", lambda d: d["events"][2].update(ok=1)),
+    ("runtime as an int", lambda d: d.update(runtime=5)),
+    ("config without requests", lambda d: d.update(config={"chunks": 1})),
+    ("config as a list", lambda d: d.update(config=[1])),
+    ("events as a dict", lambda d: d.update(events={"kind": "poll"})),
+    ("options as a list", lambda d: d.update(options=[])),
+]
+
+
+@pytest.mark.parametrize(("why", "spoil"), HOSTILE_REPLAYS, ids=[h[0] for h in HOSTILE_REPLAYS])
+def test_a_spoiled_replay_file_is_refused_in_one_line_never_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], why: str, spoil: Any
+) -> None:
+    """A replay file edited by hand or damaged is refused as malformed (exit 2, one line),
+    never run: before, these raised tracebacks (exit 1, like a bug reproduced) or ran and
+    reported an error of their own as "STILL FAILS"."""
+    from kvlife.testing import replay as replays
+    from kvlife.testing.events import Complete, Start, Step
+
+    events = [Start("r", (1, 2, 3)), Step(0, (100, 101)), Complete(0, 0)]
+    record = replays.Replay(events, KitOptions(), "unreleased", config=CheckConfig().as_dict())
+    path = replays.save(record, directory=tmp_path, shrunk=False)
+    data = json.loads(path.read_text())
+    spoil(data)
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["check", "--replay", str(path)]) == 2, why
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+
+
+@pytest.mark.parametrize(
+    "text", ["[" * 200_000 + "]" * 200_000, '{"format": ' + "9" * 5000 + "}"], ids=["deep", "long"]
+)
+def test_a_replay_file_json_cannot_hold_is_refused(tmp_path: Path, text: str) -> None:
+    """Nesting past Python's recursion limit, or an integer past its digit limit: before,
+    RecursionError and ValueError escaped the reader."""
+    from kvlife.testing import replay as replays
+
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(replays.ReplayFileError, match="cannot read it"):
         replays.load(path)
 
 

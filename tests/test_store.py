@@ -285,6 +285,10 @@ BAD_PUTS: list[tuple[str, Callable[[], tuple[object, object]], str]] = [
     ("empty pages", lambda: ([key(1)], torch.zeros(1, 0)), "must not be empty"),
     ("not a tensor", lambda: ([key(1)], [[1.0, 2.0]]), "must be a torch.Tensor"),
     ("not host memory", lambda: ([key(1)], torch.zeros(1, 4, device="meta")), "dense host"),
+    # Lazily conjugated: its bytes are not what it shows; the writer could not view them
+    # (before, the put was accepted and its result an untyped RuntimeError).
+    ("conjugate bit", lambda: ([key(1)], torch.ones(1, 4, dtype=torch.complex64).conj()), "own"),
+    ("a conjugate page", lambda: ([key(1)], [torch.ones(4, dtype=torch.complex64).conj()]), "own"),
 ]
 
 

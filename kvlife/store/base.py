@@ -358,6 +358,8 @@ def _check_put(
 def _check_host(pages: torch.Tensor) -> None:
     if pages.device.type != "cpu" or pages.layout != torch.strided:
         raise InvalidPut(f"pages must be a dense host tensor, got {pages.device} {pages.layout}")
+    if pages.is_conj() or pages.is_neg() or pages.is_quantized:  # bytes not what it shows
+        raise InvalidPut("pages must hold their own bytes (resolve_conj()/resolve_neg() first)")
 
 
 def _check_max_page(max_page_bytes: object) -> int:

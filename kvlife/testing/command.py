@@ -324,7 +324,11 @@ def _replay(args: argparse.Namespace) -> int:
     if spec:
         factory = load_runtime(spec, timeout=args.runtime_timeout)
     elif replay.config is not None:
-        factory = default_factory(CheckConfig.from_dict(replay.config, replay.options))
+        try:
+            config = CheckConfig.from_dict(replay.config, replay.options)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise replays.ReplayFileError(args.replay, f"a malformed config: {exc!r}") from None
+        factory = default_factory(config)
     else:
         raise replays.ReplayFileError(args.replay, "names no runtime; give --runtime")
     found = replays.rerun(replay, factory)

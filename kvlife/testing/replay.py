@@ -21,6 +21,8 @@ import os
 import re
 import tempfile
 import time
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,11 +126,11 @@ class ReplayKindError(ReplayFileError):
     def __init__(
         self, path: str | os.PathLike[str], kind: object, wanted: str | None, why: str = ""
     ) -> None:
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             known = ", ".join(KINDS)
             text = f"a replay of kind {kind!r}, which this kvlife does not know ({known})"
         else:
-            what, how = KINDS[str(kind)]
+            what, how = KINDS[kind]
             text = f"a {kind} replay ({what}), not a {wanted} one{why}: re-run it with {how}"
         super().__init__(path, text)
         self.kind = kind
@@ -213,25 +215,53 @@ _KIT_EVENTS: dict[str, type[KitEvent]] = event_table(
 )
 
 
+#: The largest count or index a replay file may hold: no run comes near it, and a file
+#: that says more is refused rather than run (an index of 10**30 is a typo or an attack).
+_MOST = 2**31 - 1
+
+
+def _decoded(hint: Any, value: Any) -> Any:
+    """``value`` as a field typed ``hint`` holds it; TypeError or ValueError if it cannot:
+    an int is a count or an index (0 to :data:`_MOST`, never a bool), a tuple a list."""
+    if hint is FinishReason:
+        return FinishReason(value)
+    if hint in (bool, str):
+        if type(value) is not hint:
+            raise TypeError(f"{value!r:.40} is not a {hint.__name__}")
+        return value
+    if hint is int:
+        if type(value) is not int or not 0 <= value <= _MOST:
+            raise ValueError(f"{value!r:.40} is not a count or index (0 to {_MOST})")
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and isinstance(value, list):
+        return tuple(_decoded(args[0], v) for v in value)
+    if origin is typing.Literal and value in args:
+        return value
+    if type(None) in args and value is None:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        return _decoded(next(a for a in args if a is not type(None)), value)
+    raise TypeError(f"{value!r:.40} is not a {hint}")
+
+
 def event_from_json(data: Any, events: Mapping[str, type[E]]) -> E:
-    """The event (of ``events``, by kind) a JSON object names; ConfigError if none."""
-    if not isinstance(data, dict) or data.get("kind") not in events:
+    """The event (of ``events``, by kind) a JSON object names, every field of the type its
+    class declares; ConfigError if none, or if a field is of another type or out of range."""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if not isinstance(kind, str) or kind not in events:
         raise ConfigError(f"not a replay event here: {data!r:.80}")
-    cls = events[data["kind"]]
-    kwargs: dict[str, Any] = {}
+    cls = events[kind]
     try:
-        for f in dataclasses.fields(cls):
-            if f.name not in data:
-                continue
-            value = data[f.name]
-            if f.name == "reason":
-                value = FinishReason(value)
-            elif isinstance(value, list):
-                value = tuple(int(v) for v in value)
-            kwargs[f.name] = value
+        hints = typing.get_type_hints(cls)
+        kwargs = {
+            f.name: _decoded(hints[f.name], data[f.name])
+            for f in dataclasses.fields(cls)
+            if f.name in data
+        }
         event = cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"a malformed {data['kind']} event: {exc}") from None
+        raise ConfigError(f"a malformed {kind} event: {exc}") from None
     return event
 
 
@@ -344,12 +374,22 @@ def save(
     return path
 
 
+#: The types of a replay file's fields that are read back (the rest are only shown).
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "options": dict,
+    "events": list,
+    "runtime": (str, type(None)),
+    "config": (dict, type(None)),
+    "seed": (int, type(None)),
+}
+
+
 def _read(path: str | os.PathLike[str], kind: str | None) -> dict[str, Any]:
     """The file's JSON object, once its format, version and kind (``kind``, if given; else
     any this kvlife knows) are this kvlife's."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON's, digits' limit
         raise ReplayFileError(path, f"cannot read it: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ReplayFileError(path, f"not a kvlife replay file (no format {FORMAT!r})")
@@ -357,7 +397,7 @@ def _read(path: str | os.PathLike[str], kind: str | None) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise ReplayVersionError(path, version, str(data.get("kvlife", "an unknown kvlife")))
     found = data.get("kind")
-    if found not in KINDS or (kind is not None and found != kind):
+    if not isinstance(found, str) or found not in KINDS or (kind is not None and found != kind):
         raise ReplayKindError(path, found, kind)
     return data
 
@@ -386,9 +426,12 @@ def load_kind(
     kvlife reads."""
     data = _read(path, kind)
     try:
+        for name, types_ in _FIELDS.items():
+            if not isinstance(data.get(name), types_):
+                raise TypeError(f"{name} is {data.get(name)!r:.40}")
         made = options(**data["options"])
         decoded = [event_from_json(e, events) for e in data["events"]]
-    except (KeyError, TypeError, ConfigError) as exc:
+    except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise ReplayFileError(path, f"a malformed replay file: {exc}") from None
     return Replay(
         decoded,
