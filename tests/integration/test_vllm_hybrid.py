@@ -15,6 +15,7 @@ same with ``.venv-vllm034/bin/python``).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -189,6 +190,48 @@ def test_a_device_spec_that_does_not_fit_the_groups_fails_the_job_and_copies_not
         3, device(kv, [([3], 0), ([], 0), ([], 0)]), HostBlocksSpec([0], keys(0))
     )
     assert done(worker) == [(3, True)]
+    worker.shutdown()
+
+
+@pytest.mark.skipif(TAKES_FAILURES, reason="0.34's device pointers are checked in the cache")
+def test_a_block_id_past_the_cache_is_refused_not_read_from_another_group() -> None:
+    """Found by review: on vLLM 0.32's block ids, block ``BLOCKS + 1`` of group 0 was read
+    as block 1 of the next part (another group's tensor) and the job reported copied."""
+    worker, _ = rig()
+    host_before = worker.pool.tensor.clone()
+    spec = GPULoadStoreSpec([BLOCKS + 1], [1, 0, 0], [0, 0, 0])
+    assert worker.submit_store(1, spec, HostBlocksSpec([0], keys(0)))
+    assert done(worker) == [(1, False)]
+    assert torch.equal(worker.pool.tensor, host_before)
+    assert worker.refusals.count("device_spec_refused") == 1
+    worker.shutdown()
+
+
+def test_a_store_read_that_raises_fails_the_load_and_keeps_no_chunk(tmp_path: Path) -> None:
+    """Found by review: a persistent-tier read that raised (a Mooncake cluster that does not
+    answer) went into vLLM from ``submit_load``; the job never got a result and its chunk
+    of two blocks stayed registered, so the next load of those blocks was refused. Now the
+    read is a miss like a page gone: the job fails (counted), nothing stays."""
+    from kvlife.errors import StoreUnavailable
+    from kvlife.integrations.vllm import FROM_STORE
+    from kvlife.store.directory import LocalDirectoryStore
+
+    kv = caches()
+    pool = HostPagePool(8, host_row_bytes(kv, 2), torch.int8)
+    store = LocalDirectoryStore(tmp_path, "ns")
+    worker = KVLifeWorker(kv, pool, store=store, tokens_per_block=(32, 16, 32), blocks_per_chunk=2)
+
+    def unanswered(name: str) -> bytes | None:
+        raise StoreUnavailable("the master did not answer")
+
+    store.get = unanswered  # type: ignore[method-assign]
+    blocks = [([5, 6], 0), ([], 0), ([], 0)]
+    assert worker.submit_load(1, HostBlocksSpec([FROM_STORE], keys(0)), device(kv, blocks))
+    assert done(worker) == [(1, False)]
+    assert worker.refusals.count("disk_load_errors") == 1
+    assert worker.inflight == 0 and not worker.layout.chunks  # type: ignore[union-attr]
+    assert worker.submit_load(2, HostBlocksSpec([0], keys(0)), device(kv, blocks))
+    assert done(worker) == [(2, True)]
     worker.shutdown()
 
 

@@ -709,6 +709,27 @@ def test_the_worker_unlocks_its_shared_pool_after_its_engine_closed(
     assert worker.stats["shutdown_errors"] == 0
 
 
+def test_a_shared_pool_whose_unlock_raises_still_loses_its_name(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: ``SharedHostPool.close`` unlocked, then removed the name; an unlock
+    that raised left the name in /dev/shm (before the class, they were two shutdown steps)."""
+    from kvlife.integrations.vllm import shared_pool
+
+    def unregister(address: int) -> None:
+        raise RuntimeError("cudaHostUnregister failed")
+
+    monkeypatch.setattr(shared_pool, "_host_register", lambda: (None, unregister))
+    path = tmp_path / "pool"
+    pool = shared_pool.SharedHostPool.create(str(path), 4, 8192)
+    assert pool is not None and path.exists()
+    pool._pinned = [1 << 20]
+    with pytest.raises(RuntimeError, match="cudaHostUnregister"):
+        pool.close()
+    assert not path.exists() and not pool.pinned
+    pool.close()  # once: nothing left to undo
+
+
 def test_scrapes_never_raise_while_the_scheduler_runs_and_roles_come_and_go() -> None:
     """Scenario: Prometheus scrapes on its own thread while the scheduler stores, loads,
     evicts and managers are made and dropped. Before, about 0.4 % of scrapes raised

@@ -121,10 +121,12 @@ class SharedHostPool:
         """Undo the page lock (once no copy reads or writes the pool) and remove the name.
         Idempotent."""
         pinned, self._pinned = self._pinned, []
-        helpers = _host_register() if pinned else None
-        if isinstance(helpers, tuple):  # ranges were registered, so vLLM had the helpers
-            page_unlock(pinned, helpers[1])
-        self.unlink()
+        try:
+            helpers = _host_register() if pinned else None
+            if isinstance(helpers, tuple):  # ranges were registered, so vLLM had the helpers
+                page_unlock(pinned, helpers[1])
+        finally:  # the name goes even if unlocking failed
+            self.unlink()
 
     @property
     def pinned(self) -> bool:

@@ -35,7 +35,7 @@ from kvlife.engine import (
     UnallocatedHostPage,
     host_runs,
 )
-from kvlife.errors import ConfigError, DuplicateAck
+from kvlife.errors import ConfigError, DuplicateAck, StoreError
 from kvlife.integrations.vllm._common import (
     FROM_STORE,
     HostBlocksSpec,
@@ -560,6 +560,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             if len(sizes) != groups or len(starts) != groups or sum(sizes) != len(ids):
                 self.refusals.note("device_spec_refused", f"{len(sizes)} groups of {groups}")
                 return None
+            if ids and not 0 <= min(ids) <= max(ids) < self._num_blocks:  # not another part's
+                self.refusals.note("device_spec_refused", "block ids outside the KV cache")
+                return None
             ends = np.cumsum(sizes).tolist()
             return [
                 (ids[end - n : end], int(first))
@@ -688,7 +691,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         """Read persistent-tier pages (verified) straight into device blocks, here: the
         engine copies only to and from host pool pages."""
         for name, block in zip(names, blocks, strict=True):
-            payload = self._store.get(name) if self._store is not None else None
+            try:
+                payload = self._store.get(name) if self._store is not None else None
+            except (StoreError, OSError):  # a cluster that does not answer: gone, as below
+                payload = None
             self.stats["disk_reads"] += 1
             if payload is None or len(payload) != self.row_bytes:
                 # Verified at lookup, gone or damaged since: the job fails (never decode on it).
