@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     OffloadingWorker,
 )
 
+from kvlife._checks import positive_int
 from kvlife.errors import ConfigError
 from kvlife.integrations.checkpoint import checkpoint_fingerprint
 from kvlife.integrations.vllm._common import PersistentTier, shut_down
@@ -263,9 +264,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         self.report_dir = settings.report_dir
         if not config.groups:
             raise ConfigError("kvlife: vLLM offers no KV cache group to offload")
-        bpc = self.blocks_per_chunk
-        if isinstance(bpc, bool) or not isinstance(bpc, int) or bpc < 1:
-            raise ConfigError(f"kvlife: blocks_per_chunk must be a positive int, got {bpc!r}")
+        bpc = positive_int("kvlife: blocks_per_chunk", self.blocks_per_chunk)
         # One host page a key, whatever its group: a chunk of blocks_per_chunk blocks of the
         # backing allocation (each group's layers overlay it), from one pool for all groups.
         self.page_bytes = int(config.worker_kv_bytes_per_block) * bpc

@@ -355,6 +355,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         tokens_per_block: int | Sequence[int] = 1,
         blocks_per_chunk: int = 1,
     ) -> None:
+        self.blocks_per_chunk = positive_int("blocks_per_chunk", blocks_per_chunk)
         # A shared pool is this worker's to close (its page lock and name) at shutdown.
         shared = pool if isinstance(pool, SharedHostPool) else SharedHostPool(pool)
         pool = shared.pool
@@ -409,7 +410,6 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         )
         self.stats: Counter[str] = Counter()
         self.seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
-        self.blocks_per_chunk = positive_int("blocks_per_chunk", blocks_per_chunk)
         #: Each group's part of the layout (0 for every group over the same tensors).
         self._parts = (
             layout.group_part if isinstance(layout, GroupedBlocksLayout) else [0] * len(groups)
