@@ -1,55 +1,20 @@
 """An SGLang HiCache storage backend on any kvlife store (directory, Mooncake, memory).
 
-SGLang loads third-party storage backends by name::
+SGLang's dynamic backend loads it by name (``--hicache-storage-backend dynamic``, extra config
+``{"backend_name": "kvlife", "module_path": "kvlife.integrations.sglang", "class_name":
+"KVLifeHiCacheStorage", ...}``) as ``KVLifeHiCacheStorage(storage_config, kwargs)``. The extra
+config picks the store: ``"kvlife_store": "directory"`` (default) under ``"kvlife_root"``
+(default ``$KVLIFE_STORE_DIR``, else ``kvlife-hicache`` in the working directory), or
+``"mooncake"`` with ``"mooncake_master"`` and ``"mooncake_metadata"`` (default
+``$MOONCAKE_MASTER`` and ``$MOONCAKE_TE_META_DATA_SERVER``); ``"kvlife_namespace"`` overrides
+the namespace, otherwise the model and the shard as SGLang's file backend names them.
 
-    python -m sglang.launch_server ... --enable-hierarchical-cache \\
-        --hicache-storage-backend dynamic \\
-        --hicache-storage-backend-extra-config '{"backend_name": "kvlife",
-            "module_path": "kvlife.integrations.sglang", "class_name": "KVLifeHiCacheStorage",
-            "kvlife_store": "mooncake"}'
-
-and constructs the class as ``KVLifeHiCacheStorage(storage_config, kwargs)``.
-The extra config picks the store:
-
-- ``"kvlife_store": "directory"`` (default) with ``"kvlife_root"`` (default
-  ``$KVLIFE_STORE_DIR``, else ``kvlife-hicache`` in the working directory);
-- ``"kvlife_store": "mooncake"`` with ``"mooncake_master"`` and
-  ``"mooncake_metadata"`` (default ``$MOONCAKE_MASTER`` and
-  ``$MOONCAKE_TE_META_DATA_SERVER``);
-- ``"kvlife_namespace"`` overrides the namespace, which is otherwise the model
-  and the shard, as SGLang's file backend names them (MLA pages are shared by
-  every TP rank; other models' pages are per rank).
-
-The contract kept (``HiCacheStorage``, and what SGLang's control flow relies on):
-
-- ``get(key, target_location)`` reads the page straight into
-  ``target_location`` and returns it, or returns None when no whole page of
-  that size is stored (a miss, a page failing verification, or a store that
-  cannot answer: counted);
-- ``set(key, value)`` returns True once the key holds a whole page: this one,
-  or one stored before (its first value is kept; other bytes are counted in
-  ``page_mismatches``, as SGLang's own file backend skips a key it has).
-  ``batch_set`` is one put: every new page is stored even where other keys of
-  the batch existed, and True only if every key then holds a page; a store
-  failure stores none of the batch's new pages and answers False (SGLang's
-  backup loop then stops that backup);
-- ``exists(key)``; ``batch_exists(keys)`` is the count of consecutive existing
-  keys from the first;
-- ``clear()`` removes this namespace's pages (``POST
-  /clear_hicache_storage_backend``) and logs how many;
-- ``batch_get_v1`` / ``batch_set_v1`` (``"interface_v1": 1`` in the extra
-  config): pages read into and written from SGLang's host pool in place, through
-  the pool's own page views (a layer-first page is written run by run, never
-  gathered); a pool whose page is not a view of its memory is filled through
-  ``set_from_flat_data_page``.
-
-Nothing raises into SGLang: a refused or failed call is counted in
-``refusals`` (by kind) and logged once per kind; ``"kvlife_strict": true``
-raises instead (tests).
-
-Keys: SGLang's page keys are SHA-256 hex digests, which kvlife's hasher makes
-bit for bit, so the same page has the same key on both sides. A key that is
-not lowercase hex (a suffixed pool key) is stored under the SHA-256 of its text.
+The contract kept (a page returned only whole and verified, a key's first value kept,
+``batch_set`` one put, ``clear``, the zero-copy ``*_v1`` calls with ``"interface_v1": 1``) is
+in docs/store-tier.md, "The SGLang backend". Nothing raises into SGLang: a refused or failed
+call is counted in ``refusals`` by kind and logged once (``"kvlife_strict": true`` raises).
+SGLang's page keys are SHA-256 hex digests, which kvlife's hasher makes bit for bit; a key
+that is not lowercase hex (a suffixed pool key) is stored under the SHA-256 of its text.
 """
 
 from __future__ import annotations
@@ -108,17 +73,21 @@ def _model_component(name: str | None) -> str:
     return f"{model[:MODEL_NAME_KEPT].rstrip('.-')}-{digest}"
 
 
+def _shard(shard: str, config: Any, parts: Sequence[str] = ("pp", "attn_cp", "dcp")) -> str:
+    """``shard`` and ``-<part><rank>of<n>`` for each of ``config``'s parallel ``parts`` over 1
+    (``dcp``: MLA pages sharded by decode context parallel)."""
+    for part in parts:
+        n = int(getattr(config, f"{part}_size", 1) or 1)
+        if n > 1:
+            shard += f"-{part.removeprefix('attn_')}{int(getattr(config, f'{part}_rank', 0))}of{n}"
+    return shard
+
+
 def _namespace(config: HiCacheStorageConfig | None) -> str:
     if config is None:
         return "sglang"
     shard = "mla" if config.is_mla_model else f"tp{config.tp_rank}of{config.tp_size}"
-    if config.pp_size > 1:
-        shard += f"-pp{config.pp_rank}of{config.pp_size}"
-    if getattr(config, "attn_cp_size", 1) > 1:
-        shard += f"-cp{config.attn_cp_rank}of{config.attn_cp_size}"
-    if getattr(config, "dcp_size", 1) > 1:  # MLA pages sharded by decode context parallel
-        shard += f"-dcp{config.dcp_rank}of{config.dcp_size}"
-    return f"sglang/{_model_component(config.model_name)}/{shard}"
+    return f"sglang/{_model_component(config.model_name)}/{_shard(shard, config)}"
 
 
 def _make_store(extra: dict[str, Any], namespace: str) -> QueuedStore:
@@ -195,13 +164,11 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         return True
 
     def _set_pages(self, kind: str, keys: Sequence[str], values: Sequence[Any]) -> bool:
-        if not keys:
-            return True
-        if len(values) != len(keys) or not all(isinstance(v, torch.Tensor) for v in values):
-            return self._guard(kind, "set", lambda: _refuse("one tensor per key"), False)
-        return self._guard(
-            kind, f"put of {len(keys)} pages", lambda: self._put(keys, values), False
-        )
+        def put() -> bool:
+            _one_tensor_per_key(keys, values)
+            return self._put(keys, values)
+
+        return not keys or self._guard(kind, f"put of {len(keys)} pages", put, False)
 
     def _wait(self, token: int) -> StoreResult:
         """This token's result; other callers' results are kept for them."""
@@ -306,14 +273,13 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
                 for d in found
             ]
         targets = list(target_locations)
-        if len(targets) != len(keys) or not all(isinstance(t, torch.Tensor) for t in targets):
-            return self._guard(
-                "get", "read", lambda: _refuse("one tensor per key"), [None] * len(keys)
-            )
-        done = self._guard(
-            "get", "read", lambda: self._read_into(keys, targets), [False] * len(keys)
-        )
-        return [t if ok else None for t, ok in zip(targets, done, strict=True)]
+
+        def read() -> list[bool]:
+            _one_tensor_per_key(keys, targets)
+            return self._read_into(keys, targets)
+
+        done = self._guard("get", "read", read, [False] * len(keys))
+        return [targets[i] if ok else None for i, ok in enumerate(done)]
 
     def batch_get_v1(
         self,
@@ -367,5 +333,6 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             self.store.close()
 
 
-def _refuse(why: str) -> Any:
-    raise InvalidPut(f"refused: {why}")
+def _one_tensor_per_key(keys: Sequence[str], values: Sequence[Any]) -> None:
+    if len(values) != len(keys) or not all(isinstance(v, torch.Tensor) for v in values):
+        raise InvalidPut("refused: one tensor per key")

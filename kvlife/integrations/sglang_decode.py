@@ -1,42 +1,24 @@
-"""SGLang's decode-side KV offload manager with kvlife Lifecycles as its bookkeeping.
+"""SGLang's decode-side KV offload manager with kvlife Lifecycles as its bookkeeping
+(docs/sglang.md, "The decode offload manager": retraction, tensor parallelism, a write the
+cache controller refuses, refusals).
 
-SGLang 0.5.23's ``DecodeKVCacheOffloadManager`` keeps a decode request's offload state in
-dicts keyed by the ``Req`` object. :class:`KVLifeDecodeOffloadManager` (a subclass of it,
-built on first use so that this module imports without SGLang) keeps the surface SGLang's
-scheduler calls and SGLang's own cache controller, host pool and release path, and replaces
-the per-request bookkeeping:
-
-* each request *life* is a :class:`~kvlife.Lifecycle`; a copy's completion acks the ticket
-  its life issued, so a late ack can only move its own life (never a new request on the
-  same rid, nor the resumed life of a retracted request);
-* the life is released (SGLang's own ``_release_finished_req``: the device KV row freed,
-  the tree lock dropped) exactly once, when it finished and none of its copies is in flight;
-* device pages under a copy are never handed back: kvlife guards the KV allocator's
-  ``free``, and a free that names a page a copy in flight still reads is held back, whole,
-  until that copy's ack. So ``drain_before_retraction()`` neither refuses nor waits: the
-  retraction SGLang's scheduler runs next frees the request's row, and the retracted life
-  keeps its pages until its acks. The retracted life ends ``RETRACTED`` and the resumed
-  request gets a new life whose hash chain continues where the old one's pages end;
-* a write SGLang's cache controller refuses (``write`` returns ``None``: no host pages) leaves
-  the chunk to be offered again, as SGLang's manager does: at one rank nothing was submitted;
-* with more than one rank, the chunk admission (host pages free on every rank) and the acks
-  applied are the same on every rank; a write refused on one rank only is a chunk every rank
-  submitted and the whole group fails at the next progress check, then offers again.
-
-Switch it on in the launcher, before SGLang builds its scheduler (in the scheduler process)::
+:class:`KVLifeDecodeOffloadManager` subclasses SGLang 0.5.23's ``DecodeKVCacheOffloadManager``
+(built on first use, so this module imports without SGLang). It keeps the surface SGLang's
+scheduler calls and SGLang's own cache controller, host pool and release path, and replaces the
+per-request dicts: each request *life* is a :class:`~kvlife.Lifecycle` whose tickets the copies'
+completions ack (a late ack moves only its own life), released (SGLang's
+``_release_finished_req``) exactly once, when it finished and no copy of it is in flight. A free
+naming device pages a copy in flight still reads is held back, whole, until that copy's ack (the
+KV allocator's ``free`` is guarded), so ``drain_before_retraction()`` neither refuses nor waits.
+With more than one rank, admissions and acks are agreed (:class:`~kvlife.distributed.
+TorchAgreement`). Switch it on in the scheduler process, before SGLang builds its scheduler::
 
     import kvlife.integrations.sglang_decode as kvlife_decode; kvlife_decode.install()
 
-It replaces the name ``DecodeKVCacheOffloadManager`` in ``sglang.srt.managers.scheduler``,
-the only name SGLang's scheduler constructs the decode offload manager by (with
-``--disaggregation-mode decode --disaggregation-decode-enable-offload-kvcache``). See
-docs/sglang.md.
-
-Inside SGLang a kvlife refusal (:class:`~kvlife.errors.KVLifeError`) never reaches the
-scheduler: kvlife's one refusal policy (:class:`~kvlife.refusals.Refusals`, in ``refusals``)
-counts it and logs its kind once, and the call answers as SGLang's would for a request it
-cannot offload (``False``); ``strict=True`` raises it instead (for tests). A full host pool is
-no refusal: it is counted (``host_pool_exhausted``, ``writes_refused``) and never raised.
+A kvlife refusal never reaches SGLang's scheduler: ``refusals`` (kvlife's one
+:class:`~kvlife.refusals.Refusals`) counts it and logs its kind once, and the call answers
+``False``; ``strict=True`` raises it. A full host pool is no refusal (``host_pool_exhausted``,
+``writes_refused``).
 """
 
 from __future__ import annotations
@@ -204,8 +186,7 @@ class _KVLifeDecodeOffload:
         at the next progress check and the request offers it again from there."""
         if self.cache_controller is None or self.decode_host_mem_pool is None:
             return False
-        kv = req.kv
-        row: Any = kv.req_pool_idx
+        row: Any = req.kv.req_pool_idx
         if row is None or row == -1 or not req.output_ids:
             return False
         try:
@@ -216,13 +197,12 @@ class _KVLifeDecodeOffload:
             start = life.prefill_len + lc.tokens_submitted
             have = len(req.origin_input_ids) + len(req.output_ids) - 1  # the newest has no KV
             n = (have - start) // self.offload_stride * self.offload_stride
-            if n <= 0:
-                return False
-            if not self._admit(n):
+            if n <= 0 or not self._admit(n):
                 return False
             tokens = _tokens(req, start, start + n)
         except KVLifeError as exc:
-            return self._refuse("offload", exc)
+            self.refusals.refuse("offload", exc)
+            return False
         indices = self.req_to_token_pool.req_to_token[row][start : start + n].to(torch.int64)
         device_indices, pool_transfers = self._resolve_offload_transfers(indices)
         self.request_counter += 1
@@ -235,28 +215,25 @@ class _KVLifeDecodeOffload:
             self._write_refused(req)
             if agreement is None:  # nothing submitted: the chunk is due again next step
                 return False
+        self._pins[ack_id] = device_indices  # on every rank, copy or not: frees wait alike
+        if host_indices is not None:
+            self.ongoing_offload[ack_id] = (req, host_indices, tokens, time.time(), pool_transfers)
         prior = lc.chain_tail
         try:
             ticket = lc.submit(tokens)  # a typed refusal here leaves the Lifecycle as it was
         except KVLifeError as exc:
             # The copy may run already (on this rank or another): its device pages stay
             # guarded, its host pages go back, at the next progress check on every rank.
-            self._pins[ack_id] = device_indices
             self._orphans.append(ack_id)
-            if host_indices is not None:
-                entry = (req, host_indices, tokens, time.time(), pool_transfers)
-                self.ongoing_offload[ack_id] = entry
-            return self._refuse("offload", exc)
+            self.refusals.refuse("offload", exc)
+            return False
         self._tickets[ack_id] = ticket
-        self._pins[ack_id] = device_indices  # on every rank, copy or not: frees wait alike
         if agreement is not None:
             agreement.submitted(ticket)
             self._restart[ack_id] = (start, prior)
             if host_indices is None:  # failed here; the group learns at the next check
                 error = ManagerError(f"the cache controller refused the write of {ticket[:2]!r}")
                 self._refused_here.append(Ack(ticket, (), (), error=error))
-        if host_indices is not None:
-            self.ongoing_offload[ack_id] = (req, host_indices, tokens, time.time(), pool_transfers)
         if req.finished():  # the finish-time flush: released after its ack
             lc.finish(_reason(req))
         return True
@@ -274,10 +251,9 @@ class _KVLifeDecodeOffload:
             ack = queue.pop(0)
             ack.finish_event.synchronize()
             done.extend(ack.node_ids)
-        if self._orphans:  # their copies are over on this rank (and on every rank)
-            for ack_id in self._orphans:
-                self._drop(ack_id)
-            self._orphans = []
+        orphans, self._orphans = self._orphans, []
+        for ack_id in orphans:  # their copies are over on this rank (and on every rank)
+            self._drop(ack_id)
         tickets = self._tickets
         if self.agreement is None:
             for ack_id in done:
@@ -309,7 +285,9 @@ class _KVLifeDecodeOffload:
             for ack in agreed:
                 agreed_id = by_ticket.get(id(ack.ticket))
                 if agreed_id is None:
-                    self._refuse("stray_ack", ManagerError(f"no copy for {ack.ticket[:2]!r}"))
+                    self.refusals.refuse(
+                        "stray_ack", ManagerError(f"no copy for {ack.ticket[:2]!r}")
+                    )
                 elif ack.error is not None:
                     self._fail(agreed_id)
                 else:
@@ -352,12 +330,7 @@ class _KVLifeDecodeOffload:
             self._release_finished_req(req)
             self.released += 1
             return
-        lc = life.lifecycle
-        if DECODING[lc.state]:
-            try:
-                lc.finish(_reason(req))
-            except KVLifeError as exc:
-                self._refuse("finish", exc)
+        self._finish(life.lifecycle, _reason(req))
 
     def has_inflight_device_transfer(self) -> bool:
         """Whether a device -> host copy may still read device KV pages (or, with more than
@@ -431,13 +404,16 @@ class _KVLifeDecodeOffload:
 
     def _end_retracted(self, req: Any, life: _Life) -> None:
         """A retracted request came back (or finished): its old life ends RETRACTED."""
-        lc = life.lifecycle
         life.retracted = True  # its pages went back (or wait in the guard) with the retraction
+        self._finish(life.lifecycle, FinishReason.RETRACTED)
+
+    def _finish(self, lc: Lifecycle, reason: FinishReason) -> None:
+        """End ``lc`` if it still decodes (a refusal counted, or raised with ``strict``)."""
         if DECODING[lc.state]:
             try:
-                lc.finish(FinishReason.RETRACTED)
+                lc.finish(reason)
             except KVLifeError as exc:
-                self._refuse("finish", exc)
+                self.refusals.refuse("finish", exc)
 
     def _admit(self, n_tokens: int) -> bool:
         pages = n_tokens // self.page_size
@@ -462,9 +438,7 @@ class _KVLifeDecodeOffload:
     def _apply(self, ack_id: int) -> None:
         """One agreed ack: back the chunk up under its life's keys, then ack the life."""
         ticket = self._tickets.pop(ack_id)
-        self._pins.pop(ack_id, None)
-        if self._held:
-            self._free_held(ack_id)
+        self._unpin(ack_id)
         req, host_indices, tokens, start_time, pool_transfers = self.ongoing_offload.pop(ack_id)
         keys = list(ticket[2])
         for transfer in pool_transfers:
@@ -475,7 +449,7 @@ class _KVLifeDecodeOffload:
         try:
             ticket[0].ack(ticket)  # may release the life
         except KVLifeError as exc:
-            self._refuse("ack", exc)
+            self.refusals.refuse("ack", exc)
 
     def _fail(self, ack_id: int) -> None:
         """One chunk the group failed (its write was refused on some rank): its host pages
@@ -490,7 +464,7 @@ class _KVLifeDecodeOffload:
         try:
             lc.ack(ticket)  # may release the life (a finished one)
         except KVLifeError as exc:
-            self._refuse("ack", exc)
+            self.refusals.refuse("ack", exc)
             return
         life = lc.owner
         assert isinstance(life, _Life)
@@ -500,16 +474,11 @@ class _KVLifeDecodeOffload:
         if life.generation != req.retraction_count:
             return  # retracted: its end and the resumed life are _life_of's
         self._lives[req] = self._new_life(req, start, prior)  # first: the old one may release
-        try:
-            lc.finish(FinishReason.RETRACTED)  # now, or at its last ack; the request stays
-        except KVLifeError as exc:
-            self._refuse("finish", exc)
+        self._finish(lc, FinishReason.RETRACTED)  # now, or at its last ack; the request stays
 
     def _drop(self, ack_id: int) -> None:
         """A copy that stores nothing: its held frees run, its host pages go back unwritten."""
-        self._pins.pop(ack_id, None)
-        if self._held:
-            self._free_held(ack_id)
+        self._unpin(ack_id)
         entry = self.ongoing_offload.pop(ack_id, None)
         if entry is None:
             return  # refused on this rank: no host pages
@@ -520,16 +489,19 @@ class _KVLifeDecodeOffload:
                 pool.get_pool(transfer.name).free(transfer.host_indices)
         pool.free(host_indices)
 
-    def _free_held(self, ack_id: int) -> None:
-        assert self._raw_free is not None
-        still: list[tuple[torch.Tensor, set[int]]] = []
-        for indices, waits in self._held:
-            waits.discard(ack_id)
-            if waits:
-                still.append((indices, waits))
-            else:
-                self._raw_free(indices)
-        self._held = still
+    def _unpin(self, ack_id: int) -> None:
+        """Copy ``ack_id`` reads its device pages no more: frees that waited for it alone run."""
+        self._pins.pop(ack_id, None)
+        if self._held:
+            assert self._raw_free is not None
+            still: list[tuple[torch.Tensor, set[int]]] = []
+            for indices, waits in self._held:
+                waits.discard(ack_id)
+                if waits:
+                    still.append((indices, waits))
+                else:
+                    self._raw_free(indices)
+            self._held = still
 
     def _on_release(self, lc: Lifecycle) -> None:
         life = lc.owner
@@ -544,11 +516,6 @@ class _KVLifeDecodeOffload:
             return  # a chunk of it failed: the request's current life releases it
         del self._lives[req]
         self._release_finished_req(req)
-
-    def _refuse(self, kind: str, exc: KVLifeError) -> bool:
-        """Count (and log once per kind) or raise, as :class:`Refusals` does; False."""
-        self.refusals.refuse(kind, exc)
-        return False
 
 
 def _tokens(req: Any, start: int, stop: int) -> list[int]:

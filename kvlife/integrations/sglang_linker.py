@@ -1,29 +1,18 @@
-"""An SGLang ``UnifiedCacheLinker`` (SGLang #40595) backed by kvlife.
+"""An SGLang ``UnifiedCacheLinker`` (SGLang #40595) backed by kvlife (docs/sglang.md,
+"The unified-cache linker": its config, namespaces and the contract kept).
 
-SGLang's unified radix cache reaches an external KV store through a linker whose
-completions carry no identity (a count, and ``pop_completed_offload()`` oldest first) and
-whose loads are cancelled by rid. Here every load and every offload is a small record
-(:class:`_Op`, not a request life: a linker sees operations, never requests) that owns its
-one ticket; the copy engine's ack carries the ticket, so a late completion can only settle
-its own operation, and ``cancel_queued_load(rid)`` can only reach the rid's *current*
-queued load, never one already started for an earlier request on that rid. The copies go
-through kvlife's one pipeline (:class:`~kvlife.transfers.Transfers`): a load promotes each
-stored page into the host tier (read, verified, pinned) and copies it to the device; an
-offload copies to host pages, then the store writes them. An offload is reported complete
-(in submission order) only after its copy was acked and the store answered; lookups read
-the store, where a key still being written is not a hit. Pages are named in a namespace of
-their model and rank (``<namespace>/<model>/tp<r>of<n>``), so no rank loads another's shard.
-
-Load it from SGLang's own factory::
+SGLang's linker completions carry no identity (a count, and ``pop_completed_offload()`` oldest
+first) and its loads are cancelled by rid. Here every load and every offload is a small record
+(:class:`_Op`: a linker sees operations, never request lives) that owns its one ticket, so a
+late completion settles only its own operation and ``cancel_queued_load(rid)`` reaches only the
+rid's queued load. The copies go through kvlife's one pipeline
+(:class:`~kvlife.transfers.Transfers`): a load promotes each stored page into the host tier
+(read, verified, pinned) and copies it to the device; an offload copies to host pages, then
+the store writes them, and is complete only after both. Load it from SGLang's own factory::
 
     --unified-cache-external-linker-config '{"linker": "KVLifeCacheLinker",
       "linker_module_path": "kvlife.integrations.sglang_linker",
       "linker_extra_config": {"store": "directory", "store_dir": "/path", "host_pages": 4096}}'
-
-``linker_extra_config``: ``store`` (``"directory"``, default, with ``store_dir``; or
-``"memory"``), ``namespace`` (the prefix of every rank's namespace, default
-``"sglang-linker"``), ``host_pages`` (host pages for copies in flight and loaded pages
-kept), ``strict`` (raise kvlife refusals instead of counting them). See docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ from typing import Any
 import torch
 
 from kvlife._lifecycle import LoadTicket, Ticket
-from kvlife.engine.base import Ack
+from kvlife.engine import Ack, CpuCopyEngine, CudaCopyEngine
 from kvlife.errors import ConfigError, DuplicateAck, EngineError, KVLifeError, ManagerError
 from kvlife.host_tier import HostTier
 from kvlife.layout import LayerFirstLayout
@@ -112,7 +101,8 @@ class _KVLifeCacheLinker:
         self.host = HostPagePool(
             int(cfg.get("host_pages", 1024)), self.layout.page_numel, self.layout.dtype
         )
-        self.engine = _engine(self.layout, self.host)
+        engine = CudaCopyEngine if self.layout.device.type == "cuda" else CpuCopyEngine
+        self.engine = engine(self.layout, self.host)
         self.namespace = linker_namespace(cfg, server_args, params)
         self.store = _store(cfg, self.namespace)
         #: Loaded pages stay here (evicted for room), pinned while a load reads them.
@@ -159,7 +149,8 @@ class _KVLifeCacheLinker:
             if rid in self._queued:
                 raise ManagerError(f"a load for rid {rid!r} is already queued")
         except KVLifeError as exc:
-            return self._refused("load", exc)
+            self.refusals.refuse("load", exc)
+            return False
         self._queued[rid] = _Op(rid, keys, device, load=True)
         return True
 
@@ -211,7 +202,8 @@ class _KVLifeCacheLinker:
                 self.host.free(host, owner=op)  # refused: nothing copies, nothing leaks
                 raise
         except KVLifeError as exc:
-            return self._refused("offload", exc)
+            self.refusals.refuse("offload", exc)
+            return False
         op.inflight = 1
         self._offloads.append(op)
         return True
@@ -229,7 +221,7 @@ class _KVLifeCacheLinker:
     def pop_completed_offload(self) -> bool:
         """Consume the oldest completed offload; its result (False if none is complete)."""
         if not self._offloads or self._offloads[0].result is None:
-            self._refused("pop", ManagerError("no completed offload to pop"))
+            self.refusals.refuse("pop", ManagerError("no completed offload to pop"))
             return False
         return bool(self._offloads.popleft().result)
 
@@ -291,7 +283,7 @@ class _KVLifeCacheLinker:
         except EngineError as exc:
             tier.complete_load(op.keys)
             op.result = False
-            self._refused("load", exc)
+            self.refusals.refuse("load", exc)
             return
         op.inflight = 1
 
@@ -305,37 +297,18 @@ class _KVLifeCacheLinker:
         assert isinstance(op, _Op)
         op.result = result.ok
 
-    def _refused(self, kind: str, exc: KVLifeError) -> bool:
-        self.refusals.refuse(kind, exc)
-        return False
-
 
 def linker_namespace(cfg: dict[str, Any], server_args: Any, params: Any) -> str:
     """``<namespace>/<model>/tp<r>of<n>[-pp..][-cp..]``: one namespace per model and rank,
     so no rank reads another rank's shard or another model's pages."""
-    from kvlife.integrations.sglang import _model_component
+    from kvlife.integrations.sglang import _model_component, _shard
 
     prefix = str(cfg.get("namespace", "sglang-linker"))
     model = _model_component(getattr(server_args, "model_path", None))
     group, rank, size = getattr(params, "tp_cache_group", None), 0, 1
     if group is not None and torch.distributed.is_initialized():
         rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-    shard = f"tp{rank}of{size}"
-    for part in ("pp", "attn_cp"):
-        n = int(getattr(params, f"{part}_size", 1) or 1)
-        if n > 1:
-            shard += f"-{part.replace('attn_', '')}{int(getattr(params, f'{part}_rank', 0))}of{n}"
-    return f"{prefix}/{model}/{shard}"
-
-
-def _engine(layout: LayerFirstLayout, host: HostPagePool) -> Any:
-    if layout.device.type == "cuda":
-        from kvlife.engine import CudaCopyEngine
-
-        return CudaCopyEngine(layout, host)
-    from kvlife.engine import CpuCopyEngine
-
-    return CpuCopyEngine(layout, host)
+    return f"{prefix}/{model}/{_shard(f'tp{rank}of{size}', params, ('pp', 'attn_cp'))}"
 
 
 def _store(cfg: dict[str, Any], namespace: str) -> Any:
