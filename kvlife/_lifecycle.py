@@ -535,42 +535,46 @@ class Lifecycle:
 
     def submit(self, tokens: Sequence[int]) -> Ticket:
         """Record a chunk: the next whole pages of ``tokens``, in order; return its ticket."""
-        if type(tokens) is not list and type(tokens) is not tuple:
+        kind = type(tokens)
+        if kind is not list and kind is not tuple:
             _check_tokens(tokens, self._refuse)
         n = len(tokens)
         page_size = self._page_size
-        pages = n // page_size
-        if not pages or pages * page_size != n:
-            raise self._refuse(
-                InvalidChunk, _SUBMIT, f"{n} tokens are not one or more whole pages of {page_size}"
-            )
         try:  # _next_state, inlined: submit is the hot path
             dest = _ON_SUBMIT[self._state]
         except KeyError:
-            raise self._refuse(
+            raise self._partial(n) or self._refuse(
                 InvalidTransition, _SUBMIT, "the table has no such transition"
             ) from None
+        # Whole pages are checked on the keys: one key a page, each page whole. A hasher
+        # that refuses a partial page is refused as the partial page, whatever it raised.
         try:
             # A list, usually (the ticket holds a tuple); tuple() returns a tuple as it is.
             keys = tuple(self._hasher(tokens, page_size, self._tail))
-        except (HashingError, TypeError) as exc:
-            raise self._refuse(InvalidChunk, _SUBMIT, str(exc)) from None
-        if len(keys) != pages:
-            raise self._refuse(
-                InvalidChunk, _SUBMIT, f"the hasher gave {len(keys)} keys for {pages} pages"
+        except Exception as exc:
+            partial = self._partial(n)
+            if partial is None and not isinstance(exc, (HashingError, TypeError)):
+                raise
+            raise partial or self._refuse(InvalidChunk, _SUBMIT, str(exc)) from None
+        pages = len(keys)
+        if not pages or pages * page_size != n:
+            raise self._partial(n) or self._refuse(
+                InvalidChunk, _SUBMIT, f"the hasher gave {pages} keys for {n // page_size} pages"
             )
-        for key in keys:  # a plain loop: no generator frame per chunk
-            if type(key) is not str or not key:
-                raise self._refuse(
-                    InvalidChunk, _SUBMIT, f"the hasher gave key {key!r}, not a non-empty str"
-                )
+        tail = keys[-1]  # checked on its own: the usual chunk has no other key
+        if type(tail) is not str or not tail:
+            raise self._bad_key(tail)
+        if pages > 1:
+            for key in keys:  # a plain loop: no generator frame per chunk
+                if type(key) is not str or not key:
+                    raise self._bad_key(key)
         seq = self._next_seq
         first_page = self._pages_submitted
         ticket = (self, seq, keys, first_page)
         self._chunks.append(ticket)
         self._next_seq = seq + 1
         self._pages_submitted = first_page + pages
-        self._tail = keys[-1]
+        self._tail = tail
         self._stores += 1
         self._state = dest
         return ticket
@@ -589,14 +593,16 @@ class Lifecycle:
         # own tickets are in _chunks) and in flight, so it needs no further check.
         stores = self._stores  # _ack_next_state, inlined: this is the hot path
         loads = self._nloads
-        try:
-            dest = _ON_ACK[self._state][
-                (stores if stores < 2 else 2) + (0 if not loads else 3 if loads == 1 else 6)
-            ]
-        except KeyError:  # unreachable while the table and the checks agree
-            dest = None
-        if dest is None:
-            raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
+        dest: State | None
+        if loads:
+            dest = self._ack_next_state(_ON_ACK, _ACK)
+        else:
+            try:
+                dest = _ON_ACK[self._state][stores if stores < 2 else 2]
+            except KeyError:  # unreachable while the table and the checks agree
+                dest = None
+            if dest is None:
+                raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
         # The acked prefix grows over this chunk and any acked early after it.
         del chunks[0]
         last = ticket[2][-1]
@@ -738,6 +744,18 @@ class Lifecycle:
             raise self._refuse(
                 InvalidTransition, event, "the table has no such transition"
             ) from None
+
+    def _partial(self, n: int) -> LifecycleError | None:
+        """The refusal of a chunk of ``n`` tokens that is not one or more whole pages."""
+        if n and not n % self._page_size:
+            return None
+        why = f"{n} tokens are not one or more whole pages of {self._page_size}"
+        return self._refuse(InvalidChunk, _SUBMIT, why)
+
+    def _bad_key(self, key: object) -> LifecycleError:
+        return self._refuse(
+            InvalidChunk, _SUBMIT, f"the hasher gave key {key!r}, not a non-empty str"
+        )
 
     def _ack_refusal(self, seq: int, chunk: Ticket | _Settled | None) -> LifecycleError:
         acked = self._next_seq - len(self._chunks)  # every chunk before this seq is settled

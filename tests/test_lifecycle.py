@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import pytest
@@ -463,6 +464,38 @@ def test_a_hasher_giving_the_wrong_number_of_keys_is_refused(keys: list[str]) ->
     assert_refused(
         lc, lambda: lc.submit(page(1)), InvalidChunk, Event.SUBMIT, f"{len(keys)} keys for 1"
     )
+
+
+@pytest.mark.parametrize("raised", [ValueError("odd"), AssertionError(), ZeroDivisionError()])
+@pytest.mark.parametrize("tokens", [[], [1], [1, 2, 3]])
+def test_a_partial_chunk_is_refused_as_one_whatever_the_hasher_raises(
+    raised: Exception, tokens: list[int]
+) -> None:
+    """Whole pages are checked on the hasher's keys (one check, not two, on the hot path):
+    a hasher that raises anything at all on a partial chunk still gives the chunk's own
+    refusal, with the state unchanged."""
+
+    def strict(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+        raise raised
+
+    for state in (State.IDLE, State.OFFLOADING, State.FINISHED):
+        lc, _ = _in_state(state)
+        lc._hasher = strict
+        assert_refused(lc, partial(lc.submit, tokens), InvalidChunk, Event.SUBMIT, "whole pages")
+
+
+def test_a_hasher_error_on_whole_pages_that_is_not_a_refusal_propagates() -> None:
+    """Only HashingError and TypeError are the hasher refusing a chunk; a bug in a hasher
+    given whole pages is its own exception, and the Lifecycle is unchanged."""
+
+    def buggy(tokens: Sequence[int], page_size: int, prior: str | None) -> list[str]:
+        raise ZeroDivisionError("bug")
+
+    lc, _ = make(hasher=buggy)
+    before = lc.snapshot()
+    with pytest.raises(ZeroDivisionError):
+        lc.submit(page(1))
+    assert lc.snapshot() == before
 
 
 # ------------------------------------------------------ every ack order, exhaustive
