@@ -1,65 +1,27 @@
 """One request life's KV-offload lifecycle: the states, the table, the Lifecycle.
 
-Theory of operation
-===================
+A :class:`Lifecycle` is one request *life*: it counts the chunks (stores) and loads
+in flight, records the hash-chain key of every page it submitted, and decides when
+the runtime may take its device pages back (*release*, the one automatic event:
+exactly once, as soon as a finished Lifecycle has nothing in flight). The design
+and the table are explained in docs/design.md ("Why the lifecycle is a table") and
+docs/lifecycle.md; two rules govern this file:
 
-A decode runtime copies a request's KV pages from device to host in *chunks*
-while the request keeps decoding. Each copy completes later, asynchronously,
-with an *ack*. A :class:`Lifecycle` is one request *life*: it counts the chunks
-in flight, records the hash-chain keys of every page it submitted, and decides
-when the runtime may take its device pages back (*release*).
+1. Everything that affects the lifecycle's state lives here. :data:`TABLE` is the
+   only definition of which event may happen in which state and where it leads
+   (per class of stores and loads in flight: 0, 1, "2 or more"); the fast path,
+   the diagrams and the docs table are made from it, and the tests hold the
+   hand-coded parts (argument and ack checks, bookkeeping, the hash chain) to it
+   with a ``transitions`` twin (``tests/reference_lifecycle.py``).
+2. It does not know what carries the copies or what the runtime does with a
+   released request. It imports no torch.
 
-Two rules govern this file:
-
-1. Everything that affects the lifecycle's state lives here. :data:`TABLE` is
-   the only definition of which event may happen in which state and where it
-   leads; the fast path (:class:`Lifecycle`), the diagrams
-   (:mod:`kvlife.diagrams`) and the docs table are all made from it, and the
-   tests cross-check it with a ``transitions`` twin. No other module assigns a
-   state.
-2. This file does not know what carries the copies (torch, a thread, a test
-   script) or what the runtime does with a released request. It imports no
-   torch.
-
-Identity, not rid: an ack carries its :data:`Ticket`, and the ticket carries
-the Lifecycle it belongs to. A Lifecycle compares and hashes by identity, so a
-new request that reuses a rid gets a new Lifecycle that no late ack of the old
-one can reach. Nothing here is looked up by rid; the rid is a label for logs.
-
-Guards are predicates of what is in flight: the stores (chunks) and the loads,
-each seen through three classes: 0, 1 and "2 or more" (nine pairs). The table
-is compiled once, at import, into a dict keyed by ``(state, event, (stores,
-loads))``; compilation refuses a table in which two rows match the same key.
-The hot path reads that dict split by event (state -> one destination per
-pair, indexed ``stores + 3 * loads``): one dict lookup per event, keyed by a
-state hashed by identity, no per-request machine. So the state says what is in
-flight: ``OFFLOADING`` while a store is, ``LOADING`` while only loads are.
-
-Chunks from the oldest one in flight onwards are kept in a list in seq order.
-An ack of the oldest chunk pops it, and any acked early right after it, and
-moves ``last_hash``; an ack out of order only marks its entry (it becomes the
-chunk's last page key). The list holds the few chunks a request has in flight.
-
-Release is the one automatic event: it fires itself, exactly once, as soon as
-its guard holds (a finished Lifecycle with nothing in flight). Every event the
-table does not allow raises a :class:`~kvlife.errors.LifecycleError` and leaves
-the Lifecycle exactly as it was: all checks run before the first assignment.
-
-Table-driven and hand-coded
----------------------------
-
-Table-driven (change :data:`TABLE`, and these follow): whether an event is
-allowed in the current state, the state it leads to (per in-flight class for
-``ack`` and ``release``), and when ``release`` fires; the diagrams and the docs
-table. ``compile_table`` refuses, at import, a row with an unknown guard or two
-rows for one case; ``tests/reference_lifecycle.py`` (test tooling, not shipped)
-also refuses an unreachable state or a dead end, and replays random event
-sequences through ``transitions`` to hold the hand-coded parts below to the table.
-
-Hand-coded (here, per event): the argument checks (whole pages, token ids, a
-``FinishReason``, load keys), the ack checks (foreign, unknown, duplicate ticket),
-the bookkeeping the guards read (chunks and loads in flight, their seqs), the
-hash chain and ``last_hash``, and calling the release callback once.
+Identity, not rid: an ack carries its ticket, the ticket its Lifecycle, compared
+by identity; nothing here is looked up by rid. Chunks from the oldest one in
+flight onwards are kept in seq order; an ack out of order only marks its entry,
+so ``last_hash`` moves in page order. A refused event raises a
+:class:`~kvlife.errors.LifecycleError` and leaves the Lifecycle as it was: all
+checks run before the first assignment.
 """
 
 from __future__ import annotations
@@ -280,12 +242,8 @@ _ON_LOAD_ACK = _rows_of(_NEXT, _LOAD_ACK)
 _ON_FINISH = _flat(_rows_of(_NEXT, _FINISH))
 _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
 
-#: Whether a life in each state is still decoding: the table lets it finish (and so
-#: submit and load). Derived from the table here, so no other module keeps a list of
-#: states (h2's ``STREAM_OPEN``); read it as ``DECODING[state]``. A dict rather than a
-#: property or ``state in (...)``: hosts ask on every step of every request, and one dict
-#: lookup keyed by the state's identity hash runs in C, where a tuple compares member by
-#: member and a property adds a call.
+#: Whether a life in each state is still decoding (the table lets it finish, and so submit
+#: and load), read as ``DECODING[state]``; docs/lifecycle.md ("Still decoding") says why a dict.
 DECODING: dict[State, bool] = {state: state in _ON_FINISH for state in State}
 
 
