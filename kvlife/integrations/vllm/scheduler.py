@@ -10,7 +10,8 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+from operator import itemgetter
 from typing import Any, TypeVar, cast
 
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
@@ -30,7 +31,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 
 from kvlife import FinishReason, Lifecycle, LoadTicket, State, Ticket
-from kvlife.errors import KVLifeError, LifecycleError, ManagerError, StoreError
+from kvlife.errors import LifecycleError, ManagerError, StoreError
 from kvlife.host_tier import HostTier, Lookup
 from kvlife.integrations.vllm._common import (
     FROM_STORE,
@@ -60,42 +61,33 @@ _STORED_EXTRAS = "req_context" in _EVENT_FIELDS
 _REMOVAL_EXPECTED = "removal_expected" in _EVENT_FIELDS
 
 
+@dataclass(slots=True)
 class _Job:
     """One prepared store or load of one request life: its ticket and the keys not yet
     completed (vLLM completes per key: any subset, any grouping)."""
 
-    __slots__ = ("left", "lifecycle", "ticket")
-
-    def __init__(self, lifecycle: Lifecycle, ticket: Ticket | LoadTicket | None, left: int) -> None:
-        self.lifecycle = lifecycle
-        self.ticket = ticket
-        self.left = left
+    lifecycle: Lifecycle
+    ticket: Ticket | LoadTicket | None
+    left: int
 
 
+@dataclass(slots=True)
 class _Seen:
     """The keys one request life used (prepare_store, prepare_load, touch), first use first,
     and its request rank once it ranked a key by position (vLLM 0.33+ ranks a running
     request's keys so, tail below head)."""
 
-    __slots__ = ("keys", "rank")
-
-    def __init__(self) -> None:
-        self.keys: dict[OffloadKey, None] = {}
-        self.rank: int | None = None
-
-
-def _group(key: OffloadKey) -> int:
-    """The KV cache group index in a vLLM OffloadKey (its last four bytes)."""
-    return int.from_bytes(key[-4:], "big")
+    keys: dict[OffloadKey, None] = field(default_factory=dict)
+    rank: int | None = None
 
 
 def _prefix_order(keys: Iterable[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
     """A request's keys head to tail as vLLM's CPU manager orders them: per KV cache group
-    (by group index), each group by token position when every key of it has one, then all
-    by position when every key has one (a stable sort: one position, group order)."""
+    (its index: a key's last four bytes), each group by token position when every key of it
+    has one, then all by position when every key has one (a stable sort)."""
     groups: dict[int, list[OffloadKey]] = {}
     for key in keys:
-        groups.setdefault(_group(key), []).append(key)
+        groups.setdefault(int.from_bytes(key[-4:], "big"), []).append(key)
     ordered: list[OffloadKey] = []
     known = True
     for index in sorted(groups):
@@ -104,15 +96,11 @@ def _prefix_order(keys: Iterable[OffloadKey], ctx: ReqContext) -> list[OffloadKe
         if None in positions:
             known = False
         else:
-            group = [k for _, k in sorted(zip(positions, group, strict=True), key=_first)]
+            group = [k for _, k in sorted(zip(positions, group, strict=True), key=itemgetter(0))]
         ordered += group
     if known and len(groups) > 1:
         ordered.sort(key=lambda k: cast(int, ctx.get_offload_key_position(k)))
     return ordered
-
-
-def _first(pair: tuple[int, OffloadKey]) -> int:
-    return pair[0]
 
 
 @dataclass(slots=True)
@@ -169,22 +157,17 @@ CONFIG_INFO_KEYS = ("backend", "host_pages", "page_bytes", "persistent_tier", "p
 _DOWN_SECONDS = 5.0
 #: Scheduled steps after a reset until the workers flushed its jobs (vLLM 0.32).
 _FLUSH_STEPS = 2
-_COUNT_FIELDS = tuple(f.name for f in fields(_Counts))
 
 
 class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
-    """vLLM's scheduler-side manager on kvlife's :class:`~kvlife.host_tier.HostTier`: the
-    tier holds the keys, pins and recency; each request life is a :class:`~kvlife.Lifecycle`
-    whose stores and loads are tickets, settled key by key as vLLM completes them.
-    ``pool``: the host tier's pages (the worker's, in one process or mapped from its shared
-    memory; else an allocator only); ``disk``: the persistent tier, read side, or None.
-    ``holds_bytes``: the pool's rows are the host tier's bytes: a page of the persistent
-    tier is then read and verified into a host entry (a reader thread) before ``lookup``
-    answers HIT for it, so a load copies only verified host bytes; else (the bytes in
-    another process, unshared) a load reads the page in the worker. With tensor
-    parallelism ``other_ranks`` are the other ranks' persistent tiers and ``rank_pools``
-    their host pools' bytes (the same page indices): a promotion reads and writes every
-    rank's page, and a rank that lacks it makes it a miss for all."""
+    """vLLM's scheduler-side manager on kvlife's :class:`~kvlife.host_tier.HostTier` (keys,
+    pins, recency): each request life is a :class:`~kvlife.Lifecycle` whose stores and loads
+    are tickets, settled key by key as vLLM completes them (docs/vllm.md, "The call
+    sequence"). ``pool``: the host tier's pages; ``disk``: the persistent tier, read side, or
+    None. ``holds_bytes``: the pool's rows are the host tier's bytes, so a persistent-tier
+    page is promoted (read on a thread, verified, written into every rank's pool: the other
+    ranks' tiers ``other_ranks`` into ``rank_pools``) before ``lookup`` answers HIT; else a
+    load reads it in the worker (docs/design.md, "A hit always loads")."""
 
     def __init__(
         self,
@@ -208,21 +191,22 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self.tier: HostTier[OffloadKey] = HostTier(
             pool, keep=True, pending_timeout=pending_timeout, refusals=self.refusals
         )
-        self._pool = pool
+        #: The host tier's pool (its allocator; its bytes too where ``holds_bytes``).
+        self.pool = pool
+        #: Whether this side holds the host tier's bytes (one process, or the workers' pools
+        #: mapped from shared memory): a persistent-tier hit is then promoted first.
+        self.holds_bytes = disk is not None and holds_bytes
         self._page_bytes = pool.page_numel if page_bytes is None else page_bytes
-        self._strict = strict
         self._disk = disk
         self._report_dir = report_dir
-        self._names = page_namer(disk.namespace) if disk is not None else None
-        # Tensor parallelism: every rank's namespace, read side; a hit needs each one's page.
+        # Every rank's namespace, read side (``disk``'s first); a hit needs each one's page.
         self._ranks = [(d, page_namer(d.namespace)) for d in (disk, *other_ranks) if d]
         self._rank_pools = [pool, *rank_pools]  # rank i's page bytes, by the same index
-        self._promote = disk is not None and holds_bytes
         self._reads: dict[OffloadKey, Future[list[bytes] | None]] = {}  # promotions in flight
         self._down_until = 0.0  # the persistent tier failed: every lookup misses until then
         self._held: dict[OffloadKey, None] = {}  # hits of this step, pinned to its end
         self._reader = (
-            ThreadPoolExecutor(1, thread_name_prefix="kvlife-promote") if self._promote else None
+            ThreadPoolExecutor(1, thread_name_prefix="kvlife-promote") if self.holds_bytes else None
         )
         self._live: set[Lifecycle] = set()  # not yet released (each on its ReqContext)
         # Per key, the jobs in flight that name it, oldest first (two identical loads: two).
@@ -235,17 +219,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._flush_steps = 0  # steps until a reset's orphans are free (vLLM 0.32)
         self._shut = False
         _LIVE_MANAGERS.add(self)
-
-    @property
-    def holds_bytes(self) -> bool:
-        """Whether this side holds the host tier's bytes (one process, or the workers'
-        pools mapped from shared memory): a persistent-tier hit is then promoted first."""
-        return self._promote
-
-    @property
-    def pool(self) -> HostPagePool:
-        """The host tier's pool (its allocator; its bytes too in single-process mode)."""
-        return self._pool
 
     def metrics(self) -> ManagerMetrics:
         """The core's metrics record, read now from any thread (O(1) counts; the live
@@ -264,7 +237,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             pages_offloaded=offloaded,
             bytes_offloaded=offloaded * self._page_bytes,
             store_writes_pending=disk.pending if disk is not None else 0,
-            host_pages_used=self._pool.num_used,
+            host_pages_used=self.pool.num_used,
             host_pool_exhausted=c.no_room,
             store_failures=counts.store_failed,
             loads_started=counts.loads_started,
@@ -280,7 +253,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         """Counters and gauges, for tests, metrics and the shutdown report (O(1) reads)."""
         c = self.tier.counts
         return {
-            "host_pages_used": self._pool.num_used,
+            "host_pages_used": self.pool.num_used,
             "host_keys": c.entries,
             "pending": c.pending,
             "pinned": c.pinned,
@@ -292,18 +265,18 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "evicted": c.evicted,
             "dropped_host_full": c.no_room,
             "refused": self.refusals.total,
-            **{name: getattr(self.counts, name) for name in _COUNT_FIELDS},
+            **asdict(self.counts),
         }
 
-    def _refuse(self, kind: str, message: str, exc: KVLifeError | None = None) -> None:
-        self.refusals.refuse(kind, exc if exc is not None else ManagerError(message))
+    def _refuse(self, kind: str, message: str) -> None:
+        self.refusals.refuse(kind, ManagerError(message))
 
     def _event(self, what: str, event: Callable[..., _T], *args: Any) -> _T | None:
         """A Lifecycle event; refused (nothing changed): counted, or raised with strict."""
         try:
             return event(*args)
         except LifecycleError as exc:
-            self._refuse(f"{what}:{type(exc).__name__}", str(exc), exc)
+            self.refusals.refuse(f"{what}:{type(exc).__name__}", exc)
             return None
 
     def _life(self, ctx: ReqContext, what: str) -> Lifecycle:
@@ -378,7 +351,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         found = self.tier.lookup(key)
         if found is Lookup.HIT:
-            if self._promote and key not in self._held:
+            if self.holds_bytes and key not in self._held:
                 # Held to the step's end: a later promotion in this step never evicts a hit
                 # before its prepare_load (which comes in the same step) pins it.
                 self._held[key] = None
@@ -387,11 +360,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if found is Lookup.PENDING:
             self.counts.lookups_pending += 1
             return LookupResult.HIT_PENDING
-        disk, names = self._disk, self._names
-        if disk is None or names is None:
-            return LookupResult.MISS
-        if self._down_until and time.monotonic() < self._down_until:
-            return LookupResult.MISS  # the persistent tier is down: recompute, ask later
+        if self._disk is None or (self._down_until and time.monotonic() < self._down_until):
+            return LookupResult.MISS  # no persistent tier, or it is down: recompute, ask later
         if self._reader is None:  # the bytes live in the workers: each reads its rank's page
             try:
                 every = all(rank.contains(name(key)) for rank, name in self._ranks)
@@ -401,10 +371,9 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return LookupResult.HIT if every else LookupResult.MISS
         read = self._reads.get(key)
         if read is None:
-            if isinstance(disk, LocalDirectoryStore) and not os.path.exists(
-                disk.path(names(key))
-            ):  # a stat: most misses stop here (another store: the read tells)
-                return LookupResult.MISS
+            disk, name = self._ranks[0]
+            if isinstance(disk, LocalDirectoryStore) and not os.path.exists(disk.path(name(key))):
+                return LookupResult.MISS  # a stat: most misses stop here (else the read tells)
             self._reads[key] = self._reader.submit(self._read_pages, key)
             self.counts.lookups_pending += 1
             return LookupResult.HIT_PENDING  # the next lookup finds it ready
@@ -458,14 +427,12 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         ordered = keys if type(keys) is list else list(keys)
         tier = self.tier
         pages: list[int] = []
-        hit: list[OffloadKey] = []
         for key in ordered:
             if tier.lookup(key) is Lookup.HIT:
                 pinned = tier.prepare_load([key])
                 pages.append(pinned[0] if pinned else FROM_STORE)
-                hit.append(key)
             else:
-                if self._promote:  # promoted at lookup, evicted since: read in the worker
+                if self.holds_bytes:  # promoted at lookup, evicted since: read in the worker
                     self._refuse("load:evicted_since_lookup", f"key {key.hex()[:16]} left")
                 pages.append(FROM_STORE)
                 self.counts.loaded_from_store += 1
@@ -534,22 +501,23 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        named = list(keys)
-        ours = [key for key in named if key in self._stores]
-        tier = self.tier
-        for key in named:
+        stores, tier = self._stores, self.tier
+        ours = []
+        for key in keys:
+            if key in stores:
+                ours.append(key)
             # A key already ready (a completion naming more of the offer than it stored)
             # has nothing to settle: a no-op, as in vLLM's CPU manager. Others are refused.
-            if key not in self._stores and tier.lookup(key) is not Lookup.HIT:
+            elif tier.lookup(key) is not Lookup.HIT:
                 self._refuse("complete_store:unknown_key", f"no store of key {key.hex()[:16]}")
         if not ours:
             return
         # A failed store (vLLM 0.34 reports them) is dropped: never announced, page freed.
-        self.tier.complete_store(ours, success=success, source=req_context)
+        tier.complete_store(ours, success=success, source=req_context)
         if not success:
             self.counts.store_failed += len(ours)
         for key in ours:
-            self._settle(self._stores.pop(key))
+            self._settle(stores.pop(key))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self.tier.take_events():
@@ -573,14 +541,8 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
         """vLLM 0.33+: the static facts of ``vllm:kv_offload_config_info``, one series (the
         spec's ``config_info_keys`` names which labels vLLM publishes)."""
-        disk = self._disk
-        values = (
-            "kvlife",
-            self.tier.capacity,
-            self._page_bytes,
-            type(disk).__name__ if disk is not None else "None",
-            self._promote,
-        )
+        tier = type(self._disk).__name__ if self._disk is not None else "None"
+        values = ("kvlife", self.tier.capacity, self._page_bytes, tier, self.holds_bytes)
         return [dict(zip(CONFIG_INFO_KEYS, values, strict=True))]
 
     def has_pending_work(self) -> bool:
@@ -647,7 +609,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "vllm:kvlife_dropped_host_full": c.no_room,
             "vllm:kvlife_refused": self.refusals.total,
             "vllm:kvlife_pending_blocks": c.pending,
-            "vllm:kvlife_host_usage_perc": self._pool.num_used / self.tier.capacity,
+            "vllm:kvlife_host_usage_perc": self.pool.num_used / self.tier.capacity,
         }
 
     def get_stats(self) -> OffloadingConnectorStats | None:
@@ -657,13 +619,10 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return None
         stats = OffloadingConnectorStats()
         for name, (kind, _) in METRICS.items():
-            value = now[name]
             if kind == "gauge":
-                stats.set_gauge(name, value)
-            elif last is None or value != last[name]:
-                delta = value - (0 if last is None else last[name])
-                if delta:
-                    stats.increase_counter(name, delta)
+                stats.set_gauge(name, now[name])
+            elif delta := now[name] - (0 if last is None else last[name]):
+                stats.increase_counter(name, delta)
         self._last_stats = now
         return stats
 
@@ -677,16 +636,16 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             ("abandon", self._abandon_jobs),
             ("unhold", self._unhold),
         ]
-        reader = self._reader
+        reader, report_dir = self._reader, self._report_dir
         if reader is not None:
             steps.append(("reader", lambda: reader.shutdown(wait=True, cancel_futures=True)))
-        for rank, _ in self._ranks:
-            steps.append(("store_close", rank.close))
-        if self._report_dir is not None:
-            steps.append(("report", self._report))
+        steps += [("store_close", rank.close) for rank, _ in self._ranks]
+        if report_dir is not None:
+            name = f"manager-{os.getpid()}.json"
+            steps.append(("report", lambda: _write_report(report_dir, name, self.accounting())))
         errors = shut_down("manager", steps)
         self.counts.shutdown_errors += len(errors)
-        if errors and self._strict:
+        if errors and self.refusals.strict:
             raise errors[0]
 
     def _finish_all(self) -> None:
@@ -694,10 +653,6 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if lifecycle.finish_reason is None:
                 self.counts.finished_at_shutdown += 1
                 self._event("finish", lifecycle.finish, FinishReason.ABORTED)
-
-    def _report(self) -> None:
-        assert self._report_dir is not None
-        _write_report(self._report_dir, f"manager-{os.getpid()}.json", self.accounting())
 
 
 _LIVE_MANAGERS: _Live[KVLifeOffloadingManager] = _Live()

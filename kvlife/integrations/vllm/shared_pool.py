@@ -56,16 +56,11 @@ class SharedHostPool:
         with ENOSPC, never later with SIGBUS), page-locked with ``lock``. None, logged and
         with nothing left behind, when it cannot be made (the worker then keeps a private
         pool and reads the persistent tier itself)."""
+        fd = None
         try:
             if os.path.exists(path):
                 os.unlink(path)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            logger.warning(
-                "kvlife: no shared host tier at %s (%s): worker reads the store", path, exc
-            )
-            return None
-        try:
             os.posix_fallocate(fd, 0, pages * row)
             shared = cls(_map(path, pages, row), path)
         except (OSError, RuntimeError) as exc:
@@ -75,10 +70,12 @@ class SharedHostPool:
                 path,
                 exc,
             )
-            SharedHostPool.discard(path)
+            if fd is not None:  # ours: its name goes
+                SharedHostPool.discard(path)
             return None
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         if lock and not shared._lock():
             shared.close()
             return None

@@ -70,10 +70,10 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def _directory(extra: Mapping[str, Any], key: str, *, probe: bool) -> str | None:
-    """A directory key: None, or a non-empty path that can be written (``probe``: created
-    and written now, so an unwritable one fails at start, not at shutdown; otherwise
-    checked without creating anything: :func:`_check_writable`)."""
+def _directory(extra: Mapping[str, Any], key: str, *, make: bool) -> str | None:
+    """A directory key: None, or a non-empty path that can be written, checked now so an
+    unwritable one fails at start, not at shutdown (``make``: the directory is made now;
+    otherwise nothing is created: the store makes it later, with its mode)."""
     value = extra.get(key)
     if value is None:
         return None
@@ -82,33 +82,22 @@ def _directory(extra: Mapping[str, Any], key: str, *, probe: bool) -> str | None
     path = os.fspath(value)
     if not isinstance(path, str) or not path.strip():
         raise _bad(key, value, "must be a non-empty path (an unset variable?)")
-    if probe:
-        try:
-            os.makedirs(path, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path):
-                pass
-        except OSError as exc:
-            raise _bad(key, value, f"cannot be written ({exc.strerror or exc})") from None
-    else:
-        _check_writable(key, value, path)
-    return path
-
-
-def _check_writable(key: str, value: object, path: str) -> None:
-    """Refuse a directory that cannot be made or written, creating nothing: the path is a
-    directory, or its nearest existing parent is one; either takes a file (an unnamed one,
-    gone when closed, so nothing is left there). The store makes the rest, with its mode."""
+    # The path is a directory, or its nearest existing parent is one; either takes a file
+    # (an unnamed one, gone when closed, so nothing is left there).
     existing = os.path.abspath(path)
-    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        where = "is not a directory" if existing == os.path.abspath(path) else "is under a file"
-        raise _bad(key, value, f"{where} ({existing!r})")
     try:
+        if make:
+            os.makedirs(path, exist_ok=True)
+        while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            where = "is not a directory" if existing == os.path.abspath(path) else "is under a file"
+            raise _bad(key, value, f"{where} ({existing!r})")
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
         raise _bad(key, value, f"cannot be written ({exc.strerror or exc})") from None
+    return path
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +160,8 @@ class Settings:
             mooncake_master=mooncake["mooncake_master"],
             mooncake_metadata=mooncake["mooncake_metadata"],
             host_bytes=host_bytes,
-            store_dir=_directory(extra, "store_dir", probe=False),
-            report_dir=_directory(extra, "report_dir", probe=True),
+            store_dir=_directory(extra, "store_dir", make=False),
+            report_dir=_directory(extra, "report_dir", make=True),
             strict=strict,
             model_id=model_id,
             pending_timeout=None if timeout is None else float(timeout),
@@ -259,7 +248,6 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         settings = Settings.of(self.extra_config)
         self.settings = settings
         self.host_bytes = settings.host_bytes
-        self.strict = settings.strict
         self.store_dir = settings.store_dir
         self.report_dir = settings.report_dir
         if not config.groups:
@@ -273,9 +261,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             raise ConfigError(
                 f"kvlife: host_bytes {self.host_bytes} hold no chunk of {self.page_bytes} bytes"
             )
-        weights = None
-        if settings.model_id is None:
-            weights = weights_fingerprint(str(config.model.name))
+        weights = weights_fingerprint(str(config.model.name)) if settings.model_id is None else None
         self.namespace = store_namespace(config, settings.model_id, weights)
         base, _ = self.namespace.rsplit("/", 1)
         #: Every rank's namespace (the scheduler side checks each one's page before a hit).
@@ -305,14 +291,13 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             # The persistent tier first: an unusable one (a store_dir that cannot be made, an
             # unreachable Mooncake master) is refused before a pool is taken or mapped, and
             # every worker's shared pool is unlinked (no process maps it any more).
-            stores: list[PersistentTier] = []
+            stores: list[PersistentTier] = []  # this rank's first, then the others'
             try:
-                disk = self._open_store()
-                stores += [disk] if disk is not None else []
-                for ns in self.rank_namespaces:
-                    if ns != self.namespace and (store := self._open_store(ns)) is not None:
+                others = [ns for ns in self.rank_namespaces if ns != self.namespace]
+                for ns in (self.namespace, *others):
+                    if (store := self._open_store(ns)) is not None:
                         stores.append(store)
-                self._manager = self._build_manager(disk, stores[1:] if disk else stores)
+                self._manager = self._build_manager(stores)
             except BaseException:
                 steps = [(f"close {s.namespace}", s.close) for s in stores]
                 steps.append(("unlink", self._unlink_shared))
@@ -320,34 +305,26 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 raise
         return self._manager
 
-    def _build_manager(
-        self, disk: PersistentTier | None, others: list[PersistentTier]
-    ) -> KVLifeOffloadingManager:
-        # One process: the worker built the pool first; allocate from that same memory.
+    def _build_manager(self, stores: list[PersistentTier]) -> KVLifeOffloadingManager:
         pool: HostPagePool | None = None
         rank_pools: list[HostPagePool] = []
         built = SharedHostPool.take(self._pool_key, self.capacity)
-        if built is not None:
+        if built is not None:  # one process: the worker built the pool first; the same memory
             pool = built.pool
             built.unlink()  # mapped here already: the name may go
-        if pool is None:  # multiprocess: every rank's worker shared its pool's memory
-            shared = self._attach_workers()
-            if shared is not None:
-                pool, rank_pools = (
-                    shared[self._rank],
-                    shared[: self._rank] + shared[self._rank + 1 :],
-                )
+        elif (shared := self._attach_workers()) is not None:  # every rank's worker shared its
+            pool, rank_pools = shared.pop(self._rank), shared
         holds_bytes = pool is not None
         if pool is None:  # page indices here, the bytes in the worker processes
             pool = HostPagePool(self.capacity, 1, torch.int8, pin_memory=False)
         return KVLifeOffloadingManager(
             pool,
-            strict=self.strict,
-            disk=disk,
+            strict=self.settings.strict,
+            disk=stores[0] if stores else None,
             report_dir=self.report_dir,
             pending_timeout=self.settings.pending_timeout,
             holds_bytes=holds_bytes,
-            other_ranks=others,
+            other_ranks=stores[1:],
             rank_pools=rank_pools,
             page_bytes=self.page_bytes,
         )
@@ -409,23 +386,20 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                     shared,
                     store=store,
                     report_dir=self.report_dir,
-                    strict=self.strict,
+                    strict=self.settings.strict,
                     pool_key=self._pool_key,
                     tokens_per_block=self.tokens_per_block,
                     blocks_per_chunk=self.blocks_per_chunk,
                 )
             except BaseException:  # a failed start leaves nothing: no name, lock or offer
-                self._abandon_worker(store, shared)
+                steps: list[tuple[str, Callable[[], object]]] = []
+                if shared is not None:
+                    steps += [
+                        ("unshare", lambda: shared.withdraw(self._pool_key)),
+                        ("unpin_unlink", shared.close),
+                    ]
+                if store is not None:
+                    steps.append(("store_close", store.close))
+                shut_down("worker start", steps)
                 raise
         return self._worker
-
-    def _abandon_worker(self, store: PersistentTier | None, shared: SharedHostPool | None) -> None:
-        steps: list[tuple[str, Callable[[], object]]] = []
-        if shared is not None:
-            steps += [
-                ("unshare", lambda: shared.withdraw(self._pool_key)),
-                ("unpin_unlink", shared.close),
-            ]
-        if store is not None:
-            steps.append(("store_close", store.close))
-        shut_down("worker start", steps)
