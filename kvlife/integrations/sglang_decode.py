@@ -261,9 +261,8 @@ class _KVLifeDecodeOffload:
                     self._apply(ack_id)
         else:
             local = [Ack(tickets[i], (), ()) for i in done if i in tickets]
-            if self._refused_here:
-                local += self._refused_here
-                self._refused_here = []
+            local += self._refused_here  # failed here: the group fails them on every rank
+            self._refused_here = []
             self._agree(local)
         backed_up = cc.ack_backup_queue.qsize()
         if backed_up:

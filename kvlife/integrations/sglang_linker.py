@@ -135,11 +135,8 @@ class _KVLifeCacheLinker:
             self.refusals.refuse("lookup", exc)
             return []
         self.transfers.poll()
-        n = 0
-        for key in keys:
-            if not self.transfers.in_store(key):
-                break
-            n += 1
+        in_store = self.transfers.in_store
+        n = next((i for i, key in enumerate(keys) if not in_store(key)), len(keys))
         return list(range(1, n + 1))
 
     def load(self, rid: str, transfers: list[Any]) -> bool:
@@ -168,11 +165,10 @@ class _KVLifeCacheLinker:
         # The batch lands before the forward reads it: wait for its copies here, then every
         # layer is ready (a layer-wise engine would complete layers as they land).
         self.transfers.drain()
-        landed = all(op.result for op in ops)
-        for layer in range(self.layout.num_layers):
-            if landed:
+        if all(op.result for op in ops):
+            for layer in range(self.layout.num_layers):
                 self.layer_done_counter.complete(index, layer)
-        if not landed:
+        else:
             self.layer_done_counter.fail(index, RuntimeError("a kvlife load failed"))
         return index
 
@@ -211,12 +207,8 @@ class _KVLifeCacheLinker:
     def num_completed_offloads(self) -> int:
         """Offloads whose copy finished and whose store write answered, oldest first."""
         self.transfers.poll()
-        n = 0
-        for op in self._offloads:
-            if op.result is None:
-                break
-            n += 1
-        return n
+        ops = self._offloads
+        return next((i for i, op in enumerate(ops) if op.result is None), len(ops))
 
     def pop_completed_offload(self) -> bool:
         """Consume the oldest completed offload; its result (False if none is complete)."""

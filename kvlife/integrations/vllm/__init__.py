@@ -1,18 +1,10 @@
 """kvlife as vLLM's KV offloading backend, ``KVLifeOffloadingSpec`` (vLLM 0.32 to 0.34).
 
-Switch it on with ``LLM(..., kv_transfer_config=transfer_config(host_bytes, ...))``.
-The package mirrors vLLM's own split: :mod:`.spec` (the spec vLLM loads by name from
-this module, its config checks, the persistent tier's namespace), :mod:`.scheduler`
-(:class:`KVLifeOffloadingManager`, on the scheduler: it decides and copies nothing,
-hands out host pages of kvlife's core host tier, one :class:`~kvlife.Lifecycle` per
-request; its metric table) and :mod:`.worker` (:class:`KVLifeWorker`, which holds the
-bytes and copies through kvlife's copy pipeline); :mod:`.metrics` is the Prometheus
-collector over both. Imports point one way: ``_common`` <- ``scheduler``, ``worker``
-<- ``metrics``, ``spec``. The rules, keys, call sequence, process layouts,
-persistent tier and metrics are in ``docs/vllm.md``. Hybrid models (several KV cache
-groups: full attention with sliding window or Mamba, each group's own block size) and
-``blocks_per_chunk`` > 1 are taken as vLLM's connector offers them, every group's keys
-sharing one host tier (``docs/vllm.md``, "Hybrid models").
+Switch it on with ``LLM(..., kv_transfer_config=transfer_config(host_bytes, ...))``. The
+rules, keys, call sequence, process layouts, persistent tier, hybrid models and metrics are in
+docs/vllm.md. The package mirrors vLLM's own split (docs/design.md, "Architecture"):
+:mod:`.spec`, :mod:`.scheduler`, :mod:`.worker`, :mod:`.shared_pool`, :mod:`.metrics`; imports
+point one way: ``_common`` <- ``scheduler``, ``worker`` <- ``metrics``, ``spec``.
 """
 
 from kvlife.integrations.vllm._common import FROM_STORE, HostBlocksSpec

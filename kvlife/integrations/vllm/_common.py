@@ -1,7 +1,6 @@
-"""What both sides of the vLLM backend share: vLLM's keys as a Lifecycle records them and
-as the persistent tier names them, the host side of a job, a registry of live roles and
-reports (the host pool a worker shares with its scheduler is ``shared_pool.py``). It
-imports neither side."""
+"""What both sides of the vLLM backend share: vLLM's keys as the persistent tier names them,
+the host side of a job, a registry of live roles and reports (the host pool a worker shares
+with its scheduler is ``shared_pool.py``). It imports neither side."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar
 
 # vLLM is an optional dependency: mypy runs without it, hence the ignores.
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
@@ -19,22 +18,11 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     OffloadKey,
 )
 
-from kvlife import Lifecycle, Ticket
 from kvlife.store.base import Store
 
 logger = logging.getLogger("kvlife.integrations.vllm")
 
 _R = TypeVar("_R")
-
-
-def _hex_keys(tokens: Sequence[object], page_size: int, prior: str | None) -> list[str]:
-    """The backend Lifecycles' hasher: vLLM names each block by its own ``OffloadKey``
-    (bytes); a Lifecycle records keys as hex ``str`` (one key type per ticket)."""
-    return [key.hex() for key in tokens]  # type: ignore[attr-defined]
-
-
-#: ``Lifecycle.submit`` typed for a chunk named by vLLM's keys (the hasher above).
-_start_store = cast("Callable[[Lifecycle, Sequence[object]], Ticket]", Lifecycle.submit)
 
 
 class HostBlocksSpec(LoadStoreSpec):  # type: ignore[misc]

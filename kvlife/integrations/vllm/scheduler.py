@@ -37,9 +37,7 @@ from kvlife.integrations.vllm._common import (
     FROM_STORE,
     HostBlocksSpec,
     PersistentTier,
-    _hex_keys,
     _Live,
-    _start_store,
     _write_report,
     page_namer,
     shut_down,
@@ -79,6 +77,12 @@ class _Seen:
 
     keys: dict[OffloadKey, None] = field(default_factory=dict)
     rank: int | None = None
+
+
+def _hex_keys(tokens: Sequence[OffloadKey], page_size: int, prior: str | None) -> list[str]:
+    """The Lifecycles' hasher: vLLM names each block by its ``OffloadKey`` (bytes); a
+    Lifecycle records keys as hex ``str`` (one key type per ticket)."""
+    return [key.hex() for key in tokens]
 
 
 def _prefix_order(keys: Iterable[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
@@ -490,7 +494,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         new = plan.keys
         self._seen(lifecycle, offered, req_context, new)
         if new:
-            ticket = self._event("store", _start_store, lifecycle, new)
+            ticket = self._event("store", lifecycle.submit, new)
             job = _Job(lifecycle, ticket, len(new))
             for key in new:
                 self._stores[key] = job
