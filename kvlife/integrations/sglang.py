@@ -147,12 +147,8 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     # -- writes
 
     def _put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> bool:
-        """One put of ``values[i]`` under ``keys[i]``; True once every key holds a page.
-
-        New pages are stored even where other keys already hold one (kept as first
-        stored; other bytes counted in ``page_mismatches``); a store failure stores
-        none of them.
-        """
+        """One put of ``values[i]`` under ``keys[i]`` (``keep_first``: docs/store-tier.md);
+        True once every key holds a page; a store failure stores none of them (raised)."""
         unique: dict[str, torch.Tensor] = {}
         for key, value in zip(keys, values, strict=True):
             unique.setdefault(store_key(key), value)

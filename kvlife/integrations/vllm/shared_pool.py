@@ -3,10 +3,10 @@
 A worker makes its rank's host pool: in a tmpfs file the scheduler process maps (vLLM's
 multiprocess executor; the name says the engine, the scheduler's pid and the rank), or in
 private memory. On CUDA a shared pool is page-locked through vLLM's ``host_register``. In
-one process the worker hands the pool to the manager of the same engine (:meth:`offer`,
-:meth:`take`). The name goes as soon as every side maps it, so nothing stays in shared
-memory if a process dies; :meth:`close` undoes the lock and removes the name, once. This
-module imports neither side of the backend.
+one process the worker offers the pool to the manager of the same engine (:meth:`offer`,
+:meth:`offered`, :meth:`withdraw`). The name goes as soon as every side maps it, so nothing
+stays in shared memory if a process dies; :meth:`close` undoes the lock and removes the
+name, once. This module imports neither side of the backend.
 """
 
 from __future__ import annotations
@@ -157,18 +157,9 @@ class SharedHostPool:
         the worker first)."""
         _OFFERED[key] = self
 
-    @classmethod
-    def take(cls, key: str, capacity: int) -> SharedHostPool | None:
-        """The pool a worker of this process offered under ``key``, if it has ``capacity``
-        pages; taken (no one else gets it)."""
-        offered = _OFFERED.get(key)
-        if offered is None or offered.pool.capacity != capacity:
-            return None
-        del _OFFERED[key]
-        return offered
-
     def withdraw(self, key: str) -> bool:
-        """Take this pool back if no manager took it; whether it was still offered."""
+        """Offer this pool no more (a manager took it, or its worker's start failed); whether
+        it was still offered."""
         if _OFFERED.get(key) is not self:
             return False
         del _OFFERED[key]

@@ -168,28 +168,21 @@ class Settings:
         )
 
 
-def _vllm_checkpoint() -> tuple[str | None, str | None]:
-    """The hub revision vLLM was asked for and the directory it downloads into (its
-    ``download_dir``), when its config is current (both roles)."""
+def weights_fingerprint(model: str) -> dict[str, Any]:
+    """The checkpoint fingerprint of ``model`` (:func:`kvlife.integrations.checkpoint.
+    checkpoint_fingerprint`) at the hub revision vLLM was asked for, looked up where vLLM
+    downloads (its ``download_dir``, when its config is current); a checkpoint kvlife cannot
+    find on this machine is known by name and revision only, and says so (a warning)."""
     try:
         from vllm.config import get_current_vllm_config_or_none
 
         current = get_current_vllm_config_or_none()
     except ImportError:
-        return None, None
+        current = None
     revision = getattr(getattr(current, "model_config", None), "revision", None)
-    download = getattr(getattr(current, "load_config", None), "download_dir", None)
-    return (
-        revision if isinstance(revision, str) else None,
-        download if isinstance(download, str) and download else None,
-    )
-
-
-def weights_fingerprint(model: str) -> dict[str, Any]:
-    """The checkpoint fingerprint of ``model`` (:func:`kvlife.integrations.checkpoint.
-    checkpoint_fingerprint`), looked up where vLLM downloads; a checkpoint kvlife cannot
-    find on this machine is known by name and revision only, and says so (a warning)."""
-    revision, download_dir = _vllm_checkpoint()
+    revision = revision if isinstance(revision, str) else None
+    download_dir = getattr(getattr(current, "load_config", None), "download_dir", None)
+    download_dir = download_dir if isinstance(download_dir, str) and download_dir else None
     found = checkpoint_fingerprint(model, revision, cache_dir=download_dir)
     if found["files"] is None:
         logger.warning(
@@ -308,8 +301,9 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     def _build_manager(self, stores: list[PersistentTier]) -> KVLifeOffloadingManager:
         pool: HostPagePool | None = None
         rank_pools: list[HostPagePool] = []
-        built = SharedHostPool.take(self._pool_key, self.capacity)
-        if built is not None:  # one process: the worker built the pool first; the same memory
+        built = SharedHostPool.offered(self._pool_key)
+        if built is not None and built.pool.capacity == self.capacity:
+            built.withdraw(self._pool_key)  # one process: the worker's pool, taken for here
             pool = built.pool
             built.unlink()  # mapped here already: the name may go
         elif (shared := self._attach_workers()) is not None:  # every rank's worker shared its
