@@ -88,9 +88,9 @@ class Lookup(Enum):
 class HostEntry:
     """One key's host page: pending while a store writes it, then ready; ``pins`` readers."""
 
-    __slots__ = ("deadline", "keep", "page", "pending", "pins")
+    __slots__ = ("deadline", "page", "pending", "pins", "rank")
 
-    def __init__(self, page: int, deadline: float, keep: bool, pending: bool = True) -> None:
+    def __init__(self, page: int, deadline: float, rank: Rank, pending: bool = True) -> None:
         #: The host page (a row of the pool's tensor).
         self.page = page
         #: A store copy is writing the page: not a hit, never evicted.
@@ -99,8 +99,8 @@ class HostEntry:
         self.pins = 0
         #: When the pending store is failed (``inf``: no deadline).
         self.deadline = deadline
-        #: Stays on the host once idle (a cache entry); else freed when it goes idle.
-        self.keep = keep
+        #: The key's recency (see :meth:`HostTier.rank`): it goes idle at this rank.
+        self.rank = rank
 
     def __repr__(self) -> str:
         what = "pending" if self.pending else f"ready pins={self.pins}"
@@ -180,7 +180,6 @@ class HostTier(Generic[K]):
         self.refusals = refusals if refusals is not None else Refusals()
         self._clock = clock
         self._index: dict[K, HostEntry] = {}
-        self._ranks: dict[K, Rank] = {}  # every key of the index
         self._next_rank = 0
         # Idle keys -> the sequence number of their live heap entry; the heap holds
         # (rank, seq, key), stale entries skipped lazily (seq is unique: keys never compared).
@@ -235,10 +234,9 @@ class HostTier(Generic[K]):
         pending or pinned): nothing changed, counted as ``no_room``.
         """
         index, orphans = self._index, self._orphans
-        offered = list(keys)
         new: list[K] = []
         seen: set[K] = set()
-        for key in offered:
+        for key in keys:
             if key in seen:
                 continue
             seen.add(key)
@@ -257,8 +255,7 @@ class HostTier(Generic[K]):
         assert pages is not None  # the room was made above
         deadline = self._deadline()
         for key, page in zip(new, pages, strict=True):
-            entry = index[key] = HostEntry(page, deadline, self.keep)
-            self._ranks[key] = self.new_rank()
+            entry = index[key] = HostEntry(page, deadline, self.new_rank())
             if self.pending_timeout is not None:
                 self._deadlines.append((deadline, key, entry))
         c = self.counts
@@ -299,7 +296,6 @@ class HostTier(Generic[K]):
                     ready.append(key)
                 else:
                     del index[key]
-                    del self._ranks[key]
                     c.entries -= 1
                     c.store_failures += 1
                     freed.append(entry.page)
@@ -323,26 +319,20 @@ class HostTier(Generic[K]):
         has written): ownership passes from ``owner`` to the tier and each key is ready at
         once; a key already held (or an orphan's) gives its page back to the pool instead.
         Returns the keys adopted."""
+        if len(keys) != len(pages):
+            raise ValueError(f"adopt: {len(keys)} keys for {len(pages)} pages")
+        self.pool.transfer(pages, owner, self)  # every page checked before any changes hands
         index, orphans = self._index, self._orphans
         taken: list[K] = []
-        kept: list[int] = []
-        spare: list[int] = []
-        seen: set[K] = set()
-        for key, page in zip(keys, pages, strict=True):
-            if key in index or key in orphans or key in seen:
-                spare.append(page)
-            else:
-                seen.add(key)
-                taken.append(key)
-                kept.append(page)
-        if spare:
-            self.pool.free(spare, owner)
-        if not taken:
-            return []
-        self.pool.transfer(kept, owner, self)
         freed: list[int] = []
-        for key, entry in zip(taken, self._add_ready(taken, kept), strict=True):
-            self._settled(key, entry, freed)
+        for key, page in zip(keys, pages, strict=True):
+            if key in index or key in orphans:
+                freed.append(page)
+            else:
+                index[key] = HostEntry(page, _NO_DEADLINE, self.new_rank(), False)
+                taken.append(key)
+        if taken:
+            self._add_ready(taken, freed)
         if freed:
             self.pool.free(freed, self)
         return taken
@@ -374,14 +364,13 @@ class HostTier(Generic[K]):
         if not filled:
             self.pool.free(pages, self)
             return False
-        (entry,) = self._add_ready([key], pages)
-        if pin:
+        entry = self._index[key] = HostEntry(pages[0], _NO_DEADLINE, self.new_rank(), False)
+        if pin:  # the load's pin, taken before the entry can go idle
             entry.pins = 1
             self.counts.pinned += 1
             self.counts.loads += 1
-            return True
         freed: list[int] = []
-        self._settled(key, entry, freed)
+        self._add_ready([key], freed)
         if freed:
             self.pool.free(freed, self)
         return True
@@ -398,7 +387,6 @@ class HostTier(Generic[K]):
             _, key, entry = queue.popleft()
             if index.get(key) is entry and entry.pending:
                 del index[key]
-                del self._ranks[key]
                 self._orphans[key] = entry
                 expired.append(key)
         c = self.counts
@@ -500,21 +488,23 @@ class HostTier(Generic[K]):
         request's keys as ``(request, -position)``, one ``request`` number from
         :meth:`new_rank` per request, so its tail ranks below its head and the request
         below every later one."""
-        current = self._ranks
+        index = self._index
         for key, rank in ranks:
-            if key in current and (lower or rank > current[key]):
-                current[key] = rank
+            entry = index.get(key)
+            if entry is not None and (lower or rank > entry.rank):
+                entry.rank = rank
                 if key in self._evictable:
-                    self._push(key)
+                    self._push(key, entry)
 
     def rank_of(self, key: K) -> Rank | None:
         """A held key's rank (None when not held)."""
-        return self._ranks.get(key)
+        entry = self._index.get(key)
+        return None if entry is None else entry.rank
 
     def eviction_order(self) -> list[K]:
         """The idle keys, the next victim first (a sorted copy, for tests and reports)."""
-        ranks = self._ranks
-        return sorted(self._evictable, key=lambda k: ranks[k])
+        index = self._index
+        return sorted(self._evictable, key=lambda k: index[k].rank)
 
     # ---------------------------------------------------------------- events, reset
 
@@ -527,7 +517,6 @@ class HostTier(Generic[K]):
         """Drop every entry: idle ones now (announced removed), the ones a copy still touches
         become orphans (freed by their completions or :meth:`abandon`)."""
         index, self._index = self._index, {}
-        self._ranks.clear()
         self._evictable.clear()
         self._heap.clear()
         self._deadlines.clear()
@@ -593,34 +582,43 @@ class HostTier(Generic[K]):
 
     def _rerank(self, key: K) -> None:
         """A held key becomes the most recent (idle: at the heap's recent end)."""
-        self._ranks[key] = self.new_rank()
+        entry = self._index[key]
+        entry.rank = self.new_rank()
         if key in self._evictable:
-            self._push(key)
+            self._push(key, entry)
 
-    def _push(self, key: K) -> None:
+    def _push(self, key: K, entry: HostEntry) -> None:
         """(Re-)enter an idle key in the heap at its current rank."""
         seq = self._seq = self._seq + 1
-        self._evictable[key] = seq
+        evictable = self._evictable
+        evictable[key] = seq
         heap = self._heap
-        heapq.heappush(heap, (self._ranks[key], seq, key))
-        if len(heap) > 64 and len(heap) > 2 * len(self._evictable):  # drop stale entries
-            ranks = self._ranks
-            self._heap = [(ranks[k], seq, k) for k, seq in self._evictable.items()]
+        heapq.heappush(heap, (entry.rank, seq, key))
+        if len(heap) > 64 and len(heap) > 2 * len(evictable):  # drop stale entries
+            index = self._index
+            self._heap = [(index[k].rank, seq, k) for k, seq in evictable.items()]
             heapq.heapify(self._heap)
 
-    def _add_ready(self, keys: list[K], pages: Sequence[int]) -> list[HostEntry]:
-        """Index ``keys`` as ready entries on ``pages`` (already the tier's), announced
-        stored; their entries, not yet settled (idle ones go to the caller's ``_settled``)."""
-        index, ranks, keep = self._index, self._ranks, self.keep
-        entries = []
-        for key, page in zip(keys, pages, strict=True):
-            entry = index[key] = HostEntry(page, _NO_DEADLINE, keep, False)
-            ranks[key] = self.new_rank()
-            entries.append(entry)
-        self.counts.entries += len(keys)
-        self.counts.stored += len(keys)
+    def _add_ready(self, keys: list[K], freed: list[int]) -> None:
+        """``keys`` were just indexed as ready entries on pages already the tier's: counted,
+        announced stored, then each settled (idle ones cached, or their pages into ``freed``)."""
+        c, n = self.counts, len(keys)
+        c.entries += n
+        c.stored += n
         self._announce(keys, False)
-        return entries
+        if not self.keep:
+            for key in keys:
+                self._settled(key, self._index[key], freed)
+            return
+        index, evictable, heap = self._index, self._evictable, self._heap
+        for key in keys:  # _settled, inlined for a cache: idle at once, unless pinned
+            entry = index[key]
+            if entry.pins:
+                continue
+            seq = self._seq = self._seq + 1
+            evictable[key] = seq
+            heapq.heappush(heap, (entry.rank, seq, key))
+            c.evictable += 1
 
     def _announce(self, keys: Sequence[K], removed: bool, source: object = None) -> None:
         """Queue one event for :meth:`take_events` (where events are taken at all)."""
@@ -644,8 +642,8 @@ class HostTier(Generic[K]):
         """A ready entry went idle (its store or last reader ended): cached or freed."""
         if entry.pins:
             return
-        if entry.keep:
-            self._push(key)
+        if self.keep:
+            self._push(key, entry)
             self.counts.evictable += 1
         else:
             freed.append(self._drop(key))
@@ -664,7 +662,6 @@ class HostTier(Generic[K]):
     def _drop(self, key: K) -> int:
         """Take an idle entry out of the index; its page, for the caller to free."""
         entry = self._index.pop(key)
-        del self._ranks[key]
         if self._evictable.pop(key, None) is not None:
             self.counts.evictable -= 1
         self.counts.entries -= 1

@@ -29,7 +29,7 @@ __all__ = ["REGISTER_CHUNK_BYTES", "HostPagePool", "page_lock", "page_unlock"]
 class HostPagePool:
     """Host pages in one torch tensor, with an allocator that records each page's owner."""
 
-    __slots__ = ("_free", "_owned", "_owner", "tensor")
+    __slots__ = ("_free", "_owner", "tensor")
 
     def __init__(
         self,
@@ -71,8 +71,6 @@ class HostPagePool:
         # Free pages as a stack: pop() hands out 0, 1, 2, ... on a fresh pool.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._owner: list[object | None] = [None] * num_pages
-        # id(owner) -> its pages; the owner stays alive (in _owner) while the entry exists.
-        self._owned: dict[int, set[int]] = {}
 
     # ---------------------------------------------------------------- reading
 
@@ -117,8 +115,8 @@ class HostPagePool:
         return operator.itemgetter(*pages)(self._owner)  # type: ignore[no-any-return]
 
     def owned_by(self, owner: object) -> list[int]:
-        """Pages ``owner`` holds now, ascending."""
-        return sorted(self._owned.get(id(owner), ()))
+        """Pages ``owner`` holds now, ascending (a scan of every page: for tests and reports)."""
+        return [page for page, held in enumerate(self._owner) if held is owner]
 
     def page(self, i: int) -> torch.Tensor:
         """A view of host page ``i`` (no copy)."""
@@ -147,40 +145,35 @@ class HostPagePool:
         owners = self._owner
         for p in pages:
             owners[p] = owner
-        self._owned.setdefault(id(owner), set()).update(pages)
         return pages
 
     def free(self, pages: Sequence[int], owner: object) -> None:
         """Return ``pages`` (all owned by ``owner``) to the pool; every page is checked first."""
-        seen = self._disown(pages, owner)
-        if not seen:
-            return
+        self._check_owner(pages, owner)
         owners, free = self._owner, self._free
         for p in reversed(pages):
             owners[p] = None
             free.append(p)
 
-    def _disown(self, pages: Sequence[int], owner: object) -> set[int]:
-        """Check that every page is ``owner``'s, each once, then drop them from its set;
-        the pages (their owner entries are the caller's to change). Raises, changing
-        nothing, at the first page that is not."""
-        if not isinstance(pages, Sequence):  # a set has no order; a generator, one pass
+    def _check_owner(self, pages: Sequence[int], owner: object) -> None:
+        """Raise, changing nothing, at the first of ``pages`` that is not ``owner``'s, or is
+        named twice."""
+        if type(pages) is not list and type(pages) is not tuple and not isinstance(pages, Sequence):
+            # a set has no order; a generator, one pass
             raise PoolError(f"pages must be a sequence of ints, got {type(pages).__name__}")
         owners = self._owner
-        seen: set[int] = set()
+        n = len(owners)
+        seen: set[int] | None = set() if len(pages) > 1 else None  # a page named twice
         for p in pages:
-            current = owners[self._check(p)]
-            if current is None or p in seen:
+            if type(p) is not int or not 0 <= p < n:
+                self._check(p)  # raises, unless an int subclass in range
+            current = owners[p]
+            if current is None or (seen is not None and p in seen):
                 raise PoolError(f"host page {p} is already free")
             if current is not owner:
                 raise PoolError(f"host page {p} is owned by {current!r}, not {owner!r}")
-            seen.add(p)
-        if seen:
-            held = self._owned[id(owner)]
-            held.difference_update(seen)
-            if not held:
-                del self._owned[id(owner)]
-        return seen
+            if seen is not None:
+                seen.add(p)
 
     def write_bytes(self, page: int, payload: bytes) -> bool:
         """Copy ``payload`` into host page ``page`` if it is exactly one page's bytes (a
@@ -198,13 +191,10 @@ class HostPagePool:
         chunk's staged pages kept by the host tier); every page is checked first."""
         if new_owner is None:
             raise PoolError("new_owner must not be None (None marks a free page)")
-        seen = self._disown(pages, owner)
-        if not seen:
-            return
+        self._check_owner(pages, owner)
         owners = self._owner
         for p in pages:
             owners[p] = new_owner
-        self._owned.setdefault(id(new_owner), set()).update(seen)
 
     def _check(self, page: object) -> int:
         if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < len(self._owner):

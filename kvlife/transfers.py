@@ -256,14 +256,21 @@ class Transfers:
             self.record_callback_error(exc)
         except LifecycleError as exc:  # a duplicate ack from the engine: its pages are not ours
             self.refusals.refuse(type(exc).__name__, exc)
-        finally:  # applied (even if a release callback raised KeyboardInterrupt): settle it
+            return
+        except BaseException:  # applied if it moved the owner (a release callback's Ctrl-C)
             if owner.inflight != inflight:
-                if type(ticket) is LoadTicket:
-                    self._settle_load(ack)
-                else:
-                    self._settle_store(ack, pages_owner)
-                if self._acked is not None:
-                    self._acked(pages_owner, ack)
+                self._settle(ack, pages_owner)
+            raise
+        self._settle(ack, pages_owner)
+
+    def _settle(self, ack: Ack, owner: object) -> None:
+        """An applied ack's pages: a load's pins dropped, a store's pages written or freed."""
+        if type(ack.ticket) is LoadTicket:
+            self._settle_load(ack)
+        else:
+            self._settle_store(ack, owner)
+        if self._acked is not None:
+            self._acked(owner, ack)
 
     def _settle_load(self, ack: Ack) -> None:
         """An applied load: the host tier's pins on its keys go."""
@@ -282,7 +289,8 @@ class Transfers:
         latency = ack.completed_at - ack.submitted_at
         m.ack_latency_count += 1
         m.ack_latency_sum_s += latency
-        m.ack_latency_max_s = max(m.ack_latency_max_s, latency)
+        if latency > m.ack_latency_max_s:
+            m.ack_latency_max_s = latency
         if ack.error is not None:
             m.copy_failures += 1
             self._give_back(pages, owner)
@@ -318,28 +326,28 @@ class Transfers:
 
     def apply_results(self, results: Sequence[StoreResult]) -> None:
         """Apply store results (and any an earlier call left): pages freed or kept."""
-        pending = self._results
+        pending, writing, counts = self._results, self._writing, self.counts
+        tier = self.tier if self.tier is not None and self.tier.keep else None
         pending.extend(results)
         while pending:
             result = pending.popleft()
             token = result.token
             if type(token) is not tuple or len(token) != 3 or type(token[0]) is not Transfers:
                 continue  # another writer's put to a shared store (a prefill side): not ours
-            pipeline: Transfers = token[0]
+            pipeline, owner, pages = token
             if pipeline is not self:  # a store shared with another host
                 pipeline._results.append(result)
                 continue
-            owner, pages = token[1], token[2]
-            keys = self._writing.pop(token, ())
-            tier = self.tier
-            if result.ok and tier is not None and tier.keep and len(keys) == len(pages):
+            keys = writing.pop(token, ())
+            ok = result.error is None
+            if ok and tier is not None and len(keys) == len(pages):
                 tier.adopt(keys, pages, owner)  # a cache now, evicted for room
             else:
                 self._give_back(pages, owner)
-            if result.ok:
-                self.counts.pages_stored += len(result.keys)
+            if ok:
+                counts.pages_stored += len(result.keys)
             else:
-                self.counts.store_failures += 1
+                counts.store_failures += 1
             if self._stored is not None:
                 self._stored(owner, result)
 
