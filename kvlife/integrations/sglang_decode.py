@@ -176,14 +176,9 @@ class _KVLifeDecodeOffload:
     # ------------------------------------------------------------ what SGLang calls
 
     def offload_kv_cache(self, req: Any) -> bool:
-        """Submit the chunk that is due (whole strides of decoded KV); True if one was.
-
-        Called after every unfinished decode step and once at finish; at finish a True
-        answer means the life is released after this last copy's ack. A write the cache
-        controller refuses (no host pages) submits nothing at one rank: the same chunk is
-        due again at the next step, as in SGLang's manager. With more than one rank every
-        rank submits the chunk (the answer is the same on every rank); the group fails it
-        at the next progress check and the request offers it again from there."""
+        """Submit the chunk that is due (whole strides of decoded KV); True if one was (at
+        finish: the life is released after this last copy's ack). A write the cache controller
+        refuses: docs/sglang.md, "A write the cache controller refuses"."""
         if self.cache_controller is None or self.decode_host_mem_pool is None:
             return False
         row: Any = req.kv.req_pool_idx

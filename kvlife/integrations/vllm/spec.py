@@ -330,12 +330,8 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         if built is not None:
             built.unlink()
         if self._has_store():
-            for r in range(self._world_size):
-                SharedHostPool.discard(self._worker_pool_path(r))
-
-    def _worker_pool_path(self, rank: int) -> str:
-        """Where rank ``rank``'s worker (a child of this process) shares its host pool."""
-        return SharedHostPool.path_for(self._engine, os.getpid(), rank)
+            for r in range(self._world_size):  # each worker is a child of this process
+                SharedHostPool.discard(SharedHostPool.path_for(self._engine, os.getpid(), r))
 
     def _has_store(self) -> bool:
         return self.settings.store == "mooncake" or self.store_dir is not None
@@ -347,10 +343,10 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         shared memory if a process dies."""
         if not self._has_store():
             return None
-        pools = [
-            SharedHostPool.attach(self._worker_pool_path(r), self.capacity, self.page_bytes)
-            for r in range(self._world_size)
+        paths = [
+            SharedHostPool.path_for(self._engine, os.getpid(), r) for r in range(self._world_size)
         ]
+        pools = [SharedHostPool.attach(path, self.capacity, self.page_bytes) for path in paths]
         if any(pool is None for pool in pools):
             if any(pool is not None for pool in pools):
                 logger.warning("kvlife: not every rank shared its host tier: the workers read")
