@@ -1,15 +1,11 @@
-"""The storage tier's protocol, its typed errors, the page format, and the one-writer-thread
-base every store shares; the rules are in ``docs/store.md``.
+"""The storage tier's protocol, its page format, and :class:`QueuedStore`, the
+one-writer-thread base every store shares.
 
-Theory of operation: ``put(token, keys, pages)`` validates and queues; one writer
-thread per store calls ``_store_pages`` (all or nothing, rolled back on failure)
-and queues a :class:`StoreResult` carrying the caller's ``token``, which the
-caller collects with ``poll``/``drain`` on its own thread. The writer has finished
-reading the host pages before their result is visible. Every page is stored as
-:func:`frame_page` frames it and served only if :func:`unframe_page` finds it
-whole; a page failing the check is a counted miss (``pages_corrupt``) that the
-next put of its key replaces. A key stored with other bytes fails the put with
-:class:`~kvlife.errors.PageMismatch`.
+``put(token, keys, pages)`` validates and queues; the store's writer thread stores the
+put all or nothing (``_store_pages``, rolled back on failure) and, once it has finished
+reading the pages, queues a :class:`StoreResult` that the caller collects with
+``poll``/``drain`` on its own thread. The page format, verification, first value wins
+and what ``put`` refuses are in ``docs/store.md``.
 """
 
 from __future__ import annotations
@@ -22,19 +18,14 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 import xxhash
 
-from kvlife.errors import (
-    ConfigError,
-    DrainTimeout,
-    InvalidPut,
-    PageMismatch,
-    StoreClosed,
-)
+from kvlife._checks import positive_int
+from kvlife.errors import ConfigError, DrainTimeout, InvalidPut, PageMismatch, StoreClosed
 
 __all__ = [
     "DEFAULT_MAX_PAGE_BYTES",
@@ -86,12 +77,10 @@ class StoreStats:
     page_mismatches: int = 0
     #: Payload bytes of the pages written (headers not counted).
     bytes_written: int = 0
-    #: Reads (get, contains, or a put checking the key) that found a stored page
-    #: failing verification, or something that is not a page (a FIFO, a symlink, an
-    #: object larger than a page can be); each was a miss, and a put replaced it.
+    #: Reads that found a stored page failing verification, or something that is not a
+    #: page (a FIFO, a symlink, an object larger than a page can be): each a miss.
     pages_corrupt: int = 0
-    #: Reads that failed with an error of the medium (an ``OSError``: ENOTDIR, ELOOP,
-    #: EACCES, EIO, ...; a Mooncake code that is not "not found"); each was a miss.
+    #: Reads the medium failed (an ``OSError``, a Mooncake code other than "not found").
     read_errors: int = 0
     #: Namespace pages removed by ``clear()``.
     pages_cleared: int = 0
@@ -144,25 +133,28 @@ def check_key(key: object) -> str:
     return key
 
 
+def _check_keys(keys: Sequence[str], call: str) -> list[str]:
+    """Every key of ``keys`` checked (:func:`check_key`); one string is refused."""
+    if isinstance(keys, str):
+        raise InvalidPut(f"{call} takes a sequence of keys, not one string")
+    return [check_key(k) for k in keys]
+
+
 # ----------------------------------------------------------------------------- page format
 
-#: First bytes of every stored page.
+# The fields, and why a page of another version (1 did not bind the namespace) is a miss:
+# docs/store.md, "Page format and verification"; why XXH3: docs/store-tier.md, "Throughput".
 PAGE_MAGIC = b"KVLP"
-#: Version of the page format; a page of another version is a miss. Version 1 bound the
-#: key alone, so a page copied or linked into another namespace was served there;
-#: version 2 binds the namespace too, and a version 1 page is a counted miss.
 PAGE_VERSION = 2
-# magic, version, key length, namespace length, payload length, XXH3-64 of the payload
-# (little-endian, no padding); the key's ASCII digits follow, then the namespace's
-# ASCII, then the payload. Why XXH3 and not CRC32: docs/store-tier.md, "Throughput".
+# magic, version, key length, namespace length, payload length, XXH3-64 of the payload;
+# then the key's ASCII digits, the namespace's ASCII and the payload.
 _HEADER = struct.Struct("<4sBBHQQ")
 #: The longest namespace a page header holds (its length field is 16 bits).
 MAX_NAMESPACE_BYTES = 0xFFFF
 _B = TypeVar("_B", bytes, memoryview)
 
-#: The largest page payload a store takes and believes by default (64 MiB: a page of 64
-#: tokens of a 70B model's KV on one rank is about 21 MiB). A put of a larger page is
-#: refused; a stored object that declares or has more is a counted miss, never read.
+#: The largest page payload a store takes, and believes when it reads, by default (a page
+#: of 64 tokens of a 70B model's KV on one rank is about 21 MiB).
 DEFAULT_MAX_PAGE_BYTES = 64 << 20
 
 #: One page's payload as a store's writer sees it: the bytes in order, in one or more
@@ -171,22 +163,23 @@ DEFAULT_MAX_PAGE_BYTES = 64 << 20
 Payload = tuple[memoryview, ...]
 
 
+def _parts(payload: bytes | memoryview | Payload) -> tuple[bytes | memoryview, ...]:
+    return payload if isinstance(payload, tuple) else (payload,)
+
+
 def _checksum(payload: bytes | memoryview | Payload) -> int:
-    if isinstance(payload, tuple):
-        if len(payload) == 1:
-            return xxhash.xxh3_64_intdigest(payload[0])
-        h = xxhash.xxh3_64()
-        for part in payload:
-            h.update(part)
-        return h.intdigest()
-    return xxhash.xxh3_64_intdigest(payload)
+    parts = _parts(payload)
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
 
 
 def payload_nbytes(payload: bytes | memoryview | Payload) -> int:
     """The number of bytes of a payload."""
-    if isinstance(payload, tuple):
-        return sum(len(part) for part in payload)
-    return len(payload)
+    return sum(map(len, _parts(payload)))
 
 
 def same_bytes(held: bytes | memoryview, payload: Payload) -> bool:
@@ -228,8 +221,7 @@ def frame_page(key: str, payload: bytes | memoryview | Payload, namespace: str =
 
 
 def header_size(key: str, namespace: str = "") -> int:
-    """Bytes of the header (with the key's digits and the namespace) that precede the
-    payload of ``key`` in ``namespace``."""
+    """Bytes of the header (with the key and the namespace) before the payload of ``key``."""
     return _HEADER.size + len(key) + len(namespace)
 
 
@@ -259,8 +251,7 @@ def checksum_matches(payload: bytes | memoryview | Payload, check: int) -> bool:
 
 
 def frame_size(key: str, payload_nbytes: int, namespace: str = "") -> int:
-    """Bytes of the stored page of ``key`` in ``namespace`` with a payload of
-    ``payload_nbytes`` bytes."""
+    """Bytes of the stored page of ``key`` in ``namespace`` with ``payload_nbytes`` of payload."""
     return header_size(key, namespace) + payload_nbytes
 
 
@@ -275,7 +266,7 @@ def frame_into(
     header = frame_page(key, payload, namespace)
     at = len(header)
     out[:at] = header
-    for part in payload if isinstance(payload, tuple) else (payload,):
+    for part in _parts(payload):
         out[at : at + len(part)] = part
         at += len(part)
     return at
@@ -296,10 +287,7 @@ def unframe_page(key: str, stored: _B, namespace: str = "") -> _B | None:
 
 
 def check_held(
-    key: str,
-    held: bytes | memoryview | None,
-    page: Payload,
-    kept: list[str] | None = None,
+    key: str, held: bytes | memoryview | None, page: Payload, kept: list[str] | None
 ) -> bool:
     """Whether ``key`` already holds a whole page, so ``page`` need not be written
     (``held``: its verified stored payload, None if none). If it holds other bytes, the
@@ -315,13 +303,9 @@ def check_held(
 
 
 def _check_put(
-    keys: Sequence[str],
-    pages: torch.Tensor | Sequence[torch.Tensor],
-    max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+    keys: Sequence[str], pages: torch.Tensor | Sequence[torch.Tensor], max_page_bytes: int
 ) -> tuple[str, ...]:
-    if isinstance(keys, str):
-        raise InvalidPut("keys must be a sequence of keys, not one string")
-    checked = tuple(check_key(k) for k in keys)
+    checked = tuple(_check_keys(keys, "put"))
     if isinstance(pages, torch.Tensor):
         if pages.dim() != 2:
             raise InvalidPut(
@@ -360,14 +344,6 @@ def _check_host(pages: torch.Tensor) -> None:
         raise InvalidPut(f"pages must be a dense host tensor, got {pages.device} {pages.layout}")
     if pages.is_conj() or pages.is_neg() or pages.is_quantized:  # bytes not what it shows
         raise InvalidPut("pages must hold their own bytes (resolve_conj()/resolve_neg() first)")
-
-
-def _check_max_page(max_page_bytes: object) -> int:
-    if isinstance(max_page_bytes, bool) or not isinstance(max_page_bytes, int):
-        raise ConfigError(f"max_page_bytes must be a whole number, got {max_page_bytes!r}")
-    if max_page_bytes <= 0:
-        raise ConfigError(f"max_page_bytes must be positive, got {max_page_bytes}")
-    return max_page_bytes
 
 
 def tensor_segments(tensor: torch.Tensor, *, writable: bool = False) -> Payload:
@@ -450,13 +426,14 @@ class _Clear:
 
 @dataclass(frozen=True, slots=True)
 class Written:
-    """What one successful put did, reported by a store's ``_store_pages``."""
+    """What one successful put did, reported by a store's ``_store_pages`` (the
+    :class:`StoreStats` counters it adds to)."""
 
     pages_written: int
     pages_deduplicated: int
     bytes_written: int
     #: Keys that held other bytes, kept as stored (a put with ``keep_first``).
-    pages_mismatched: int = 0
+    page_mismatches: int = 0
 
     @classmethod
     def of(
@@ -472,19 +449,21 @@ class QueuedStore(abc.ABC):
     """A store with one writer thread: validation, queue, results, counters.
 
     Subclasses say how one put's pages are stored all-or-nothing
-    (``_store_pages``) and how pages are read back.
+    (``_store_pages``) and how pages are read back. A subclass whose ``_inline`` is
+    True has no thread: each put is written at once, on the caller's thread.
     """
+
+    _inline = False
 
     def __init__(
         self,
         *,
         name: str = "store",
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
-        page_namespace: str = "",
+        namespace: str = "",
     ) -> None:
-        #: The namespace every page header of this store binds (:func:`frame_page`).
-        self._page_namespace = check_frame_namespace(page_namespace)
-        self._max_page = _check_max_page(max_page_bytes)
+        self._namespace = check_frame_namespace(namespace)
+        self._max_page = positive_int("max_page_bytes", max_page_bytes)
         self._lock = threading.Lock()
         self._done_cv = threading.Condition(self._lock)
         self._done: list[StoreResult] = []
@@ -493,8 +472,12 @@ class QueuedStore(abc.ABC):
         self._stats = StoreStats()
         self._closed = False
         self._queue: queue.SimpleQueue[_Put | _Clear | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._run, name=f"kvlife-{name}-writer", daemon=True)
-        self._writer.start()
+        self._writer: threading.Thread | None = None
+        if not self._inline:
+            self._writer = threading.Thread(
+                target=self._run, name=f"kvlife-{name}-writer", daemon=True
+            )
+            self._writer.start()
 
     # -- what a subclass provides
 
@@ -530,6 +513,11 @@ class QueuedStore(abc.ABC):
     # -- the protocol
 
     @property
+    def namespace(self) -> str:
+        """The namespace this store's pages are in (every page header binds it)."""
+        return self._namespace
+
+    @property
     def max_page_bytes(self) -> int:
         """The largest page payload this store takes, and believes when it reads."""
         return self._max_page
@@ -540,9 +528,7 @@ class QueuedStore(abc.ABC):
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """``get`` of every key, in order."""
-        if isinstance(keys, str):
-            raise InvalidPut("get_batch takes a sequence of keys, not one string")
-        return [self.get(k) for k in keys]
+        return [self.get(k) for k in _check_keys(keys, "get_batch")]
 
     def get_into(self, key: str, out: memoryview | Sequence[memoryview]) -> bool:
         """Fill ``out`` (one buffer, or pieces filled in order) with the payload of ``key``
@@ -569,10 +555,7 @@ class QueuedStore(abc.ABC):
         the medium raised (``OSError``, ``StoreError``) if it could not.
         """
         job = _Clear()
-        with self._lock:
-            if self._closed:
-                raise StoreClosed("clear on a closed store")
-            self._queue.put(job)
+        self._accept(job, "clear")
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -594,12 +577,7 @@ class QueuedStore(abc.ABC):
         the put goes on (counted in ``page_mismatches``) instead of failing.
         """
         checked = _check_put(keys, pages, self._max_page)
-        with self._lock:
-            if self._closed:
-                raise StoreClosed("put on a closed store")
-            self._unfinished += 1
-            self._pending += 1
-            self._queue.put(_Put(token, checked, pages, bool(keep_first)))
+        self._accept(_Put(token, checked, pages, bool(keep_first)), "put")
 
     def poll(self) -> list[StoreResult]:
         """Results completed since the last poll or drain, in completion order; never blocks."""
@@ -629,7 +607,8 @@ class QueuedStore(abc.ABC):
                 return
             self._closed = True
             self._queue.put(None)
-        self._writer.join()
+        if self._writer is not None:
+            self._writer.join()
 
     @property
     def pending(self) -> int:
@@ -661,58 +640,63 @@ class QueuedStore(abc.ABC):
         page among them) is counted in ``pages_corrupt`` (when ``count``)."""
         if stored is None:
             return None
-        payload = unframe_page(key, stored, self._page_namespace)
+        payload = unframe_page(key, stored, self._namespace)
         if payload is None and count:
-            self._count("pages_corrupt")
+            self._count(pages_corrupt=1)
         return payload
 
-    def _count(self, counter: str, n: int = 1) -> None:
-        """Add ``n`` to the counter ``counter`` of :class:`StoreStats`."""
+    def _count(self, **added: int) -> None:
+        """Add to counters of :class:`StoreStats` (``self._count(read_errors=1)``)."""
         with self._lock:
-            self._stats = replace(self._stats, **{counter: getattr(self._stats, counter) + n})
+            self._add(added)
+
+    def _add(self, added: dict[str, int]) -> None:  # the lock held
+        s = self._stats
+        self._stats = replace(s, **{name: getattr(s, name) + n for name, n in added.items()})
 
     def _take(self) -> list[StoreResult]:
         taken, self._done = self._done, []
         self._pending -= len(taken)
         return taken
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
+    def _accept(self, job: _Put | _Clear, call: str) -> None:
+        """Queue ``job`` for the writer thread (inline: do it now), unless closed."""
+        with self._lock:
+            if self._closed:
+                raise StoreClosed(f"{call} on a closed store")
+            if isinstance(job, _Put):
+                self._unfinished += 1
+                self._pending += 1
+            if self._writer is not None:
+                self._queue.put(job)
                 return
-            if isinstance(job, _Clear):
-                try:
-                    job.removed = self._clear()
-                    self._count("pages_cleared", job.removed)
-                except BaseException as exc:  # raised by clear() on the caller's thread
-                    job.error = exc
-                job.done.set()
-                continue
-            written: Written | None = None
-            error: BaseException | None = None
+        self._do(job)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._do(job)
+
+    def _do(self, job: _Put | _Clear) -> None:
+        if isinstance(job, _Clear):
             try:
-                kept: list[str] | None = [] if job.keep_first else None
-                written = self._store_pages(job.keys, page_views(job.pages), kept)
-            except BaseException as exc:  # reported on the result, never lost
-                error = exc
-            with self._lock:
-                s = self._stats
-                if written is not None:
-                    self._stats = replace(
-                        s,
-                        puts_ok=s.puts_ok + 1,
-                        pages_written=s.pages_written + written.pages_written,
-                        pages_deduplicated=s.pages_deduplicated + written.pages_deduplicated,
-                        bytes_written=s.bytes_written + written.bytes_written,
-                        page_mismatches=s.page_mismatches + written.pages_mismatched,
-                    )
-                else:
-                    self._stats = replace(
-                        s,
-                        puts_failed=s.puts_failed + 1,
-                        page_mismatches=s.page_mismatches + isinstance(error, PageMismatch),
-                    )
-                self._done.append(StoreResult(job.token, job.keys, error))
-                self._unfinished -= 1
-                self._done_cv.notify_all()
+                job.removed = self._clear()
+                self._count(pages_cleared=job.removed)
+            except BaseException as exc:  # raised by clear() on the caller's thread
+                job.error = exc
+            job.done.set()
+            return
+        error: BaseException | None = None
+        try:
+            kept: list[str] | None = [] if job.keep_first else None
+            written = self._store_pages(job.keys, page_views(job.pages), kept)
+            added = {f.name: getattr(written, f.name) for f in fields(written)} | {"puts_ok": 1}
+        except BaseException as exc:  # reported on the result, never lost
+            error = exc
+            added = {"puts_failed": 1, "page_mismatches": isinstance(exc, PageMismatch)}
+        with self._lock:
+            self._add(added)
+            self._done.append(StoreResult(job.token, job.keys, error))
+            self._unfinished -= 1
+            self._done_cv.notify_all()
+        if self._writer is None and error is not None and not isinstance(error, Exception):
+            raise error  # inline: a KeyboardInterrupt is the caller's, after its result

@@ -1,13 +1,9 @@
 """LocalDirectoryStore: one file per page under a root directory, the embedded default.
 
-Theory of operation (the rules and tables are in ``docs/store.md``): page ``key``
-is the file ``<root>/<namespace>/@pages/<key[:2]>/<key>.page``, framed by
-``frame_page``. The writer writes each page of a put to a temporary file beside it
-(``.<key>.<pid>.<random>.tmp``) and, once all are complete, names each with
-``os.link``, which refuses a taken name: readers in any process see only complete
-files, and the first whole page of a key wins. A failed put removes its temporary
-files and every page it linked; temporary files of dead writers are removed when a
-store opens (``clean_temps``).
+Page ``key`` is the file ``<root>/<namespace>/@pages/<key[:2]>/<key>.page``. A put
+writes temporary files beside its pages and names them with ``os.link`` once all are
+complete (the first whole page of a key wins); a failed put removes what it made. The
+rules (atomicity, first writer wins, safe reads, permissions) are in ``docs/store.md``.
 """
 
 from __future__ import annotations
@@ -22,13 +18,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from kvlife._checks import positive_int
 from kvlife.errors import ConfigError
 from kvlife.store.base import (
     DEFAULT_MAX_PAGE_BYTES,
     Payload,
     QueuedStore,
     Written,
-    _check_max_page,
     _pieces,
     check_frame_namespace,
     check_held,
@@ -51,23 +47,10 @@ _TEMP_FILE = re.compile(r"\.([0-9a-f]{2,128})\.([0-9]+)\.[0-9a-f]+\.tmp")
 # The longest path below ``@pages``: "/ff/" and a temporary file name with a
 # 128-digit key, a 10-digit pid and 8 random hex digits.
 _LONGEST_BELOW = len("/ff/." + "f" * 128 + "." + "9" * 10 + ".ffffffff.tmp")
-# How every page file is opened for reading: never through a symlink, never blocking
-# (a FIFO), never inherited by a child.
-_READ_FLAGS = (
-    os.O_RDONLY
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_NONBLOCK", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-)
-# How every temporary page file is created: new, never through a symlink, never
-# inherited by a child.
-_WRITE_FLAGS = (
-    os.O_WRONLY
-    | os.O_CREAT
-    | os.O_EXCL
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-)
+# Page files are opened never through a symlink, never blocking (a FIFO), never inherited
+# by a child; temporary ones are created new.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Permission bits of page files by default: the owner's alone (KV pages reveal prompts);
 #: the directories the store creates get 0o700 (:func:`directory_mode`).
 DEFAULT_MODE = 0o600
@@ -76,7 +59,8 @@ _IOV_MAX = 1024
 
 
 def check_namespace(namespace: object) -> tuple[str, ...]:
-    """Split a namespace into safe directory components, or raise ConfigError."""
+    """Split a store's namespace into safe directory components that a page header can
+    hold (:func:`~kvlife.store.base.check_frame_namespace`), or raise ConfigError."""
     if not isinstance(namespace, str):
         raise ConfigError(f"namespace must be a str, got {type(namespace).__name__}")
     parts = tuple(namespace.split("/"))
@@ -86,6 +70,7 @@ def check_namespace(namespace: object) -> tuple[str, ...]:
                 f"namespace {namespace!r}: component {part!r} must be 1-100 letters, digits, "
                 "'.', '_' or '-' not starting with '.' (no absolute paths, no '..')"
             )
+    check_frame_namespace(namespace)
     return parts
 
 
@@ -117,13 +102,11 @@ class LocalDirectoryStore(QueuedStore):
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
         mode: int = DEFAULT_MODE,
     ) -> None:
-        parts = check_namespace(namespace)
-        check_frame_namespace(namespace)  # before anything is created
+        parts = check_namespace(namespace)  # all before anything is created
         self._mode = check_mode(mode)
         self._dir_mode = directory_mode(self._mode)
-        _check_max_page(max_page_bytes)
+        positive_int("max_page_bytes", max_page_bytes)
         self._root = Path(root)
-        self._namespace = namespace
         self._directory = self._root.joinpath(*parts, PAGES_DIR)
         self._fsync = fsync
         longest = len(os.fsencode(os.path.abspath(self._directory))) + _LONGEST_BELOW
@@ -143,21 +126,12 @@ class LocalDirectoryStore(QueuedStore):
         _tighten(self._directory, self._dir_mode)
         if clean_temps:
             self.clean_stale_temps()
-        super().__init__(
-            name="directory-store",
-            max_page_bytes=max_page_bytes,
-            page_namespace=namespace,
-        )
+        super().__init__(name="directory-store", max_page_bytes=max_page_bytes, namespace=namespace)
 
     @property
     def root(self) -> Path:
         """The root directory shared by all namespaces."""
         return self._root
-
-    @property
-    def namespace(self) -> str:
-        """This store's namespace (e.g. model and rank)."""
-        return self._namespace
 
     @property
     def mode(self) -> int:
@@ -199,13 +173,13 @@ class LocalDirectoryStore(QueuedStore):
         try:
             payload = os.pread(fd, length, header_size(key, self._namespace))
         except OSError:
-            self._count("read_errors")
+            self._count(read_errors=1)
             return None
         finally:
             os.close(fd)
         if len(payload) != length or not checksum_matches(payload, check):
             if count:
-                self._count("pages_corrupt")
+                self._count(pages_corrupt=1)
             return None
         return payload
 
@@ -221,12 +195,12 @@ class LocalDirectoryStore(QueuedStore):
             for start in range(0, len(out), _IOV_MAX):
                 done += os.preadv(fd, out[start : start + _IOV_MAX], at + done)
         except OSError:
-            self._count("read_errors")
+            self._count(read_errors=1)
             return False
         finally:
             os.close(fd)
         if done != length or not checksum_matches(out, check):
-            self._count("pages_corrupt")
+            self._count(pages_corrupt=1)
             return False
         return True
 
@@ -243,7 +217,7 @@ class LocalDirectoryStore(QueuedStore):
         except FileNotFoundError:
             return None
         except OSError:  # ENOTDIR, ELOOP (a symlink), EACCES, EIO, EMFILE, ...
-            self._count("read_errors")
+            self._count(read_errors=1)
             return None
         fields: tuple[int, int] | None = None
         try:
@@ -253,7 +227,7 @@ class LocalDirectoryStore(QueuedStore):
                 fields = parse_header(key, head, self._namespace)
         except OSError:
             os.close(fd)
-            self._count("read_errors")
+            self._count(read_errors=1)
             return None
         whole = (
             fields is not None
@@ -264,7 +238,7 @@ class LocalDirectoryStore(QueuedStore):
             return fd, fields[0], fields[1]
         os.close(fd)
         if not whole and count:
-            self._count("pages_corrupt")
+            self._count(pages_corrupt=1)
         return None
 
     def keys(self) -> Iterator[str]:

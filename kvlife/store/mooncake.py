@@ -1,21 +1,16 @@
 """MooncakeStore: pages in a Mooncake Store cluster, behind the same writer thread as files.
 
-Install the extra: ``pip install 'kvlife[mooncake]'``. The guarantees, and how
-they differ from the directory store's, are in ``docs/store-tier.md``.
-
-Theory of operation: page ``k`` of namespace ``ns`` is the object
-``kvlife/<ns>/<k>``, framed by ``frame_page`` and verified on every read; it lives
-in the pool processes, moved through two buffers this client registers (puts
-staged in one, reads landing in the other). Reads use ``batch_get_into``, since
-``get`` answers ``b''`` for a miss and a failure alike. Mooncake keeps a key's
-first value, so a put first reads the keys that exist (same bytes: deduplicated;
-other bytes: ``PageMismatch``; a page failing verification: removed and written
-again). A failed put removes the pages it created. ``StoreUnavailable`` opens a
-breaker: for ``retry_after`` seconds puts fail without calling the cluster.
+Page ``k`` of namespace ``ns`` is the object ``kvlife/<ns>/<k>`` in the shared page format,
+verified on every read. It lives in the cluster's pool processes, moved through two
+buffers this client registers (puts staged in one, reads landing in the other). How a
+miss, a key stored before, a full pool and an unreachable cluster (a breaker of
+``retry_after`` seconds) are handled, and how the guarantees differ from the directory
+store's: ``docs/store-tier.md``, "MooncakeStore". Install: ``pip install 'kvlife[mooncake]'``.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 import os
 import re
@@ -27,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlife._checks import finite_seconds, positive_int
 from kvlife.errors import (
     ConfigError,
     InvalidPut,
@@ -39,9 +35,9 @@ from kvlife.store.base import (
     Payload,
     QueuedStore,
     Written,
+    _check_keys,
     _copy_into,
     _pieces,
-    check_frame_namespace,
     check_held,
     check_key,
     frame_into,
@@ -52,31 +48,26 @@ from kvlife.store.directory import check_namespace
 
 __all__ = ["MooncakeStore", "load_client_class"]
 
-#: Mooncake's error codes this store tells apart (``mooncake-store`` ``types.h``).
-NO_AVAILABLE_HANDLE = -200  # no pool memory (or no pool)
-INVALID_PARAMS = -600  # e.g. a read buffer smaller than the object
-OBJECT_NOT_FOUND = -704  # missing or evicted: a miss
-OBJECT_HAS_LEASE = -706
-TRANSFER_FAIL = -800  # the pool holding the bytes cannot be reached
-RPC_FAIL = -900  # the master cannot be reached
-RPC_TIMEOUT = -901
 
-#: Codes that mean "the cluster cannot serve now" (they open the breaker).
-UNAVAILABLE_CODES = frozenset({-1, NO_AVAILABLE_HANDLE, TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
+class Code(enum.IntEnum):
+    """Mooncake's error codes this store names (``mooncake-store`` ``types.h``)."""
 
-_CODE_NAMES = {
-    -1: "INTERNAL_ERROR",
-    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
-    INVALID_PARAMS: "INVALID_PARAMS",
-    -703: "REPLICA_IS_NOT_READY",
-    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
-    -705: "OBJECT_ALREADY_EXISTS",
-    OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED",
-    TRANSFER_FAIL: "TRANSFER_FAIL",
-    RPC_FAIL: "RPC_FAIL",
-    RPC_TIMEOUT: "RPC_TIMEOUT",
-}
+    INTERNAL_ERROR = -1
+    NO_AVAILABLE_HANDLE = -200  # no pool memory (or no pool)
+    INVALID_PARAMS = -600  # e.g. a read buffer smaller than the object
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704  # missing or evicted: a miss
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    TRANSFER_FAIL = -800  # the pool holding the bytes cannot be reached
+    RPC_FAIL = -900  # the master cannot be reached
+    RPC_TIMEOUT = -901
+
+
+#: Codes that mean "the cluster cannot serve now" (they open the breaker): INTERNAL_ERROR,
+#: NO_AVAILABLE_HANDLE, TRANSFER_FAIL, RPC_FAIL and RPC_TIMEOUT.
+UNAVAILABLE_CODES = frozenset({-1, -200, -800, -900, -901})
 
 #: Environment variables read by :meth:`MooncakeStore.from_env` (SGLang's names).
 ENV_MASTER = "MOONCAKE_MASTER"
@@ -88,7 +79,7 @@ ENV_LOCAL_HOSTNAME = "MOONCAKE_LOCAL_HOSTNAME"
 def _error(call: str, code: int, what: str, *, unavailable: bool = False) -> StoreError:
     code = int(code)
     kind = StoreUnavailable if unavailable or code in UNAVAILABLE_CODES else StoreError
-    name = _CODE_NAMES.get(code, code)
+    name = Code(code).name if code in Code._value2member_map_ else code
     return kind(f"mooncake {call} failed for {what}: {name} ({code})", code=code, call=call)
 
 
@@ -153,21 +144,15 @@ class MooncakeStore(QueuedStore):
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         check_namespace(namespace)
-        check_frame_namespace(namespace)  # before a client is set up
         if not isinstance(master, str) or not master or not isinstance(metadata, str):
             raise ConfigError(
                 f"master must be HOST:PORT and metadata a URL, got {master!r}, {metadata!r}"
             )
-        if (
-            not retry_after >= 0
-            or not full_wait >= 0
-            or max_batch_bytes <= 0
-            or local_buffer_size <= 0
-        ):
-            raise ConfigError(
-                "retry_after must be >= 0 and the buffer sizes positive, got "
-                f"{retry_after!r}, {max_batch_bytes!r}, {local_buffer_size!r}"
-            )
+        self._retry_after = finite_seconds("retry_after", retry_after)
+        self._full_wait = finite_seconds("full_wait", full_wait)
+        self._max_batch = positive_int("max_batch_bytes", max_batch_bytes)
+        positive_int("local_buffer_size", local_buffer_size)
+        positive_int("max_page_bytes", max_page_bytes)  # before a client is set up
         client_class = load_client_class()
         # A missing master then fails the constructor in seconds, not Mooncake's 90.
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(setup_retries))
@@ -185,11 +170,7 @@ class MooncakeStore(QueuedStore):
             )
         self._client = client
         self._master = master
-        self._namespace = namespace
         self._prefix = f"kvlife/{namespace}/"
-        self._retry_after = float(retry_after)
-        self._max_batch = int(max_batch_bytes)
-        self._full_wait = float(full_wait)
         self._down_until = 0.0  # breaker: puts fail at once until then (monotonic seconds)
         self._down_error: StoreUnavailable | None = None
         self._put_buffer = _Buffer(client, "put staging")
@@ -208,11 +189,7 @@ class MooncakeStore(QueuedStore):
         self._known: set[str] = set()  # keys this store put or found stored by its puts
         self._known_lock = threading.Lock()
         self._client_closed = False
-        super().__init__(
-            name="mooncake-store",
-            max_page_bytes=max_page_bytes,
-            page_namespace=namespace,
-        )
+        super().__init__(name="mooncake-store", max_page_bytes=max_page_bytes, namespace=namespace)
 
     @classmethod
     def from_env(cls, namespace: str = "default", **kwargs: Any) -> MooncakeStore:
@@ -232,11 +209,6 @@ class MooncakeStore(QueuedStore):
         return cls(master, metadata, namespace, **kwargs)
 
     # -- identity
-
-    @property
-    def namespace(self) -> str:
-        """This store's namespace (the object key prefix ``kvlife/<namespace>/``)."""
-        return self._namespace
 
     @property
     def master(self) -> str:
@@ -263,10 +235,8 @@ class MooncakeStore(QueuedStore):
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """``get`` of every key in one batched read; raises on the first key that fails."""
-        if isinstance(keys, str):
-            raise InvalidPut("get_batch takes a sequence of keys, not one string")
-        names = [self.object_key(k) for k in keys]
-        out: list[bytes | None] = [None] * len(names)
+        keys = _check_keys(keys, "get_batch")
+        out: list[bytes | None] = [None] * len(keys)
 
         def use(i: int, data: memoryview | None) -> None:
             # Verified in the read buffer: one copy, of the payload only.
@@ -274,9 +244,8 @@ class MooncakeStore(QueuedStore):
                 self._seen(keys[i], len(payload))
                 out[i] = payload.tobytes()
 
-        if names:
-            with self._read_lock:
-                self._read_each(names, keys, None, self._read_buffer, "get", use)
+        with self._read_lock:
+            self._read_each(keys, None, self._read_buffer, "get", use)
         return out
 
     def get_batch_into(
@@ -285,22 +254,18 @@ class MooncakeStore(QueuedStore):
         """``get_into`` of every key in one batched read: each object lands in the read
         buffer, is verified there and its payload copied into ``outs[i]`` (one copy); an
         object of another size than ``outs[i]`` is a miss and is not transferred."""
-        if isinstance(keys, str):
-            raise InvalidPut("get_batch_into takes a sequence of keys, not one string")
-        names = [self.object_key(k) for k in keys]
+        keys = _check_keys(keys, "get_batch_into")
         pieces = [_pieces(o) for o in outs]
-        if len(pieces) != len(names):
-            raise InvalidPut(f"{len(names)} keys for {len(pieces)} destinations")
-        sizes = [payload_nbytes(p) for p in pieces]
-        done = [False] * len(names)
+        if len(pieces) != len(keys):
+            raise InvalidPut(f"{len(keys)} keys for {len(pieces)} destinations")
+        sizes, done = [payload_nbytes(p) for p in pieces], [False] * len(keys)
 
         def use(i: int, data: memoryview | None) -> None:
             if (payload := self._verify(keys[i], data)) is not None:
                 done[i] = _copy_into(payload, pieces[i])
 
-        if names:
-            with self._read_lock:
-                self._read_each(names, keys, sizes, self._read_buffer, "get", use)
+        with self._read_lock:
+            self._read_each(keys, sizes, self._read_buffer, "get", use)
         return done
 
     def keys(self) -> Iterator[str]:
@@ -314,14 +279,13 @@ class MooncakeStore(QueuedStore):
 
     def _read_each(
         self,
-        names: list[str],
         keys: Sequence[str],
         expect: list[int] | None,
         buffer: _Buffer,
         call: str,
         use: Callable[[int, memoryview | None], None],
     ) -> None:
-        """``use(i, object)`` for each of ``names`` in order (None where absent); raises on failure.
+        """``use(i, object)`` for each of ``keys`` in order (None where absent); raises on failure.
 
         One ``batch_get_into`` into ``buffer``; an object is a view of
         ``buffer``, valid until its next use (nothing is copied here). Each slot
@@ -329,6 +293,9 @@ class MooncakeStore(QueuedStore):
         largest page seen; an object larger than its slot is read alone only if a
         page of this store can be that large, else it is a counted miss.
         """
+        if not keys:
+            return
+        names = [self._prefix + k for k in keys]
         if expect is not None:
             slots = [frame_size(k, n, self._namespace) for k, n in zip(keys, expect, strict=True)]
         else:
@@ -342,11 +309,11 @@ class MooncakeStore(QueuedStore):
         for i, code in enumerate(codes):
             if code >= 0:
                 use(i, view[offsets[i] : offsets[i] + code])
-            elif code == OBJECT_NOT_FOUND:
+            elif code == Code.OBJECT_NOT_FOUND:
                 use(i, None)
-            elif code == INVALID_PARAMS and expect is not None:
+            elif code == Code.INVALID_PARAMS and expect is not None:
                 use(i, None)  # larger than the page asked for: not that page
-            elif code == INVALID_PARAMS:  # bigger than the slot: ask its size, read it alone
+            elif code == Code.INVALID_PARAMS:  # bigger than the slot: ask its size, read it alone
                 data = self._read_one(names[i], keys[i], call)
                 use(i, None if data is None else memoryview(data))
             else:
@@ -354,20 +321,18 @@ class MooncakeStore(QueuedStore):
 
     def _read_one(self, name: str, key: str, call: str) -> bytes | None:
         size = self._client.get_size(name)
-        if size == OBJECT_NOT_FOUND:
+        if size == Code.OBJECT_NOT_FOUND:
             return None
         if size < 0:
             raise _error(f"get_size ({call})", size, name)
-        if size > frame_size(
-            key, self.max_page_bytes, self._namespace
-        ):  # no page of this store is that large
-            self._count("pages_corrupt")
+        if size > frame_size(key, self.max_page_bytes, self._namespace):  # no page is that large
+            self._count(pages_corrupt=1)
             return None
         one = _Buffer(self._client, "large read")
         try:
             one.ensure(size)
             code = self._client.get_into(name, one.ptr, size)
-            if code == OBJECT_NOT_FOUND:
+            if code == Code.OBJECT_NOT_FOUND:
                 return None
             if code < 0:
                 raise _error(f"get_into ({call})", code, name)
@@ -423,8 +388,8 @@ class MooncakeStore(QueuedStore):
                 raise _error("batch_is_exist", code, name)
         to_write = [i for i, code in enumerate(found) if code == 0]
         existing = [i for i, code in enumerate(found) if code == 1]
+        bad: list[int] = []
         if existing:
-            bad: list[int] = []
 
             def check(j: int, data: memoryview | None) -> None:
                 i = existing[j]
@@ -437,14 +402,12 @@ class MooncakeStore(QueuedStore):
                     self._seen(keys[i], len(payload))
                     check_held(keys[i], payload, pages[i], kept)
 
-            held = [names[i] for i in existing]
-            held_keys = [keys[i] for i in existing]
-            self._read_each(held, held_keys, None, self._put_buffer, "put", check)
-            if bad:
-                codes = self._client.batch_remove([names[i] for i in bad], True)
-                for i, code in zip(bad, codes, strict=True):
-                    if code not in (0, OBJECT_NOT_FOUND):
-                        raise _error("batch_remove (a page failing verification)", code, names[i])
+            self._read_each([keys[i] for i in existing], None, self._put_buffer, "put", check)
+        if bad:
+            codes = self._client.batch_remove([names[i] for i in bad], True)
+            for i, code in zip(bad, codes, strict=True):
+                if code not in (0, Code.OBJECT_NOT_FOUND):
+                    raise _error("batch_remove (a page failing verification)", code, names[i])
         to_write.sort()
         self._step(1, "before writing")
         created: list[str] = []
@@ -509,9 +472,9 @@ class MooncakeStore(QueuedStore):
             for j, (name, code) in enumerate(zip(names, codes, strict=True)):
                 if code == 0:
                     created.append(name)
-                elif code == NO_AVAILABLE_HANDLE and time.monotonic() < deadline:
+                elif code == Code.NO_AVAILABLE_HANDLE and time.monotonic() < deadline:
                     retry.append(j)
-                elif code == NO_AVAILABLE_HANDLE and self._pool_takes_a_byte(ptrs[j]):
+                elif code == Code.NO_AVAILABLE_HANDLE and self._pool_takes_a_byte(ptrs[j]):
                     raise InvalidPut(
                         f"a page of {sizes[j]} bytes ({name}) does not fit in the Mooncake "
                         f"pool, which takes smaller objects: no put of it can succeed"
