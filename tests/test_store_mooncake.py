@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvlife.errors import (
+    ConfigError,
     InvalidPut,
     MissingDependency,
     PageMismatch,
@@ -314,6 +315,25 @@ def test_no_master_is_a_typed_error_within_seconds() -> None:
         MooncakeStore(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metadata")
     assert time.monotonic() - t0 < 30
     assert info.value.call == "setup" and info.value.code is not None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_page_bytes": 0},
+        {"retry_after": -1.0},
+        {"full_wait": float("nan")},
+        {"max_batch_bytes": 0},
+        {"local_buffer_size": 2.5},
+    ],
+)
+def test_bad_options_are_refused_before_a_client_is_set_up(bad: dict[str, object]) -> None:
+    """No master answers there, so a client set up first would fail with StoreUnavailable
+    (and one set up before a refusal would never be closed)."""
+    from kvlife.testing.mooncake_local import free_port
+
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        MooncakeStore(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metadata", **bad)
 
 
 def test_not_installed_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
