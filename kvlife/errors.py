@@ -1,8 +1,8 @@
 """Typed refusals. Every error kvlife raises is a :class:`KVLifeError`.
 
-A refused event changes nothing: the object that raised is exactly as it was
-before the call. Lifecycle errors carry the Lifecycle's rid, identity and state
-so a log line is enough to find the request and the event.
+A refusal changes nothing: the object that raised is exactly as it was before the call,
+and the message says why (every case: ``docs/failures.md``). Lifecycle errors carry the
+Lifecycle's rid, identity and state, so a log line finds the request and the event.
 """
 
 from __future__ import annotations
@@ -64,36 +64,27 @@ class ReleaseCallbackError(KVLifeError):
 
 
 class ManagerError(KVLifeError, ValueError):
-    """A call the offload manager refused; nothing changed. The message says why: a
-    request this manager did not start, a step whose tokens or device pages do not fit
-    the request (too few pages, tokens went back, a step after finish), a prompt it
-    cannot hash, a second thread, or (vLLM backend, with ``strict``) a call naming no
-    known job. Catch it to drop the one call; the request and the manager go on."""
+    """A call the offload manager refused: a request it did not start, a step that does not
+    fit the request, a prompt it cannot hash, a second thread. Catch it to drop the one
+    call; the request and the manager go on."""
 
 
 class PoolError(KVLifeError, ValueError):
-    """A host pool call refused; the pool is unchanged. The message says why: a page out
-    of range or not an int, a page already free (or named twice in one ``free``), a page
-    another owner holds, an allocation of ``n`` not a positive int or for owner ``None``.
-    It is a bug in the caller's page bookkeeping, never a full pool (``alloc`` returns
-    ``None`` then): catch it to log the bug, not to retry."""
+    """A host pool call refused: a page out of range, already free or another owner's, a
+    bad allocation. A bug in the caller's page bookkeeping, never a full pool (``alloc``
+    returns ``None`` then): catch it to log the bug, not to retry."""
 
 
 class EngineError(KVLifeError, ValueError):
-    """A copy engine refused a call; nothing was submitted and nothing changed. Raised as
-    is for a chunk that is malformed (not a ticket, lengths that disagree with the ticket
-    or each other, a page out of range, not an int or named twice) or, in the testing
-    kit's scripted engine, a copy completed that is not in flight: a bug in the caller,
-    the message says which. :class:`PageBusy`, :class:`UnallocatedHostPage` and
-    :class:`EngineClosed` are the refusals a caller handles apart; :class:`CopyFault`
-    is a failed copy."""
+    """A copy engine refused a chunk; nothing was submitted. Raised as is for a malformed
+    chunk (a bug in the caller). :class:`PageBusy`, :class:`UnallocatedHostPage` and
+    :class:`EngineClosed` are the refusals a caller handles apart; :class:`CopyFault` is
+    a failed copy."""
 
 
 class PageBusy(EngineError):
-    """A page of the chunk is still in use by a copy in flight: a host page a store is
-    writing (or, for a store, one a load reads), a device page a load is writing (or,
-    for a load, one a store reads). Wait for the copies in flight (``drain``), then
-    submit again."""
+    """A page of the chunk is in use by a copy in flight (one writes it, or this chunk
+    would write a page another reads). Wait for the copies in flight, then submit again."""
 
 
 class UnallocatedHostPage(EngineError):
@@ -111,10 +102,9 @@ class CopyFault(EngineError):
 
 
 class AgreementError(KVLifeError):
-    """A submission or ack the agreement of a tensor-parallel group cannot take (not a
-    ticket or an ack, a chunk submitted twice): a caller bug; nothing changed and the
-    agreement stays usable. Also the error of an ack whose copy succeeded here but failed
-    on another rank. Its subclass :class:`GroupBroken` is the one to stop on."""
+    """A submission or ack a tensor-parallel group's agreement cannot take (a caller bug;
+    the agreement stays usable), or the error of an ack whose copy failed on another
+    rank. Its subclass :class:`GroupBroken` is the one to stop on."""
 
     def __init__(
         self,
@@ -129,20 +119,17 @@ class AgreementError(KVLifeError):
 
 
 class GroupBroken(AgreementError, RuntimeError):
-    """The group's agreement is broken for good; every later call raises it again: stop
-    the group's offload. The message says why: a peer rank crashed or its connection
-    broke; it did not join the collective within the timeout ("no peer answer in time");
-    or the ranks submitted different chunk sequences (a runtime bug, raised on every rank
-    alike: ``index`` is the first submission index at which they differ and ``chunks[r]``
-    rank r's chunk there, ``None`` if it had none; both ``None`` for the other causes).
-    Nothing from the failing poll was applied."""
+    """The group's agreement is broken for good (a peer crashed or did not answer in time,
+    or the ranks submitted different chunks); every later call raises it again: stop the
+    group's offload. Nothing of the failing poll was applied. For different chunks,
+    ``index`` is the first submission where they differ and ``chunks[r]`` rank r's chunk
+    there (``None``: none); both are ``None`` for the other causes."""
 
 
 class TierError(KVLifeError, ValueError):
-    """The host tier refused an event: a completion of a key with nothing in flight, a
-    load of a key that is not ready, a key of the wrong type. Nothing changed; inside a
-    host runtime it is counted (:class:`~kvlife.refusals.Refusals`), raised only when
-    strict. ``key`` names the key refused (``None`` for a refusal of the whole call)."""
+    """The host tier refused an event (a completion of a key with nothing in flight, a load
+    of a key not ready); counted by :class:`~kvlife.refusals.Refusals`, raised only when
+    strict. ``key`` is the key refused (``None`` for a refusal of the whole call)."""
 
     def __init__(self, message: str, *, key: object = None) -> None:
         super().__init__(message)
@@ -150,15 +137,12 @@ class TierError(KVLifeError, ValueError):
 
 
 class StoreError(KVLifeError):
-    """Base of every error the storage tier raises or reports. Raised as is, or reported as a
-    put's ``StoreResult.error``, for a put or read that failed: a fault a test injected
-    (``kvlife.testing.faults``; the message says "injected"), or a Mooncake call that
-    answered an error code (``code`` and ``call`` say which; both ``None`` for other
-    failures). A failed put leaves the stored pages as they were (all-or-nothing; a
-    directory store's I/O error is reported as the ``OSError`` it is). Catch it to drop the
-    one put (the manager counts a store failure and goes on without those pages).
-    :class:`InvalidPut`, :class:`StoreClosed`, :class:`PageMismatch` and
-    :class:`StoreUnavailable` are the ones a caller handles apart."""
+    """Base of the storage tier's errors. As is, a failed put or read (a put's
+    ``StoreResult.error``): an injected fault (the message says "injected"), or a Mooncake
+    call that answered an error (``code`` and ``call`` say which; else ``None``). A failed
+    put leaves the stored pages as they were; drop that put. :class:`InvalidPut`,
+    :class:`StoreClosed`, :class:`PageMismatch` and :class:`StoreUnavailable` are the
+    ones a caller handles apart."""
 
     def __init__(self, message: str, *, code: int | None = None, call: str | None = None) -> None:
         super().__init__(message)
@@ -167,11 +151,9 @@ class StoreError(KVLifeError):
 
 
 class InvalidPut(StoreError, ValueError):
-    """A malformed put or key, refused before anything changes (nothing queued, no
-    counter moved): keys and pages of different lengths, no pages, a key twice, pages that
-    are not a 2-D dense host tensor, or a key that is not 2 to 128 lowercase hex digits
-    (the message says so; ``get`` and ``contains`` refuse such a key too). A bug in the
-    caller (or a custom hasher's keys): fix it, do not retry."""
+    """A malformed put (``docs/store.md``, "What put refuses") or a key that is not 2 to
+    128 lowercase hex digits (``get`` refuses it too): nothing queued, no counter moved.
+    A bug in the caller (or a custom hasher's keys): fix it, do not retry."""
 
 
 class StoreClosed(StoreError):
@@ -179,9 +161,8 @@ class StoreClosed(StoreError):
 
 
 class PageMismatch(StoreError):
-    """A key already stored with different bytes: a content-hash corruption signal,
-    counted apart (``stats().page_mismatches``). The stored page is kept; the put that
-    carried the other bytes fails whole. ``key`` is the key."""
+    """``key`` is already stored with other bytes (counted in ``stats().page_mismatches``):
+    the stored page is kept, and the put that carried the other bytes fails whole."""
 
     def __init__(self, message: str, *, key: str) -> None:
         super().__init__(message)
@@ -189,22 +170,16 @@ class PageMismatch(StoreError):
 
 
 class StoreUnavailable(StoreError):
-    """The store's backing service cannot be reached (Mooncake's master or memory pool),
-    or its circuit breaker is open after such a failure and the put failed without
-    calling it. ``code`` and ``call`` name the failing call. Transient: the store calls
-    the service again after ``retry_after`` seconds, so a caller may put again later and
-    treat a failed read as a miss."""
+    """The store's service (Mooncake's master or pool) cannot be reached, or the breaker
+    opened by such a failure failed the put at once. Transient: the store calls it again
+    after ``retry_after`` seconds; put again later, and treat a failed read as a miss."""
 
 
 class ConfigError(KVLifeError, ValueError):
-    """An argument that does not fit what it configures, refused before anything was
-    built or copied: a constructor argument no run can use (a page size of ``True``, a NaN
-    stride, a store namespace that could escape the store's root or makes page paths too
-    long for the file system, a device layout and host pool that disagree on dtype or page
-    width, KV buffers of two shapes, a device this machine cannot allocate on, pinned host
-    pages without CUDA, a fault injection count or delay out of bounds), a layout
-    call with pages, rows or a dtype the layout does not hold, or a diagram in a format it
-    does not come in. A bug in how the runtime wires kvlife: fix the call, do not retry it."""
+    """An argument that does not fit what it configures (a page size of ``True``, a
+    namespace that could escape a store's root, a layout and pool that disagree, a device
+    this machine lacks), refused before anything was built or copied. A bug in how the
+    runtime wires kvlife: fix the call, do not retry it."""
 
 
 class MissingDependency(KVLifeError, ImportError):

@@ -1,16 +1,12 @@
 """One refusal policy for the core and every integration: count, log once per kind, or raise.
 
-A refusal is an event kvlife will not apply (a completion of a key with nothing
-in flight, a call for a request it never saw, a bad argument from a host
-runtime). It has changed nothing when it reaches :meth:`Refusals.refuse`. Inside
-a host runtime kvlife never crashes the host by default: the refusal is counted
-under its kind and logged the first time that kind occurs. ``strict`` (for
-tests, and for callers whose contract is a typed error, such as
-:class:`~kvlife.OffloadManager`) raises the refusal's typed error instead.
-
-The counts are plain ints and a dict that only the owning thread writes; a
-scrape from another thread reads :meth:`Refusals.snapshot`, a copy made in one C
-call (never iterating a dict that is being mutated).
+A refusal is an event kvlife will not apply (a completion of a key with nothing in
+flight, a call for a request it never saw, a bad argument from a host runtime); it has
+changed nothing when it reaches :meth:`Refusals.refuse`. Inside a host runtime it is
+counted under its kind and logged the first time that kind occurs, never raised into the
+host, unless ``strict`` (tests, and callers whose contract is a typed error, such as
+:class:`~kvlife.OffloadManager`). Only the owning thread counts; a scrape from another
+thread reads :meth:`Refusals.snapshot`, a copy made in one C call.
 """
 
 from __future__ import annotations
@@ -42,11 +38,10 @@ class Refusals:
 
     def refuse(self, kind: str, error: KVLifeError) -> None:
         """Count ``error`` under ``kind``; raise it when strict, else log the kind's first."""
-        self._by_kind[kind] += 1
-        self.total += 1
+        first = self._add(kind)
         if self.strict:
             raise error
-        if self._by_kind[kind] == 1:
+        if first:
             self.logger.warning(
                 "kvlife: %s refused (%s); counted, logged once per kind", kind, error
             )
@@ -54,16 +49,13 @@ class Refusals:
     def note(self, kind: str, message: str) -> None:
         """Count a failure the host recovers from (a copy made again, a job reported failed,
         a write lost): logged the first time its kind occurs, never raised, strict or not."""
-        self._by_kind[kind] += 1
-        self.total += 1
-        if self._by_kind[kind] == 1:
+        if self._add(kind):
             self.logger.warning("kvlife: %s (%s); counted, logged once per kind", kind, message)
 
     def counted(self, error: E) -> E:
         """Count ``error`` under its type's name and hand it back for the caller to raise (a
         refusal whose contract is a typed error to the caller, as the manager's calls)."""
-        self._by_kind[type(error).__name__] += 1
-        self.total += 1
+        self._add(type(error).__name__)
         return error
 
     def count(self, kind: str) -> int:
@@ -73,3 +65,9 @@ class Refusals:
     def snapshot(self) -> dict[str, int]:
         """Kind -> count, copied (safe to call from a scraping thread)."""
         return dict(self._by_kind)
+
+    def _add(self, kind: str) -> bool:
+        """Count one refusal of ``kind``; whether it is the kind's first."""
+        self._by_kind[kind] += 1
+        self.total += 1
+        return self._by_kind[kind] == 1
