@@ -1,22 +1,17 @@
 """Agreement across the ranks of one tensor-parallel group, over ``torch.distributed``.
 
-Theory of operation: every rank copies its own shard of the KV pool, and
-:class:`TorchAgreement` makes every rank apply the same acks in the same order.
-Each poll runs one ``all_reduce(MIN)`` of seven int64 words (the completed
-prefix, submission counts and fingerprints, the first failure, free host
-pages): acks complete everywhere are applied in submission order, a copy failed
-on any rank fails on every rank, different submission sequences raise
-:class:`~kvlife.errors.GroupBroken` naming the first differing chunk, and a
-crashed or silent peer raises it within ``timeout``. Loads are submissions
-too, and :meth:`TorchAgreement.least` (the same seven words, marked) lets a
-lookup or a load agree on the prefix every rank holds. The word table, the host
-budget, loads and the failure cases are in docs/distributed.md.
+:class:`TorchAgreement` makes every rank apply the same acks in the same order: each poll
+is one ``all_reduce(MIN)`` of seven int64 words, so an ack is applied once its copy is
+complete on every rank, a copy failed on any rank fails on all, and ranks that submitted
+different chunks, or a peer that crashed or went silent, raise
+:class:`~kvlife.errors.GroupBroken`. :meth:`TorchAgreement.least` agrees a lookup's or a
+load's prefix alike. The words, the host budget, loads and every failure case are in
+``docs/distributed.md``.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import time
 import zlib
 from dataclasses import replace
@@ -26,7 +21,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket, is_ticket
+from kvlife._checks import finite_seconds
+from kvlife._lifecycle import LoadTicket, Ticket, is_ticket
 from kvlife.engine.base import Ack
 from kvlife.errors import AgreementError, ConfigError, GroupBroken
 
@@ -49,23 +45,26 @@ def chunk_fingerprint(fp: int, n_pages: int, last_key: str) -> int:
 
 
 def _describe(ticket: Ticket | LoadTicket) -> str:
-    lifecycle, seq, keys = ticket[:3]
+    owner, seq, keys = ticket[:3]
     key = keys[-1] if keys else ""
     what = "load" if type(ticket) is LoadTicket else "chunk"
-    return f"{what} rid={lifecycle.rid!r} seq={seq} pages={len(keys)} last key {key[:16]}"
+    rid = getattr(owner, "rid", owner)  # a Lifecycle's rid, or a host's own record
+    return f"{what} rid={rid!r:.60} seq={seq} pages={len(keys)} last key {key[:16]}"
 
 
 def _index_key(ticket: Ticket | LoadTicket) -> tuple[object, ...]:
-    """A submission's key: ``(lifecycle, seq)`` for a chunk, ``(lifecycle, seq, "load")``
-    for a load (a Lifecycle numbers its loads apart from its chunks, from 0 too)."""
+    """A submission's key: ``(owner, seq)`` for a chunk, ``(owner, seq, "load")`` for a
+    load (an owner numbers its loads apart from its chunks, from 0 too)."""
     key = ticket[:2]
     return (*key, "load") if type(ticket) is LoadTicket else key
 
 
 def _is_load_ticket(obj: object) -> bool:
+    """Whether ``obj`` has a :class:`~kvlife.LoadTicket`'s shape: an owner (not ``None``),
+    an int seq and a non-empty tuple of keys (as :func:`~kvlife._lifecycle.is_ticket`)."""
     return (
         type(obj) is LoadTicket
-        and isinstance(obj[0], Lifecycle)
+        and obj[0] is not None
         and type(obj[1]) is int
         and type(obj[2]) is tuple
         and len(obj[2]) > 0
@@ -84,24 +83,16 @@ class TorchAgreement:
     """
 
     def __init__(
-        self,
-        group: Any = None,
-        *,
-        timeout: float = 60.0,
-        host: HostPagePool | None = None,
+        self, group: Any = None, *, timeout: float = 60.0, host: HostPagePool | None = None
     ) -> None:
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not (timeout > 0 and math.isfinite(timeout))
-        ):
-            raise ConfigError(f"timeout must be a positive number of seconds: {timeout!r}")
+        self.timeout = finite_seconds("timeout", timeout)
+        if self.timeout == 0:
+            raise ConfigError("timeout must be a positive number of seconds, got 0")
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "torch.distributed is not initialized: call init_process_group first "
                 "(one process needs no agreement: pass agreement=None)"
             )
-        self.timeout = float(timeout)
         self._wait = timedelta(seconds=self.timeout)
         group = group if group is not None else dist.group.WORLD
         if "gloo" not in str(dist.get_backend(group)):  # NCCL: a gloo group of the same ranks
@@ -286,22 +277,24 @@ class TorchAgreement:
     def _fail(self, exc: BaseException | None, what: str, elapsed: float) -> NoReturn:
         timed_out = exc is None or "timed out" in str(exc).lower() or elapsed >= self.timeout
         why = "no peer answer in time" if timed_out else "a peer's connection broke"
-        error = GroupBroken(
+        self._break(
             f"rank {self.rank} of {self.world_size}: the agreement's {what} collective failed "
             f"after {elapsed:.1f} s (timeout {self.timeout:g} s; {why}): a peer rank crashed, "
-            f"hung or stopped polling. Nothing was applied. Cause: {exc}"
+            f"hung or stopped polling. Nothing was applied. Cause: {exc}",
+            cause=exc,
         )
-        self._broken = error
-        raise error from exc
+
+    def _break(self, message: str, *, cause: BaseException | None = None, **where: Any) -> NoReturn:
+        """Raise GroupBroken, and the same error at every later call: broken for good."""
+        self._broken = GroupBroken(message, **where)
+        raise self._broken from cause
 
     def _mismatched(self, what: str) -> NoReturn:
-        error = GroupBroken(
+        self._break(
             f"rank {self.rank} of {self.world_size} ran the agreement's {what} collective "
             "while a peer ran another (a poll against a lookup's or load's): the ranks' "
             "calls diverged"
         )
-        self._broken = error
-        raise error
 
     def _diverged(self, fewest: int, most: int) -> NoReturn:
         """Gather every rank's fingerprints since the last agreed poll; raise at the first diff."""
@@ -327,11 +320,9 @@ class TorchAgreement:
         chunks = [h[first][1] if first < len(h) else None for h in histories]
         index = base + first
         lines = "; ".join(f"rank {r}: {c or 'no chunk'}" for r, c in enumerate(chunks))
-        error = GroupBroken(
+        self._break(
             f"ranks submitted different chunk sequences ({fewest} to {most} submissions); "
             f"the first differing chunk is submission {index}: {lines}",
             index=index,
             chunks=chunks,
         )
-        self._broken = error
-        raise error

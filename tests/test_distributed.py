@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from kvlife import cli
-from kvlife._lifecycle import Lifecycle, Ticket
+from kvlife._lifecycle import Lifecycle, LoadTicket, Ticket
 from kvlife.distributed import TorchAgreement, chunk_fingerprint
 from kvlife.engine.base import Ack
 from kvlife.engine.cpu import CpuCopyEngine, CpuCopyEvent
@@ -714,6 +714,26 @@ def test_single_rank_applies_in_submission_order_and_refuses_bad_input(world1: N
     # A duplicate of an applied ack, and a foreign one, go through for the Lifecycle to refuse.
     stray = Ack(t0, (3,), (3,))
     assert ag.agree([stray]) == [stray]
+
+
+class _Job:
+    """A host's own record of one operation (a vLLM job, a linker load): no rid."""
+
+
+def test_tickets_of_a_host_record_are_agreed_and_named_in_refusals(world1: None) -> None:
+    """A ticket's owner may be a host's record instead of a Lifecycle: its chunks and loads
+    are agreed, and a refusal names them (it raised AttributeError for want of a rid)."""
+    ag = TorchAgreement(timeout=5)
+    job = _Job()
+    stored: Ticket = (job, 0, ("ab",), 0)
+    loaded = LoadTicket(job, 0, ("cd",))
+    ag.submitted(stored)
+    ag.submitted(loaded)
+    for again in (stored, loaded):
+        with pytest.raises(AgreementError, match="already submitted"):
+            ag.submitted(again)
+    out = ag.agree([Ack(loaded, (1,), (1,)), Ack(stored, (0,), (0,))])
+    assert [a.ticket for a in out] == [stored, loaded] and ag.pending == 0
 
 
 def test_single_rank_failure_caps_the_poll_and_duplicates_follow_the_original(
