@@ -9,8 +9,7 @@ A host tier maps a page's key (its hash-chain key) to a host page of a
 entry has a pin *count*, one per reader in flight (a load copying the page to a
 device, a store write reading it). An entry is evictable only when it is ready,
 unpinned and not one of the keys the same store offers. "Is anything evictable"
-is a length; the victims come off a heap ordered by rank (below), least recent
-first, with no scan of the index.
+is a count; the victims come least recent first (below), with no scan of the index.
 
 Completions are per key, as vLLM's contract is: ``complete_store(keys)`` settles
 each named key's pending store, ``complete_load(keys)`` drops one pin per named
@@ -22,16 +21,20 @@ before any is settled.
 
 Recency keeps what a lookup can reach: a lookup stops at the first miss, so the
 tier should lose a request's prefix from its tail, not its head. Every held key,
-pending, pinned or idle, has a *rank*, its logical recency: a new key is ranked
-when its store is prepared (in the order offered), :meth:`HostTier.finished` and
-:meth:`touch` re-rank a request's keys in prefix order with the head the most
-recent, and :meth:`rank` raises keys to ranks the runtime gives (a running
-request's keys by token position, tail below head). A key enters the evictable
-heap at its rank when it goes idle, so the order a copy's completions arrive in
-(a set's order follows Python's hash seed) never changes which key goes first:
-a request that finished before its stores completed still loses its tail first,
-and an old request's late completion never outranks a newer request's keys
-(vLLM's CPU manager keeps recency the same way).
+pending, pinned or idle, has a *rank*, its logical recency, and a place in the
+eviction order by rank that it keeps while a store writes it or a reader pins it
+(eviction passes over those): a new key is ranked when its store is prepared (in
+the order offered), :meth:`HostTier.finished` and :meth:`touch` re-rank a
+request's keys in prefix order with the head the most recent, and :meth:`rank`
+raises keys to ranks the runtime gives (a running request's keys by token
+position, tail below head). So the order a copy's completions arrive in (a set's
+order follows Python's hash seed) never changes which key goes first: a request
+that finished before its stores completed still loses its tail first, and an old
+request's late completion never outranks a newer request's keys (vLLM's CPU
+manager keeps recency the same way). A key made the most recent joins the end of
+an insertion-ordered *lane*; a key given any other rank goes to a heap; the
+victim is the lesser of their heads, so pins, completions and new keys move
+nothing in a heap.
 
 A pending store may carry a deadline (``pending_timeout``): :meth:`expire` fails
 a store not completed in time. Its key stops being a hit at once, but its page
@@ -51,7 +54,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -88,9 +91,9 @@ class Lookup(Enum):
 class HostEntry:
     """One key's host page: pending while a store writes it, then ready; ``pins`` readers."""
 
-    __slots__ = ("deadline", "page", "pending", "pins", "rank")
+    __slots__ = ("deadline", "page", "pending", "pins", "rank", "seq")
 
-    def __init__(self, page: int, deadline: float, rank: Rank, pending: bool = True) -> None:
+    def __init__(self, page: int, deadline: float, rank: Rank | None, pending: bool = True) -> None:
         #: The host page (a row of the pool's tensor).
         self.page = page
         #: A store copy is writing the page: not a hit, never evicted.
@@ -99,8 +102,11 @@ class HostEntry:
         self.pins = 0
         #: When the pending store is failed (``inf``: no deadline).
         self.deadline = deadline
-        #: The key's recency (see :meth:`HostTier.rank`): it goes idle at this rank.
+        #: The key's recency in the tier's heap; ``None`` in its lane (read
+        #: :meth:`HostTier.rank_of`).
         self.rank = rank
+        #: The sequence number of the key's live heap item (0 in the lane).
+        self.seq = 0
 
     def __repr__(self) -> str:
         what = "pending" if self.pending else f"ready pins={self.pins}"
@@ -181,9 +187,10 @@ class HostTier(Generic[K]):
         self._clock = clock
         self._index: dict[K, HostEntry] = {}
         self._next_rank = 0
-        # Idle keys -> the sequence number of their live heap entry; the heap holds
-        # (rank, seq, key), stale entries skipped lazily (seq is unique: keys never compared).
-        self._evictable: dict[K, int] = {}
+        # Every held key's place in the eviction order: the lane (key -> the counter's rank
+        # it was made the most recent with, in that order), or the heap of (rank, seq, key)
+        # (an item whose seq is not its entry's is stale, skipped lazily).
+        self._lane: OrderedDict[K, int] = OrderedDict()
         self._heap: list[tuple[Rank, int, K]] = []
         self._seq = 0
         self._orphans: dict[K, HostEntry] = {}
@@ -241,7 +248,7 @@ class HostTier(Generic[K]):
                 continue
             seen.add(key)
             if key in index:
-                self._rerank(key)
+                self._make_recent(key, index[key])
             elif key not in orphans:
                 new.append(key)
         if not new:
@@ -255,7 +262,8 @@ class HostTier(Generic[K]):
         assert pages is not None  # the room was made above
         deadline = self._deadline()
         for key, page in zip(new, pages, strict=True):
-            entry = index[key] = HostEntry(page, deadline, self.new_rank())
+            entry = index[key] = HostEntry(page, deadline, None)
+            self._make_recent(key, entry)
             if self.pending_timeout is not None:
                 self._deadlines.append((deadline, key, entry))
         c = self.counts
@@ -295,10 +303,8 @@ class HostTier(Generic[K]):
                 if success:
                     ready.append(key)
                 else:
-                    del index[key]
-                    c.entries -= 1
+                    freed.append(self._drop(key))
                     c.store_failures += 1
-                    freed.append(entry.page)
             elif key in orphans and orphans[key].pending:
                 orphans[key].pending = False
                 c.late_completions += 1
@@ -317,19 +323,21 @@ class HostTier(Generic[K]):
     def adopt(self, keys: Sequence[K], pages: Sequence[int], owner: object) -> list[K]:
         """Keep pages that already hold these keys' bytes (a chunk's staged copy the store
         has written): ownership passes from ``owner`` to the tier and each key is ready at
-        once; a key already held (or an orphan's) gives its page back to the pool instead.
-        Returns the keys adopted."""
+        once, the most recent; a key already held (or an orphan's) gives its page back to
+        the pool instead. Returns the keys adopted."""
         if len(keys) != len(pages):
             raise ValueError(f"adopt: {len(keys)} keys for {len(pages)} pages")
         self.pool.transfer(pages, owner, self)  # every page checked before any changes hands
-        index, orphans = self._index, self._orphans
+        index, orphans, lane = self._index, self._orphans, self._lane
         taken: list[K] = []
         freed: list[int] = []
         for key, page in zip(keys, pages, strict=True):
             if key in index or key in orphans:
                 freed.append(page)
             else:
-                index[key] = HostEntry(page, _NO_DEADLINE, self.new_rank(), False)
+                index[key] = HostEntry(page, _NO_DEADLINE, None, False)
+                self._next_rank += 1  # _make_recent, inlined for a new key
+                lane[key] = self._next_rank
                 taken.append(key)
         if taken:
             self._add_ready(taken, freed)
@@ -364,7 +372,8 @@ class HostTier(Generic[K]):
         if not filled:
             self.pool.free(pages, self)
             return False
-        entry = self._index[key] = HostEntry(pages[0], _NO_DEADLINE, self.new_rank(), False)
+        entry = self._index[key] = HostEntry(pages[0], _NO_DEADLINE, None, False)
+        self._make_recent(key, entry)
         if pin:  # the load's pin, taken before the entry can go idle
             entry.pins = 1
             self.counts.pinned += 1
@@ -387,6 +396,7 @@ class HostTier(Generic[K]):
             _, key, entry = queue.popleft()
             if index.get(key) is entry and entry.pending:
                 del index[key]
+                self._lane.pop(key, None)
                 self._orphans[key] = entry
                 expired.append(key)
         c = self.counts
@@ -402,7 +412,6 @@ class HostTier(Generic[K]):
         """Pin each key (one pin per occurrence) and return its pages, in order; every key
         must be ready. Refused as a whole (nothing pinned) otherwise: ``None``."""
         index = self._index
-        entries = []
         for key in keys:
             entry = index.get(key)
             if entry is None or entry.pending:
@@ -412,17 +421,35 @@ class HostTier(Generic[K]):
                     TierError(f"cannot load key {_short(key)}: {what}", key=key),
                 )
                 return None
-            entries.append(entry)
-        pages = [self._pin(key, entry) for key, entry in zip(keys, entries, strict=True)]
-        self.counts.loads += len(keys)
+        return self.pin_ready(keys)
+
+    def pin_ready(self, keys: Sequence[K]) -> list[int]:
+        """Pin the leading ready keys for a load (one pin per occurrence), up to the first
+        key that is not ready; their pages, in order."""
+        index, c = self._index, self.counts
+        pages: list[int] = []
+        for key in keys:
+            entry = index.get(key)
+            if entry is None or entry.pending:
+                break
+            if not entry.pins:
+                c.evictable -= 1
+            entry.pins += 1
+            pages.append(entry.page)
+        c.pinned += len(pages)
+        c.loads += len(pages)
         return pages
 
     def pin(self, keys: Iterable[K]) -> None:
         """Hold ready keys for a reader other than a load (a store write reading the page)."""
+        c = self.counts
         for key in keys:
             entry = self._index.get(key)
             if entry is not None and not entry.pending:
-                self._pin(key, entry)
+                if not entry.pins:
+                    c.evictable -= 1
+                entry.pins += 1
+                c.pinned += 1
 
     def complete_load(self, keys: Iterable[K]) -> None:
         """Drop one pin per named key (a load, or another reader, is over). A key with no
@@ -473,9 +500,11 @@ class HostTier(Generic[K]):
         """A request used ``keys`` (in prefix order): the head becomes the most recent.
         Every held key is re-ranked, pending and pinned ones too: each goes idle later at
         this rank, whenever and in whatever order its copy completes."""
+        index = self._index
         for key in reversed(keys):
-            if key in self._index:
-                self._rerank(key)
+            entry = index.get(key)
+            if entry is not None:
+                self._make_recent(key, entry)
 
     def finished(self, keys: Sequence[K]) -> None:
         """A request whose prefix is ``keys`` (in order) finished: its tail goes first,
@@ -491,20 +520,25 @@ class HostTier(Generic[K]):
         index = self._index
         for key, rank in ranks:
             entry = index.get(key)
-            if entry is not None and (lower or rank > entry.rank):
+            if entry is not None and (lower or rank > self._rank(key, entry)):
+                self._lane.pop(key, None)
                 entry.rank = rank
-                if key in self._evictable:
-                    self._push(key, entry)
+                seq = entry.seq = self._seq = self._seq + 1
+                heapq.heappush(self._heap, (rank, seq, key))
+        if len(self._heap) > 64 + 2 * len(index):  # mostly stale: rebuilt from the entries
+            self._heap = [(e.rank, e.seq, k) for k, e in index.items() if e.rank is not None]
+            heapq.heapify(self._heap)
 
     def rank_of(self, key: K) -> Rank | None:
         """A held key's rank (None when not held)."""
         entry = self._index.get(key)
-        return None if entry is None else entry.rank
+        return None if entry is None else self._rank(key, entry)
 
     def eviction_order(self) -> list[K]:
         """The idle keys, the next victim first (a sorted copy, for tests and reports)."""
         index = self._index
-        return sorted(self._evictable, key=lambda k: index[k].rank)
+        idle = [k for k, e in index.items() if not e.pending and not e.pins]
+        return sorted(idle, key=lambda k: self._rank(k, index[k]))
 
     # ---------------------------------------------------------------- events, reset
 
@@ -517,7 +551,7 @@ class HostTier(Generic[K]):
         """Drop every entry: idle ones now (announced removed), the ones a copy still touches
         become orphans (freed by their completions or :meth:`abandon`)."""
         index, self._index = self._index, {}
-        self._evictable.clear()
+        self._lane.clear()
         self._heap.clear()
         self._deadlines.clear()
         freed: list[int] = []
@@ -557,68 +591,60 @@ class HostTier(Generic[K]):
         or ``None`` when there are fewer: O(1) when nothing is evictable."""
         if need <= 0:
             return []
-        evictable = self._evictable
-        if need > len(evictable) - sum(1 for k in guard if k in evictable):
+        index = self._index
+
+        def idle(key: K) -> bool:
+            entry = index.get(key)
+            return entry is not None and not entry.pending and not entry.pins
+
+        if need > self.counts.evictable - sum(1 for k in guard if idle(k)):
             return None
-        # Enough idle keys outside the guard: the loop finds them, and every victim is
-        # evicted by the caller (its heap entry goes with it); guarded ones go back.
-        heap = self._heap
+        # Enough idle keys outside the guard: the loop finds them, merging the lane and the
+        # heap by rank; a victim's heap item goes, guarded, pending or pinned ones go back.
+        lane, heap = self._lane, self._heap
+        in_lane = (key for key in lane if key not in guard and idle(key))
+        head = next(in_lane, None)
         victims: list[K] = []
-        chosen: set[K] = set()
         kept: list[tuple[Rank, int, K]] = []
         while len(victims) < need:
-            item = heapq.heappop(heap)
-            key = item[2]
-            if evictable.get(key) != item[1] or key in chosen:
-                continue  # stale: re-ranked, pinned or gone since it was pushed
-            if key in guard:
-                kept.append(item)
-                continue
-            victims.append(key)
-            chosen.add(key)
+            while heap:
+                _, seq, key = heap[0]
+                entry = index.get(key)
+                if entry is not None and entry.seq == seq:
+                    if not (entry.pending or entry.pins or key in guard):
+                        break
+                    kept.append(heap[0])
+                heapq.heappop(heap)  # stale (re-ranked or gone), or set aside above
+            if head is not None and (not heap or (lane[head], 0) <= heap[0][0]):
+                victims.append(head)
+                head = next(in_lane, None)
+            else:
+                victims.append(heapq.heappop(heap)[2])
         for item in kept:
             heapq.heappush(heap, item)
         return victims
 
-    def _rerank(self, key: K) -> None:
-        """A held key becomes the most recent (idle: at the heap's recent end)."""
-        entry = self._index[key]
-        entry.rank = self.new_rank()
-        if key in self._evictable:
-            self._push(key, entry)
+    def _rank(self, key: K, entry: HostEntry) -> Rank:
+        return entry.rank if entry.rank is not None else (self._lane[key], 0)
 
-    def _push(self, key: K, entry: HostEntry) -> None:
-        """(Re-)enter an idle key in the heap at its current rank."""
-        seq = self._seq = self._seq + 1
-        evictable = self._evictable
-        evictable[key] = seq
-        heap = self._heap
-        heapq.heappush(heap, (entry.rank, seq, key))
-        if len(heap) > 64 and len(heap) > 2 * len(evictable):  # drop stale entries
-            index = self._index
-            self._heap = [(index[k].rank, seq, k) for k, seq in evictable.items()]
-            heapq.heapify(self._heap)
+    def _make_recent(self, key: K, entry: HostEntry) -> None:
+        """``key`` becomes the most recent: the end of the lane (a heap item it had is stale)."""
+        entry.rank = None
+        entry.seq = 0
+        self._next_rank += 1
+        lane = self._lane
+        lane[key] = self._next_rank
+        lane.move_to_end(key)
 
     def _add_ready(self, keys: list[K], freed: list[int]) -> None:
         """``keys`` were just indexed as ready entries on pages already the tier's: counted,
         announced stored, then each settled (idle ones cached, or their pages into ``freed``)."""
-        c, n = self.counts, len(keys)
-        c.entries += n
-        c.stored += n
+        c, index = self.counts, self._index
+        c.entries += len(keys)
+        c.stored += len(keys)
         self._announce(keys, False)
-        if not self.keep:
-            for key in keys:
-                self._settled(key, self._index[key], freed)
-            return
-        index, evictable, heap = self._index, self._evictable, self._heap
-        for key in keys:  # _settled, inlined for a cache: idle at once, unless pinned
-            entry = index[key]
-            if entry.pins:
-                continue
-            seq = self._seq = self._seq + 1
-            evictable[key] = seq
-            heapq.heappush(heap, (entry.rank, seq, key))
-            c.evictable += 1
+        for key in keys:
+            self._settled(key, index[key], freed)
 
     def _announce(self, keys: Sequence[K], removed: bool, source: object = None) -> None:
         """Queue one event for :meth:`take_events` (where events are taken at all)."""
@@ -629,21 +655,11 @@ class HostTier(Generic[K]):
         timeout = self.pending_timeout
         return _NO_DEADLINE if timeout is None else self._clock() + timeout
 
-    def _pin(self, key: K, entry: HostEntry) -> int:
-        """One more reader of ``key``'s ready ``entry``: no longer evictable; its page."""
-        if not entry.pins and key in self._evictable:
-            del self._evictable[key]
-            self.counts.evictable -= 1
-        entry.pins += 1
-        self.counts.pinned += 1
-        return entry.page
-
     def _settled(self, key: K, entry: HostEntry, freed: list[int]) -> None:
         """A ready entry went idle (its store or last reader ended): cached or freed."""
         if entry.pins:
             return
         if self.keep:
-            self._push(key, entry)
             self.counts.evictable += 1
         else:
             freed.append(self._drop(key))
@@ -656,14 +672,14 @@ class HostTier(Generic[K]):
             return
         freed = [self._drop(key) for key in keys]
         self.counts.evicted += len(keys)
+        self.counts.evictable -= len(keys)
         self._announce(keys, True)
         self.pool.free(freed, self)
 
     def _drop(self, key: K) -> int:
-        """Take an idle entry out of the index; its page, for the caller to free."""
+        """Take an entry out of the index and the order; its page, for the caller to free."""
         entry = self._index.pop(key)
-        if self._evictable.pop(key, None) is not None:
-            self.counts.evictable -= 1
+        self._lane.pop(key, None)
         self.counts.entries -= 1
         return entry.page
 

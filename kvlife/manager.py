@@ -628,8 +628,11 @@ class OffloadManager:
         self._live.discard(req)
         self._released += 1
         handler = req.release_handler
-        if handler is not None:
-            handler(req, req.device_pages)
+        try:
+            if handler is not None:
+                handler(req, req.device_pages)
+        finally:  # no ack can reach the request now; no cycle keeps it from being freed
+            lc.owner = self
 
     def _check_thread(self) -> None:
         """Bind the manager to the calling thread, or refuse a second one before anything
@@ -682,9 +685,11 @@ def _route(owner: object) -> tuple[Transfers, object] | None:
     """The pipeline of the manager that started ``owner`` (a Lifecycle) and the request its
     host pages belong to; ``None`` for anything no manager started (a forged ack)."""
     req = getattr(owner, "owner", None)
-    if not isinstance(req, OffloadRequest):
-        return None
-    return req.manager.transfers, req
+    if isinstance(req, OffloadRequest):
+        return req.manager.transfers, req
+    if isinstance(req, OffloadManager):  # released: its Lifecycle refuses every ack
+        return req.transfers, None
+    return None
 
 
 def _loaded(req: object, ack: Ack) -> None:

@@ -54,7 +54,6 @@ from kvlife.errors import (
     ReleaseCallbackError,
     StoreError,
 )
-from kvlife.host_tier import Lookup
 from kvlife.refusals import Refusals
 
 if TYPE_CHECKING:
@@ -354,26 +353,21 @@ class Transfers:
     # ------------------------------------------------------------ promotion
 
     def pin_for_load(self, keys: Sequence[Any]) -> list[int]:
-        """Pin the leading ``keys`` for a load, one by one (making room for a promotion never
-        evicts a page pinned before it): a ready entry's page, or a store page promoted into
-        the tier. Stops at the first key neither holds; the pinned pages, in key order (the
-        caller drops their pins with ``tier.complete_load`` if it does not load them)."""
+        """Pin the leading ``keys`` for a load: ready entries' pages, or store pages promoted
+        into the tier (making room for one never evicts a page pinned before it). Stops at
+        the first key neither holds; the pinned pages, in key order (the caller drops their
+        pins with ``tier.complete_load`` if it does not load them)."""
         tier = self.tier
         assert tier is not None, "a load pins pages of a host tier"
-        pages: list[int] = []
-        for key in keys:
-            found = tier.lookup(key)
-            if found is Lookup.HIT:
-                pinned = tier.prepare_load([key])
-                if not pinned:
-                    break
-                pages += pinned
-            elif found is not Lookup.MISS or not self.promote(key):
+        pages = tier.pin_ready(keys)
+        while len(pages) < len(keys):
+            key = keys[len(pages)]
+            if key in tier or not self.promote(key):  # pending, or not in the store either
                 break
-            else:
-                entry = tier.entry(key)
-                assert entry is not None  # promoted and pinned just now
-                pages.append(entry.page)
+            entry = tier.entry(key)
+            assert entry is not None  # promoted and pinned just now
+            pages.append(entry.page)
+            pages += tier.pin_ready(keys[len(pages) :])
         return pages
 
     def promote(self, key: Any, name: Any = None) -> bool:
