@@ -6,10 +6,7 @@ using kvlife finds the keys a prefill side wrote:
     key(page) = sha256( bytes.fromhex(prior) if prior else b""
                         ++ each token id as 4 bytes little-endian unsigned ).hexdigest()
 
-Pages are hashed one at a time and chained: each page's key is the next page's
-prior. The token ids of a page are packed into bytes with one (cached)
-``struct`` call and hashed with the prior in one ``sha256`` call (not one call
-per token).
+Each page's key is the next page's prior.
 
 A *namespace* seeds the chain: with no prior, the first page's prior becomes
 ``sha256(namespace.encode()).hexdigest()``, so two models (or tenants) sharing a

@@ -1,24 +1,10 @@
 """A torch CUDA copy engine: a side stream, pinned host pages, one event per chunk.
 
-At submit, the side stream waits on the current (compute) stream, so the copy
-sees every write the runtime enqueued before it (and a load writes only after
-every read enqueued before it); compute enqueued afterwards overlaps the copy.
-A store's pages are gathered on the device into a staging buffer (fast: device
-memory bandwidth), then copied with ``non_blocking`` into runs of pinned host
-pages. A load copies runs of pinned host pages with ``non_blocking`` into a
-device staging buffer, then ``index_copy_`` writes it into the device pages.
-One ``torch.cuda.Event`` is recorded after each chunk and ``poll`` asks it
-``query()``. The device index tensor is made on the current stream and used on
-the side stream, so it is ``record_stream``-ed there; the caching allocator
-then keeps it until the copy is done.
-
-As on every engine, the device pages must stay untouched until the ack: this
-engine makes the copy wait for earlier work, never later work. For a load that
-means the runtime must not read the device pages (no attention kernel over
-them) before the load's ack, as vLLM waits for ``get_finished`` before it
-schedules the request; when the ack is returned, the current stream is also
-made to wait on the load's event, so compute enqueued after the ack is ordered
-after the load on the device as well.
+The side stream waits on the compute stream at submit, so a copy sees every write
+enqueued before it; a store is gathered on the device, a load scattered there, through a
+staging buffer; ``poll`` asks each chunk's ``torch.cuda.Event``, and a load's ack makes
+the compute stream wait on its event. The whole contract, and why a load's device pages
+must not be read before its ack: ``docs/engines.md``.
 """
 
 from __future__ import annotations

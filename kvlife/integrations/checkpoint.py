@@ -1,24 +1,11 @@
 """What identifies a checkpoint's weights, cheaply at start (no runtime imported here).
 
-A persistent KV tier must never serve one checkpoint's KV to another. A full hash of a
-100 GB checkpoint at every start is too slow, and samples of it miss a tensor changed
-between them (a partial fine-tune written in place keeps the size and the header). So
-each file of the checkpoint is identified by what changes whenever its bytes change:
-
-- a file of a Hugging Face hub snapshot (a link into the cache's ``blobs/``) by its blob
-  name, which the hub derives from the file's content (sha256 for weights, git's sha1
-  for small files): the same on every machine that downloaded that revision;
-- any other file of up to :data:`WHOLE_BYTES` (configs, tokenizer, remote code, small
-  weights) by a hash of all of its bytes;
-- any larger file by its size, inode, modification time and change time (ns): a write
-  in place moves both times, and the change time cannot be set back from user space
-  (``os.utime`` restoring the modification time moves it); a file replaced by a new one
-  (save to a temporary name, rename) has another inode. No byte of it is read.
-
-A directory's identity is that of every regular file directly in it (subdirectories are
-not read; hidden files, ``*.md`` and ``LICENSE*`` are skipped); a single file (a
-``.gguf``) is its own. What is not detected, and what a false change costs, are in
-``docs/vllm.md`` ("The persistent tier").
+A persistent KV tier must never serve one checkpoint's KV to another, and a full hash of
+a 100 GB checkpoint at every start is too slow. So each file is known by what changes
+whenever its bytes change: a hub cache blob by its content-derived name, a file of up to
+:data:`WHOLE_BYTES` by a hash of its bytes, a larger one by its size, inode and ns times
+(no byte read). What is and is not detected, and what a false change costs:
+``docs/vllm.md``, "The persistent tier".
 """
 
 from __future__ import annotations
