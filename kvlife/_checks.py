@@ -32,13 +32,9 @@ def buffer_spec(dtype: object, **dims: object) -> None:
 
 
 def device_of(device: object) -> torch.device:
-    """``device`` as a torch.device this process can allocate on.
-
-    A name torch does not know (``"nope"``), something that is not a device, or a device
-    this machine lacks (``"cuda"`` without CUDA, a GPU ordinal past the last) is refused;
-    torch's own answer (a RuntimeError or an AssertionError from deep in its allocator)
-    is the message's tail.
-    """
+    """``device`` as a torch.device this process can allocate on: a name torch does not
+    know, something that is not a device, or a device this machine lacks (a GPU ordinal
+    past the last) is refused, torch's own answer the message's tail."""
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise ConfigError(f"device must be a torch.device, a name or an ordinal, got {device!r}")
     try:

@@ -33,7 +33,6 @@ __all__ = [
     "Stopped",
     "build_parser",
     "child_of_a_command",
-    "die_with_parent",
     "main",
     "stop_signals_raise",
 ]
@@ -160,27 +159,21 @@ def stop_signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def die_with_parent(parent: int) -> None:
-    """Have the kernel SIGKILL this process when its parent ``parent`` dies, however it
-    dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), and exit at once if it is gone
-    already. A rank or worker then never outlives a parent killed by SIGKILL, which no
-    handler of the parent's can see."""
+def child_of_a_command(parent: int) -> None:
+    """Set up a worker process of a command (forked or spawned): the stop signals back to
+    their defaults (a forked worker inherits :func:`stop_signals_raise`'s handler; the
+    command ends its workers by PID), Ctrl-C left to the command, which receives it too.
+    The kernel SIGKILLs the worker when ``parent`` dies, however it dies (Linux
+    ``PR_SET_PDEATHSIG``), so it never outlives a parent killed by SIGKILL, which no
+    handler can see; it exits at once if ``parent`` is gone already."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(1)
-
-
-def child_of_a_command(parent: int) -> None:
-    """Set up a worker process of a command (forked or spawned): the stop signals back to
-    their defaults (a forked worker inherits :func:`stop_signals_raise`'s handler; the
-    command ends its workers by PID), Ctrl-C left to the command, which receives it too,
-    and :func:`die_with_parent`."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)
-    die_with_parent(parent)
 
 
 def build_parser() -> argparse.ArgumentParser:

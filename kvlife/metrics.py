@@ -1,15 +1,12 @@
-"""Prometheus exposure of :class:`~kvlife.manager.ManagerMetrics` (needs ``prometheus_client``).
-
-The collector reads ``manager.metrics()`` at scrape time, so it adds nothing to
-the hot path and always shows the same figures as the snapshot; each scalar
-field's kind and help are the dataclass field's metadata::
+"""Prometheus exposure of :class:`~kvlife.manager.ManagerMetrics` (needs ``prometheus_client``)::
 
     from prometheus_client import REGISTRY
     REGISTRY.register(ManagerCollector(manager))
 
-Scrapes happen on the exporter's thread while the scheduler thread mutates the
-manager; the snapshot reads plain integer counters, so a scrape may see one
-event half-counted across two metrics, never a torn value or an exception.
+The collector reads ``manager.metrics()`` at scrape time, on the exporter's thread: nothing
+on the hot path, the same figures as the snapshot (plain ints, so a scrape may see one
+event half-counted across two metrics, never a torn value). Each scalar field's kind and
+help are the dataclass field's metadata.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Copy engines: device pages to host pages (stores) and back (loads), asynchronously,
-one ack per chunk; ``submit`` returns the chunk's completion handle.
-
-:class:`CpuCopyEngine` runs real worker threads over a CPU layout (for tests
-and the simulator); :class:`CudaCopyEngine` uses a side stream and
-``torch.cuda.Event`` over a CUDA layout. Both follow :class:`CopyEngine`.
+"""Copy engines: device pages to host pages (stores) and back (loads), asynchronously, one
+ack per chunk: :class:`CpuCopyEngine` on worker threads (tests, the simulator),
+:class:`CudaCopyEngine` on a side stream. Both follow :class:`CopyEngine` (``docs/engines.md``).
 """
 
 from kvlife.engine.base import Ack, CopyEngine, host_runs

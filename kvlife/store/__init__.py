@@ -1,9 +1,6 @@
-"""The storage tier: host pages under content-hash keys, written asynchronously.
-
-:class:`Store` is the protocol the manager uses; :class:`LocalDirectoryStore`
-is the embedded default, :class:`MemoryStore` the in-process one and
-:class:`InlineStore` the one that writes on the caller's thread (tests). See
-``docs/store.md`` for atomicity, failure semantics and file naming.
+"""The storage tier (``docs/store.md``): :class:`Store`, the protocol the manager uses;
+:class:`LocalDirectoryStore`, the embedded default; :class:`MemoryStore` in process, and
+:class:`InlineStore`, which writes on the caller's thread (tests).
 """
 
 from kvlife.errors import (

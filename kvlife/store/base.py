@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -424,25 +424,9 @@ class _Clear:
     error: BaseException | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Written:
-    """What one successful put did, reported by a store's ``_store_pages`` (the
-    :class:`StoreStats` counters it adds to)."""
-
-    pages_written: int
-    pages_deduplicated: int
-    bytes_written: int
-    #: Keys that held other bytes, kept as stored (a put with ``keep_first``).
-    page_mismatches: int = 0
-
-    @classmethod
-    def of(
-        cls, written: Sequence[Payload], pages: Sequence[Payload], kept: Sequence[str] = ()
-    ) -> Written:
-        """The put's pages ``written`` were written; of the rest, ``kept`` held other
-        bytes (kept as stored) and the others were stored with their bytes."""
-        n = len(written)
-        return cls(n, len(pages) - n - len(kept), sum(map(payload_nbytes, written)), len(kept))
+#: What ``_store_pages`` returns: the payloads of the put it wrote (the others were stored
+#: already with these bytes, or, in ``kept``, with other bytes that stay).
+Written = list[Payload]
 
 
 class QueuedStore(abc.ABC):
@@ -488,10 +472,10 @@ class QueuedStore(abc.ABC):
         pages: Sequence[Payload],
         kept: list[str] | None = None,
     ) -> Written:
-        """Store every page (``pages[i]``: the raw bytes of ``keys[i]``) or none; raise
-        (after rolling back) on failure, and call :meth:`_step` before each internal
-        step. A key holding other bytes fails the put, or, when ``kept`` is a list, is
-        appended to it and kept as stored (:func:`check_held`)."""
+        """Store every page (``pages[i]``: the raw bytes of ``keys[i]``) or none and return
+        those written; raise (after rolling back) on failure, and call :meth:`_step`
+        before each internal step. A key holding other bytes fails the put, or, when
+        ``kept`` is a list, is appended to it and kept as stored (:func:`check_held`)."""
 
     def _step(self, i: int, what: str) -> None:  # noqa: B027 (a hook, a no-op here)
         """Called by ``_store_pages`` before internal step ``i`` of a put (``what``: "before
@@ -547,13 +531,9 @@ class QueuedStore(abc.ABC):
         ]
 
     def clear(self) -> int:
-        """Remove every page of this store's namespace (other namespaces keep theirs).
-
-        The writer thread does it after the puts accepted before the call and before
-        any accepted after it, so no earlier put lands after the clear. Returns the
-        number of pages removed (also counted in ``stats().pages_cleared``); raises what
-        the medium raised (``OSError``, ``StoreError``) if it could not.
-        """
+        """Remove every page of this store's namespace (not other namespaces'), after the
+        puts accepted before the call: the number removed (``stats().pages_cleared``).
+        Raises what the medium raised (``OSError``, ``StoreError``) if it could not."""
         job = _Clear()
         self._accept(job, "clear")
         job.done.wait()
@@ -686,10 +666,17 @@ class QueuedStore(abc.ABC):
             job.done.set()
             return
         error: BaseException | None = None
+        kept: list[str] = []
         try:
-            kept: list[str] | None = [] if job.keep_first else None
-            written = self._store_pages(job.keys, page_views(job.pages), kept)
-            added = {f.name: getattr(written, f.name) for f in fields(written)} | {"puts_ok": 1}
+            views = page_views(job.pages)
+            written = self._store_pages(job.keys, views, kept if job.keep_first else None)
+            added = {
+                "puts_ok": 1,
+                "pages_written": len(written),
+                "pages_deduplicated": len(views) - len(written) - len(kept),
+                "bytes_written": sum(map(payload_nbytes, written)),
+                "page_mismatches": len(kept),
+            }
         except BaseException as exc:  # reported on the result, never lost
             error = exc
             added = {"puts_failed": 1, "page_mismatches": isinstance(exc, PageMismatch)}

@@ -98,7 +98,6 @@ class LocalDirectoryStore(QueuedStore):
         namespace: str = "default",
         *,
         fsync: bool = False,
-        clean_temps: bool = True,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
         mode: int = DEFAULT_MODE,
     ) -> None:
@@ -123,9 +122,11 @@ class LocalDirectoryStore(QueuedStore):
                 f"({culprit} is too long)"
             )
         _make_directories(self._directory, self._dir_mode)
-        _tighten(self._directory, self._dir_mode)
-        if clean_temps:
-            self.clean_stale_temps()
+        with contextlib.suppress(OSError):  # pages an older version left readable: this mode
+            info = os.stat(self._directory)
+            if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != self._dir_mode:
+                os.chmod(self._directory, self._dir_mode)
+        self.clean_stale_temps()
         super().__init__(name="directory-store", max_page_bytes=max_page_bytes, namespace=namespace)
 
     @property
@@ -307,7 +308,9 @@ class LocalDirectoryStore(QueuedStore):
                 final = self.path(key)
                 if check_held(key, self._read(final, key), page, kept):
                     continue
-                _make_shard(final.parent, self._dir_mode)
+                with contextlib.suppress(FileExistsError):  # exactly the mode, whatever the umask
+                    os.mkdir(final.parent, self._dir_mode)
+                    os.chmod(final.parent, self._dir_mode)
                 temp = _temp_name(final, key)
                 fd = os.open(temp, _WRITE_FLAGS, self._mode)
                 temps[i] = (temp, final)
@@ -345,16 +348,14 @@ class LocalDirectoryStore(QueuedStore):
             for final in created:
                 final.unlink(missing_ok=True)
             raise
-        return Written.of(written, pages, kept or ())
+        return written
 
     def _claim(
         self, temp: Path, final: Path, key: str, page: Payload, kept: list[str] | None
     ) -> bool:
-        """Give the complete ``temp`` the name ``final`` unless a whole page has it first.
-
-        True if this put's page is now the stored one, False if the same bytes
-        were already there; PageMismatch if other bytes were.
-        """
+        """Give the complete ``temp`` the name ``final`` unless a whole page has it first:
+        True if this put's page is now the stored one, False if the same bytes were there
+        (other bytes: :func:`check_held`; docs/store.md, "First writer wins")."""
         while True:
             try:
                 os.link(temp, final)  # fails if the name exists: the first page wins
@@ -400,30 +401,9 @@ def directory_mode(mode: int) -> int:
     return mode | (mode & 0o444) >> 2
 
 
-def _make_shard(directory: Path, mode: int) -> None:
-    """Create the shard ``directory`` with exactly ``mode`` unless it exists."""
-    try:
-        os.mkdir(directory, mode)
-    except FileExistsError:
-        return
-    os.chmod(directory, mode)
-
-
-def _tighten(directory: Path, mode: int) -> None:
-    """Give the ``@pages`` directory exactly ``mode`` if this user owns it: a store opened
-    on pages an older version (or another mode) left readable makes them this mode's."""
-    with contextlib.suppress(OSError):
-        info = os.stat(directory)
-        if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != mode:
-            os.chmod(directory, mode)
-
-
 def _make_directories(directory: Path, mode: int) -> None:
-    """Create ``directory`` and its missing parents with exactly ``mode``, or none of them.
-
-    Raises ConfigError (nothing created) when a parent is a file, or the
-    file system refuses (permissions, read-only, name too long).
-    """
+    """Create ``directory`` and its missing parents with exactly ``mode``, or none of them
+    (ConfigError: a parent is a file, the file system refuses)."""
     missing: list[Path] = []
     created: list[Path] = []
     try:

@@ -55,7 +55,7 @@ class MemoryStore(QueuedStore):
                     new[key] = framed[i]
                     written.append(pages[i])
             self._pages.update(new)
-        return Written.of(written, pages, kept or ())
+        return written
 
     def _clear(self) -> int:
         with self._pages_lock:

@@ -287,11 +287,9 @@ class MooncakeStore(QueuedStore):
     ) -> None:
         """``use(i, object)`` for each of ``keys`` in order (None where absent); raises on failure.
 
-        One ``batch_get_into`` into ``buffer``; an object is a view of
-        ``buffer``, valid until its next use (nothing is copied here). Each slot
-        is the expected page's size (``expect``: payload bytes per key) or the
-        largest page seen; an object larger than its slot is read alone only if a
-        page of this store can be that large, else it is a counted miss.
+        One ``batch_get_into``; an object is a view of ``buffer``, valid until its next use.
+        Each slot is the page's size asked for (``expect``: payload bytes per key) or the
+        largest page seen (docs/store-tier.md, "Reads are bounded").
         """
         if not keys:
             return
@@ -422,7 +420,7 @@ class MooncakeStore(QueuedStore):
             self._seen(keys[i], payload_nbytes(pages[i]))
         with self._known_lock:
             self._known.update(keys)
-        return Written.of([pages[i] for i in to_write], pages, kept or ())
+        return [pages[i] for i in to_write]
 
     def _put(
         self,
@@ -455,15 +453,9 @@ class MooncakeStore(QueuedStore):
     def _put_batch(
         self, names: list[str], ptrs: list[int], sizes: list[int], created: list[str]
     ) -> None:
-        """Put one staged batch; keys refused for want of pool memory are retried a while.
-
-        A full pool evicts in the background, so a burst of puts can find no
-        memory (NO_AVAILABLE_HANDLE) for a moment; so can a cluster whose pool
-        is gone, for good, and so can a page larger than the pool can ever hold.
-        ``full_wait`` seconds tell the first apart; then a one-byte probe object
-        tells the other two: if the pool takes it, this put's pages can never fit
-        (InvalidPut, a refusal of this put; the breaker stays closed).
-        """
+        """Put one staged batch; keys refused for want of pool memory are retried for
+        ``full_wait`` seconds, then told apart by a one-byte probe object (a page that can
+        never fit: InvalidPut; docs/store-tier.md, "A page that can never fit")."""
         deadline = time.monotonic() + self._full_wait
         pause = 0.01
         while True:
