@@ -183,15 +183,9 @@ def payload_nbytes(payload: bytes | memoryview | Payload) -> int:
 
 
 def same_bytes(held: bytes | memoryview, payload: Payload) -> bool:
-    """Whether ``held`` has exactly the bytes of ``payload`` (compared piece by piece)."""
-    if len(held) != payload_nbytes(payload):
-        return False
-    view, at = memoryview(held), 0
-    for part in payload:  # as bytes: memcmp (comparing memoryviews goes item by item)
-        if view[at : at + len(part)].tobytes() != part.tobytes():
-            return False
-        at += len(part)
-    return True
+    """Whether ``held`` has exactly the bytes of ``payload``."""
+    # As bytes: memcmp (comparing memoryviews goes item by item).
+    return len(held) == payload_nbytes(payload) and bytes(held) == b"".join(payload)
 
 
 def check_frame_namespace(namespace: object) -> str:
