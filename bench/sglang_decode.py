@@ -152,11 +152,9 @@ def run(
         page_size=ps,
         stride=ps,
     )
-    mgr: Any = (
-        decode_manager_class().from_parts(**parts)
-        if kvlife
-        else sglang_stubs.sglang_own_manager(**parts)
-    )
+    mgr: Any = sglang_stubs.sglang_own_manager(decode_manager_class() if kvlife else None, **parts)
+    if kvlife:
+        mgr._init_kvlife(strict=False)
     running: list[Any] = [None] * args.running
     rng = random.Random(args.seed + 1)
     elapsed = 0.0

@@ -296,16 +296,18 @@ class TreeCacheStandIn:
         return None
 
 
-def sglang_own_manager(**parts: object) -> object:
-    """SGLang's own DecodeKVCacheOffloadManager on the same parts, without its ``__init__``
-    (which builds a HiCacheController from the server's config), as SGLang's own tests do."""
+def sglang_own_manager(cls: type | None = None, **parts: object) -> Any:
+    """SGLang's own DecodeKVCacheOffloadManager (or ``cls``, a subclass of it: kvlife's, whose
+    kvlife half the caller then sets up with ``_init_kvlife``) on the same parts, without its
+    ``__init__`` (which builds a HiCacheController from the server's config), as SGLang's
+    own tests do."""
     from weakref import WeakKeyDictionary
 
     from sglang.srt.disaggregation.decode_kvcache_offload_manager import (
         DecodeKVCacheOffloadManager,
     )
 
-    mgr = object.__new__(DecodeKVCacheOffloadManager)
+    mgr = object.__new__(cls or DecodeKVCacheOffloadManager)
     ps = int(parts["page_size"])  # type: ignore[call-overload]
     stride = int(parts.get("stride") or ps)  # type: ignore[call-overload]
     vars(mgr).update(
@@ -389,7 +391,8 @@ class DecodeScheduler:
             tp_world_size=tp_world_size,
         )
         if kvlife:
-            self.mgr: Any = decode_manager_class().from_parts(**parts, strict=strict)
+            self.mgr: Any = sglang_own_manager(decode_manager_class(), **parts)
+            self.mgr._init_kvlife(strict=strict)
         else:
             self.mgr = sglang_own_manager(**parts)
 

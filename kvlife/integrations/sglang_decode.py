@@ -71,7 +71,8 @@ class _HostBudget:
 class _KVLifeDecodeOffload:
     """The kvlife half of :class:`KVLifeDecodeOffloadManager` (no SGLang import here).
 
-    The attributes below are SGLang's, set by its ``__init__`` (or by :meth:`from_parts`).
+    The attributes below are SGLang's, set by its ``__init__`` (tests set them without it:
+    ``tests/sglang_stubs.py``'s ``sglang_own_manager``).
     """
 
     page_size: int
@@ -97,42 +98,6 @@ class _KVLifeDecodeOffload:
     def __init__(self, *args: Any, strict: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # SGLang's: controller, host pool, dicts
         self._init_kvlife(strict=strict)
-
-    @classmethod
-    def from_parts(
-        cls,
-        *,
-        req_to_token_pool: Any,
-        token_to_kv_pool_allocator: Any,
-        tree_cache: Any,
-        cache_controller: Any,
-        host_pool: Any,
-        page_size: int,
-        stride: int | None = None,
-        tp_group: Any = None,
-        tp_world_size: int = 1,
-        kv_cache: Any = None,
-        strict: bool = False,
-    ) -> Any:
-        """Build one from SGLang's parts without SGLang's ``__init__`` (which builds its own
-        ``HiCacheController`` from the server's global config): for tests and benches."""
-        self = cls.__new__(cls)
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.tree_cache = tree_cache
-        self.cache_controller = cache_controller
-        self.decode_host_mem_pool = host_pool
-        self.page_size = page_size
-        stride = page_size if stride is None else stride
-        self.offload_stride = max(page_size, stride // page_size * page_size)
-        self.request_counter = 0
-        self.tp_group, self.tp_world_size = tp_group, tp_world_size
-        self.kv_cache = kv_cache
-        self.ongoing_offload, self.ongoing_backup = {}, {}
-        self.offloaded_state = weakref.WeakKeyDictionary()
-        self.offload_inflight = weakref.WeakKeyDictionary()
-        self._init_kvlife(strict=strict)
-        return self
 
     def _init_kvlife(self, *, strict: bool) -> None:
         self.strict = strict
