@@ -1,53 +1,13 @@
 """The host tier: host pages held under their keys, for stores in flight, loads and reuse.
 
-Theory of operation
-===================
-
-A host tier maps a page's key (its hash-chain key) to a host page of a
-:class:`~kvlife.pool.HostPagePool`. Each :class:`HostEntry` is either
-*pending* (a store copy is writing its page: never a hit) or *ready*; a ready
-entry has a pin *count*, one per reader in flight (a load copying the page to a
-device, a store write reading it). An entry is evictable only when it is ready,
-unpinned and not one of the keys the same store offers. "Is anything evictable"
-is a count; the victims come least recent first (below), with no scan of the index.
-
-Completions are per key, as vLLM's contract is: ``complete_store(keys)`` settles
-each named key's pending store, ``complete_load(keys)`` drops one pin per named
-key. A key with nothing in flight is a refusal (:class:`~kvlife.errors.TierError`
-through :class:`~kvlife.refusals.Refusals`) that changes nothing, so no
-combination of completions leaves a key pending or pinned with nothing in flight,
-and none drives a pin count below zero. In strict mode every key is checked
-before any is settled.
-
-Recency keeps what a lookup can reach: a lookup stops at the first miss, so the
-tier should lose a request's prefix from its tail, not its head. Every held key,
-pending, pinned or idle, has a *rank*, its logical recency, and a place in the
-eviction order by rank that it keeps while a store writes it or a reader pins it
-(eviction passes over those): a new key is ranked when its store is prepared (in
-the order offered), :meth:`HostTier.finished` and :meth:`touch` re-rank a
-request's keys in prefix order with the head the most recent, and :meth:`rank`
-raises keys to ranks the runtime gives (a running request's keys by token
-position, tail below head). So the order a copy's completions arrive in (a set's
-order follows Python's hash seed) never changes which key goes first: a request
-that finished before its stores completed still loses its tail first, and an old
-request's late completion never outranks a newer request's keys (vLLM's CPU
-manager keeps recency the same way). A key made the most recent joins the end of
-an insertion-ordered *lane*; a key given any other rank goes to a heap; the
-victim is the lesser of their heads, so pins, completions and new keys move
-nothing in a heap.
-
-A pending store may carry a deadline (``pending_timeout``): :meth:`expire` fails
-a store not completed in time. Its key stops being a hit at once, but its page
-is still being written (or may be), so the entry moves to *orphans*: not in the
-index, its page held, and its key not stored again, until the late completion
-(or :meth:`abandon`, when the runtime knows no copy runs any more) frees it.
-:meth:`reset` does the same to every entry a copy still touches and drops the rest.
-
-Events (:class:`TierEvent`: keys stored, keys removed) are queued in the order
-they happen, a removal before the store that reuses its page, and drained with
-:meth:`take_events`. The counts (:class:`TierCounts`) are plain ints kept as the
-events happen, so reading them is O(1) and never iterates a dict another thread
-mutates. One thread (the scheduler's) drives a tier.
+The rules are ``docs/design.md``'s "The host tier": pending and ready entries, pins, per-key
+completions (a key with nothing in flight is a :class:`~kvlife.errors.TierError` refusal that
+changes nothing), prefix-aware eviction, deadlines and orphans, events in order, O(1) counts.
+Every held key has a *rank* (:meth:`HostTier.rank`) and keeps its place in the eviction order
+while a store writes it or a reader pins it (eviction passes over those), so neither a
+completion nor a pin moves anything: a key made the most recent joins the end of an
+insertion-ordered *lane*, one given any other rank a heap, and the victim is the lesser of
+the two heads. One thread drives a tier.
 """
 
 from __future__ import annotations
@@ -73,9 +33,6 @@ K = TypeVar("K", bound=Hashable)
 #: :meth:`HostTier.rank`).
 Rank = tuple[int, int]
 
-#: The deadline of an entry no pending store times out.
-_NO_DEADLINE = float("inf")
-
 
 class Lookup(Enum):
     """What the host tier holds under a key."""
@@ -89,23 +46,17 @@ class Lookup(Enum):
 
 
 class HostEntry:
-    """One key's host page: pending while a store writes it, then ready; ``pins`` readers."""
+    """One key's host page (a row of the pool's tensor): ``pending`` while a store copy
+    writes it, then ready; ``pins``: its readers in flight. ``rank`` and ``seq``: its place
+    in the tier's heap (``None`` and 0 in the lane; :meth:`HostTier.rank_of` reads it)."""
 
-    __slots__ = ("deadline", "page", "pending", "pins", "rank", "seq")
+    __slots__ = ("page", "pending", "pins", "rank", "seq")
 
-    def __init__(self, page: int, deadline: float, rank: Rank | None, pending: bool = True) -> None:
-        #: The host page (a row of the pool's tensor).
+    def __init__(self, page: int, pending: bool) -> None:
         self.page = page
-        #: A store copy is writing the page: not a hit, never evicted.
         self.pending = pending
-        #: Readers in flight (loads, store writes); never evicted while > 0.
         self.pins = 0
-        #: When the pending store is failed (``inf``: no deadline).
-        self.deadline = deadline
-        #: The key's recency in the tier's heap; ``None`` in its lane (read
-        #: :meth:`HostTier.rank_of`).
-        self.rank = rank
-        #: The sequence number of the key's live heap item (0 in the lane).
+        self.rank: Rank | None = None
         self.seq = 0
 
     def __repr__(self) -> str:
@@ -114,8 +65,7 @@ class HostEntry:
 
 
 class StorePlan(NamedTuple, Generic[K]):
-    """What :meth:`HostTier.prepare_store` decided: the new keys to copy, their pages, and
-    the keys evicted to make room (announced as removed before these are stored)."""
+    """What :meth:`HostTier.prepare_store` decided: new keys, their pages, keys evicted."""
 
     keys: list[K]
     pages: list[int]
@@ -123,8 +73,7 @@ class StorePlan(NamedTuple, Generic[K]):
 
 
 class TierEvent(NamedTuple, Generic[K]):
-    """Keys that became ready on the host tier (``removed`` False) or left it (True);
-    ``source``: what the caller of :meth:`HostTier.complete_store` named (its request)."""
+    """Keys now ready (``removed`` False) or gone; ``source``: the completion's request."""
 
     keys: tuple[K, ...]
     removed: bool
@@ -151,16 +100,11 @@ class TierCounts:
 
 
 class HostTier(Generic[K]):
-    """Keys to host pages: pending/ready entries, pin counts, per-key completion,
-    prefix-aware LRU, a deadline on pending stores, and stored/removed events.
-
-    ``pool`` holds the pages (the tier owns every page it allocates). ``keep``: whether an
-    entry stays on the host once idle (a cache); without it an entry is freed as soon as
-    its store completed and no pin is left (a staging buffer). ``pending_timeout``:
-    seconds a store may stay pending before :meth:`expire` fails it (None: never).
-    ``events``: whether to queue events (:class:`TierEvent`) for :meth:`take_events`; a host
-    that never takes them (the :class:`~kvlife.OffloadManager`) says ``False``, so none pile up.
-    """
+    """Keys to host pages of ``pool`` (the tier owns every page it allocates). ``keep``: an
+    idle entry stays (a cache), else it is freed once its store and pins are over (staging).
+    ``pending_timeout``: seconds a store may stay pending before :meth:`expire` fails it.
+    ``events``: queue :class:`TierEvent` for :meth:`take_events` (not for a host that never
+    takes them)."""
 
     def __init__(
         self,
@@ -187,9 +131,8 @@ class HostTier(Generic[K]):
         self._clock = clock
         self._index: dict[K, HostEntry] = {}
         self._next_rank = 0
-        # Every held key's place in the eviction order: the lane (key -> the counter's rank
-        # it was made the most recent with, in that order), or the heap of (rank, seq, key)
-        # (an item whose seq is not its entry's is stale, skipped lazily).
+        # Every held key's place in the eviction order: the lane (key -> its counter rank),
+        # or the heap of (rank, seq, key), an item whose seq is not its entry's stale.
         self._lane: OrderedDict[K, int] = OrderedDict()
         self._heap: list[tuple[Rank, int, K]] = []
         self._seq = 0
@@ -199,8 +142,6 @@ class HostTier(Generic[K]):
         self._record_events = bool(events)
         #: The counters; read them from any thread.
         self.counts = TierCounts()
-
-    # ---------------------------------------------------------------- reading
 
     @property
     def capacity(self) -> int:
@@ -228,18 +169,13 @@ class HostTier(Generic[K]):
         """Keys held, pending and ready (a copy)."""
         return list(self._index)
 
-    # ---------------------------------------------------------------- stores
-
     def prepare_store(
         self, keys: Iterable[K], *, protected: Iterable[K] = ()
     ) -> StorePlan[K] | None:
         """Pages for the keys of ``keys`` the tier does not hold, evicting idle entries if
-        needed (never a key of ``keys`` or ``protected``); the new entries are pending.
-
-        Keys already held are made recent, not stored again; an orphan's key is skipped
-        until its late copy ends. ``None`` when the room cannot be made (every other page
-        pending or pinned): nothing changed, counted as ``no_room``.
-        """
+        needed (never a key of ``keys`` or ``protected``); the new entries are pending. Keys
+        held are made recent, an orphan's skipped. ``None`` when the room cannot be made
+        (every other page pending or pinned): nothing changed, counted as ``no_room``."""
         index, orphans = self._index, self._orphans
         new: list[K] = []
         seen: set[K] = set()
@@ -260,11 +196,12 @@ class HostTier(Generic[K]):
         self._evict(evicted)
         pages = self.pool.alloc(len(new), self)
         assert pages is not None  # the room was made above
-        deadline = self._deadline()
+        timeout = self.pending_timeout
+        deadline = None if timeout is None else self._clock() + timeout
         for key, page in zip(new, pages, strict=True):
-            entry = index[key] = HostEntry(page, deadline, None)
+            entry = index[key] = HostEntry(page, True)
             self._make_recent(key, entry)
-            if self.pending_timeout is not None:
+            if deadline is not None:
                 self._deadlines.append((deadline, key, entry))
         c = self.counts
         c.entries += len(new)
@@ -274,24 +211,18 @@ class HostTier(Generic[K]):
     def complete_store(
         self, keys: Iterable[K], *, success: bool = True, source: object = None
     ) -> list[K]:
-        """Settle each named key's pending store: ready (success) or gone, its page freed.
-        A key that became ready goes idle at its rank, whatever the order ``keys`` name it.
-
-        A late completion of an orphan frees its page. A key with nothing pending is
-        refused (counted; raised when strict, before any key is settled). Returns the keys
-        that became ready (announced stored with ``source``).
-        """
+        """Settle each named key's pending store: ready (success, idle at its rank) or gone,
+        its page freed; an orphan's late completion frees its page. A key with nothing
+        pending is refused. Returns the keys that became ready (announced with ``source``)."""
         named = list(keys)
         index, orphans = self._index, self._orphans
-        named_once: set[K] = set()
-
-        def pending_once(key: K) -> bool:  # a key named twice has nothing left the second time
-            first = key not in named_once
-            named_once.add(key)
-            held = index.get(key) or orphans.get(key)
-            return first and held is not None and held.pending
-
-        self._check_each(named, pending_once, "complete_store")
+        if self.refusals.strict:  # every key checked first; one named twice has nothing left
+            seen: set[K] = set()
+            for key in named:
+                held = index.get(key) or orphans.get(key)
+                if key in seen or held is None or not held.pending:
+                    self._refuse_key(key, "complete_store")
+                seen.add(key)
         ready: list[K] = []
         freed: list[int] = []
         c = self.counts
@@ -321,10 +252,9 @@ class HostTier(Generic[K]):
         return ready
 
     def adopt(self, keys: Sequence[K], pages: Sequence[int], owner: object) -> list[K]:
-        """Keep pages that already hold these keys' bytes (a chunk's staged copy the store
-        has written): ownership passes from ``owner`` to the tier and each key is ready at
-        once, the most recent; a key already held (or an orphan's) gives its page back to
-        the pool instead. Returns the keys adopted."""
+        """Take ``owner``'s pages that hold these keys' bytes (a chunk the store wrote): each
+        key is ready at once, the most recent; a key held (or an orphan's) frees its page
+        instead. Returns the keys adopted."""
         if len(keys) != len(pages):
             raise ValueError(f"adopt: {len(keys)} keys for {len(pages)} pages")
         self.pool.transfer(pages, owner, self)  # every page checked before any changes hands
@@ -335,7 +265,7 @@ class HostTier(Generic[K]):
             if key in index or key in orphans:
                 freed.append(page)
             else:
-                index[key] = HostEntry(page, _NO_DEADLINE, None, False)
+                index[key] = HostEntry(page, False)
                 self._next_rank += 1  # _make_recent, inlined for a new key
                 lane[key] = self._next_rank
                 taken.append(key)
@@ -347,8 +277,7 @@ class HostTier(Generic[K]):
 
     def make_room(self, n: int, *, protected: Iterable[K] = ()) -> bool:
         """Evict idle entries (least recent first, never a ``protected`` key) until ``n``
-        pages of the pool are free. ``False``, with nothing evicted, when that cannot be done;
-        O(1) when nothing is evictable."""
+        pages are free; ``False``, nothing evicted, when that cannot be done."""
         victims = self._victims(n - self.pool.num_free, set(protected))
         if victims is None:
             return False
@@ -356,10 +285,9 @@ class HostTier(Generic[K]):
         return True
 
     def insert_ready(self, key: K, fill: Callable[[int], bool], *, pin: bool = False) -> bool:
-        """Promote ``key`` from another tier: take a page (evicting if needed), let ``fill``
-        write and verify its bytes; on ``True`` the key is ready (and pinned once, with
-        ``pin``, for the load that asked), else the page goes back. ``False`` when the key
-        is held already, there is no room, or ``fill`` failed."""
+        """Promote ``key`` from another tier: take a page (evicting if needed) that ``fill``
+        writes and verifies; then the key is ready (pinned once with ``pin``, for the load
+        that asked). ``False``, the page back, if the key is held, no room, or ``fill`` fails."""
         if key in self._index or key in self._orphans or not self.make_room(1):
             return False
         pages = self.pool.alloc(1, self)
@@ -372,7 +300,7 @@ class HostTier(Generic[K]):
         if not filled:
             self.pool.free(pages, self)
             return False
-        entry = self._index[key] = HostEntry(pages[0], _NO_DEADLINE, None, False)
+        entry = self._index[key] = HostEntry(pages[0], False)
         self._make_recent(key, entry)
         if pin:  # the load's pin, taken before the entry can go idle
             entry.pins = 1
@@ -385,8 +313,7 @@ class HostTier(Generic[K]):
         return True
 
     def expire(self, now: float | None = None) -> list[K]:
-        """Fail every pending store past its deadline: no longer a hit, its page kept (as an
-        orphan) until its copy is known over. Returns the keys expired."""
+        """Fail every pending store past its deadline (its page an orphan); the keys expired."""
         if self.pending_timeout is None:
             return []
         now = self._clock() if now is None else now
@@ -406,11 +333,9 @@ class HostTier(Generic[K]):
         c.orphans += len(expired)
         return expired
 
-    # ---------------------------------------------------------------- loads and readers
-
     def prepare_load(self, keys: Sequence[K]) -> list[int] | None:
-        """Pin each key (one pin per occurrence) and return its pages, in order; every key
-        must be ready. Refused as a whole (nothing pinned) otherwise: ``None``."""
+        """Pin each key (once per occurrence) and return its pages, in order; ``None``,
+        refused with nothing pinned, unless every key is ready."""
         index = self._index
         for key in keys:
             entry = index.get(key)
@@ -424,8 +349,7 @@ class HostTier(Generic[K]):
         return self.pin_ready(keys)
 
     def pin_ready(self, keys: Sequence[K]) -> list[int]:
-        """Pin the leading ready keys for a load (one pin per occurrence), up to the first
-        key that is not ready; their pages, in order."""
+        """Pin the leading ready keys for a load (once per occurrence); their pages."""
         index, c = self._index, self.counts
         pages: list[int] = []
         for key in keys:
@@ -452,8 +376,7 @@ class HostTier(Generic[K]):
                 c.pinned += 1
 
     def complete_load(self, keys: Iterable[K]) -> None:
-        """Drop one pin per named key (a load, or another reader, is over). A key with no
-        pin left to drop is refused (counted; raised when strict, before any is dropped)."""
+        """Drop one pin per named key (a load is over); a key with no pin left is refused."""
         self.unpin(keys, "complete_load")
 
     def unpin(self, keys: Iterable[K], what: str = "unpin") -> None:
@@ -470,10 +393,8 @@ class HostTier(Generic[K]):
         freed: list[int] = []
         c = self.counts
         for key in named:
-            entry = index.get(key)
-            orphan = entry is None
-            if orphan:
-                entry = orphans.get(key)
+            orphan = key not in index
+            entry = orphans.get(key) if orphan else index[key]
             if entry is None or entry.pins <= 0:
                 self._refuse_key(key, what)
                 continue
@@ -488,18 +409,14 @@ class HostTier(Generic[K]):
         if freed:
             self.pool.free(freed, self)
 
-    # ---------------------------------------------------------------- recency
-
     def new_rank(self) -> Rank:
-        """The next rank of the tier's counter: more recent than every rank before it.
-        Its first number also serves as a request's rank for :meth:`rank`."""
+        """The tier's next rank, the most recent yet (its first number: a request's)."""
         self._next_rank += 1
         return (self._next_rank, 0)
 
     def touch(self, keys: Sequence[K]) -> None:
-        """A request used ``keys`` (in prefix order): the head becomes the most recent.
-        Every held key is re-ranked, pending and pinned ones too: each goes idle later at
-        this rank, whenever and in whatever order its copy completes."""
+        """A request used ``keys`` (in prefix order): the head becomes the most recent. Every
+        held key is re-ranked, pending and pinned ones too (they go idle later at this rank)."""
         index = self._index
         for key in reversed(keys):
             entry = index.get(key)
@@ -507,16 +424,13 @@ class HostTier(Generic[K]):
                 self._make_recent(key, entry)
 
     def finished(self, keys: Sequence[K]) -> None:
-        """A request whose prefix is ``keys`` (in order) finished: its tail goes first,
-        now and for keys whose copies complete later."""
+        """A request whose prefix is ``keys`` (in order) finished: its tail goes first."""
         self.touch(keys)
 
     def rank(self, ranks: Iterable[tuple[K, Rank]], *, lower: bool = False) -> None:
-        """Raise held keys to the ranks given (a key already more recent keeps its own;
-        with ``lower``, the rank is set either way: keys a request just stored): a running
-        request's keys as ``(request, -position)``, one ``request`` number from
-        :meth:`new_rank` per request, so its tail ranks below its head and the request
-        below every later one."""
+        """Raise held keys to the ranks given (a key more recent keeps its own; ``lower``
+        sets them either way): a running request's keys as ``(request, -position)``, one
+        ``request`` number from :meth:`new_rank` each, its tail below its head."""
         index = self._index
         for key, rank in ranks:
             entry = index.get(key)
@@ -540,26 +454,21 @@ class HostTier(Generic[K]):
         idle = [k for k, e in index.items() if not e.pending and not e.pins]
         return sorted(idle, key=lambda k: self._rank(k, index[k]))
 
-    # ---------------------------------------------------------------- events, reset
-
     def take_events(self) -> list[TierEvent[K]]:
         """The stored/removed events since the last call, in the order they happened."""
         events, self._events = self._events, []
         return events
 
     def reset(self) -> None:
-        """Drop every entry: idle ones now (announced removed), the ones a copy still touches
-        become orphans (freed by their completions or :meth:`abandon`)."""
+        """Drop every entry: idle ones now, the ones a copy still touches as orphans."""
         index, self._index = self._index, {}
         self._lane.clear()
         self._heap.clear()
         self._deadlines.clear()
         freed: list[int] = []
-        removed: list[K] = []
+        removed = [key for key, entry in index.items() if not entry.pending]
         c = self.counts
         for key, entry in index.items():
-            if not entry.pending:
-                removed.append(key)
             if entry.pending or entry.pins:
                 self._orphans[key] = entry
                 c.orphans += 1
@@ -573,8 +482,7 @@ class HostTier(Generic[K]):
             self.pool.free(freed, self)
 
     def abandon(self) -> int:
-        """Free every orphan's page: the runtime knows no copy writes or reads them any
-        more (it stopped, or it said no completion will come). Returns the pages freed."""
+        """Free every orphan's page, once the runtime knows no copy touches them; how many."""
         orphans, self._orphans = self._orphans, {}
         c = self.counts
         c.pinned -= sum(entry.pins for entry in orphans.values())
@@ -584,11 +492,8 @@ class HostTier(Generic[K]):
             self.pool.free(pages, self)
         return len(pages)
 
-    # ---------------------------------------------------------------- internals
-
     def _victims(self, need: int, guard: set[K]) -> list[K] | None:
-        """The ``need`` least recent idle entries not in ``guard`` (none when ``need`` <= 0),
-        or ``None`` when there are fewer: O(1) when nothing is evictable."""
+        """The ``need`` least recent idle keys not in ``guard``, or ``None`` if fewer."""
         if need <= 0:
             return []
         index = self._index
@@ -599,8 +504,8 @@ class HostTier(Generic[K]):
 
         if need > self.counts.evictable - sum(1 for k in guard if idle(k)):
             return None
-        # Enough idle keys outside the guard: the loop finds them, merging the lane and the
-        # heap by rank; a victim's heap item goes, guarded, pending or pinned ones go back.
+        # Enough idle keys outside the guard: merge the lane and the heap by rank (a
+        # victim's heap item goes; guarded, pending or pinned ones go back).
         lane, heap = self._lane, self._heap
         in_lane = (key for key in lane if key not in guard and idle(key))
         head = next(in_lane, None)
@@ -637,8 +542,7 @@ class HostTier(Generic[K]):
         lane.move_to_end(key)
 
     def _add_ready(self, keys: list[K], freed: list[int]) -> None:
-        """``keys`` were just indexed as ready entries on pages already the tier's: counted,
-        announced stored, then each settled (idle ones cached, or their pages into ``freed``)."""
+        """``keys`` were just indexed as ready: counted, announced, each settled."""
         c, index = self.counts, self._index
         c.entries += len(keys)
         c.stored += len(keys)
@@ -650,10 +554,6 @@ class HostTier(Generic[K]):
         """Queue one event for :meth:`take_events` (where events are taken at all)."""
         if self._record_events:
             self._events.append(TierEvent(tuple(keys), removed, source))
-
-    def _deadline(self) -> float:
-        timeout = self.pending_timeout
-        return _NO_DEADLINE if timeout is None else self._clock() + timeout
 
     def _settled(self, key: K, entry: HostEntry, freed: list[int]) -> None:
         """A ready entry went idle (its store or last reader ended): cached or freed."""
@@ -690,14 +590,6 @@ class HostTier(Generic[K]):
         del self._orphans[key]
         self.counts.orphans -= 1
         freed.append(entry.page)
-
-    def _check_each(self, keys: list[K], allowed: Callable[[K], bool], what: str) -> None:
-        """Strict: refuse the whole call before anything changes if any key is not allowed."""
-        if not self.refusals.strict:
-            return
-        for key in keys:
-            if not allowed(key):
-                self._refuse_key(key, what)
 
     def _refuse_key(self, key: K, what: str) -> None:
         self.refusals.refuse(

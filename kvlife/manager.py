@@ -1,20 +1,11 @@
 """Decode-side offload orchestration: what a decode runtime calls each step.
 
-The runtime's scheduler thread owns the manager (no locks on the hot path). It
-calls :meth:`OffloadManager.start` when a request life begins,
-:meth:`~OffloadManager.offload` after each decode step (the stride policy picks
-the chunk that is due), :meth:`~OffloadManager.poll` each step (acks applied,
-host pages handed to the store and freed once written),
-:meth:`~OffloadManager.finish` when decoding ends (the release callback gets the
-device pages once nothing is in flight) and :meth:`~OffloadManager.close` to drain.
-The load half mirrors it: :meth:`~OffloadManager.lookup` says how much of a prompt's
-prefix the host tier (or the store, promoted into the host tier) holds ready and whether
-the rest is still being written; :meth:`~OffloadManager.load` copies that prefix into the
-request's device pages with a ticket bound to its Lifecycle, the host pages pinned until
-the load's ack (a finish, abort or retraction meanwhile releases only after it). The
-host tier is :class:`~kvlife.host_tier.HostTier`; with ``keep_on_host`` written pages stay
-there as a cache. The stride policy is in ``docs/integration.md``; page accounting and
-every failure path in ``docs/failures.md``.
+The runtime's scheduler thread owns the manager (no locks on the hot path): ``start`` a
+request life, ``offload`` after each decode step (the stride policy picks the due chunk),
+``poll`` each step, ``finish`` (the release callback gets the device pages once nothing is in
+flight), ``close`` to drain; ``lookup`` and ``load`` are the load half. It sits on the copy
+pipeline and the host tier (``docs/design.md``); the stride policy is in
+``docs/integration.md``, page accounting and every failure path in ``docs/failures.md``.
 """
 
 from __future__ import annotations
@@ -70,13 +61,9 @@ ReleaseHandler = Callable[["OffloadRequest", Sequence[int]], object]
 
 
 class Agreement(Protocol):
-    """How the ranks of one tensor-parallel group agree on which acks to apply.
-
-    Without one (the single-process default) every completed ack is applied
-    at once. With one, the manager tells it of every submission, in order,
-    and applies only the acks it returns: those every rank has completed, in
-    submission order.
-    """
+    """How the ranks of a tensor-parallel group agree on acks: the manager tells it of every
+    submission, in order, and applies only the acks it returns, those every rank completed, in
+    submission order (``docs/distributed.md``); without one, every ack is applied at once."""
 
     def submitted(self, ticket: Ticket | LoadTicket) -> None:
         """Record one submission, a chunk or a load (every rank submits the same sequence)."""
@@ -85,12 +72,10 @@ class Agreement(Protocol):
         """Take this rank's newly completed acks; return those every rank completed."""
 
     def admit(self, n_pages: int) -> bool:
-        """Whether to take ``n_pages`` host pages now (a chunk, or a page a load promotes
-        from the store): the same answer on every rank."""
+        """Whether to take ``n_pages`` host pages now: the same answer on every rank."""
 
     def least(self, value: int) -> int:
-        """The smallest of every rank's ``value`` (a collective: every rank calls it at the
-        same point). Lookups and loads agree on how many pages every rank can load."""
+        """The smallest of every rank's ``value`` (a collective, called by every rank)."""
 
     @property
     def pending(self) -> int:
@@ -109,11 +94,9 @@ class PrefixLookup(NamedTuple):
 
 
 class OffloadRequest:
-    """One request life under an :class:`OffloadManager`, returned by its
-    :meth:`~OffloadManager.start`: the runtime passes it back to the manager, and its
-    release handler receives it. It has no events (they go through the manager, which
-    keeps the counters and the pages) and shows its Lifecycle read-only.
-    """
+    """One request life, from :meth:`OffloadManager.start`: the runtime passes it back to
+    the manager, and its release handler receives it. Its events go through the manager; it
+    shows its Lifecycle read-only."""
 
     __slots__ = (
         "__weakref__",
@@ -138,9 +121,8 @@ class OffloadRequest:
         #: The manager that started the life (the only one that takes it).
         self.manager = manager
         self._lifecycle = lifecycle
-        #: The request's device page table as last given (page i holds tokens [i*P, (i+1)*P)).
-        #: Kept by reference, not copied (a copy per step would cost the hot path): the
-        #: release handler receives this same object, so mutate it only through steps.
+        #: The device page table as last given (page i holds tokens [i*P, (i+1)*P)), kept by
+        #: reference (the release handler receives this object): mutate it only through steps.
         self.device_pages: Sequence[int] = ()
         #: Tokens the prefill side already stored (prompt rounded down to whole pages).
         self.prefill_len = prefill_len
@@ -198,9 +180,8 @@ def _metric(kind: str, help_text: str) -> Any:
 
 @dataclass
 class ManagerMetrics:
-    """The manager's counters: it mutates one; :meth:`OffloadManager.metrics` returns a copy
-    with the gauges read at the call. Scalar fields carry their Prometheus kind and help
-    (``field.metadata``), which :mod:`kvlife.metrics` exposes as they are."""
+    """The manager's counters (:meth:`OffloadManager.metrics`: a copy, gauges read then);
+    scalar fields carry their Prometheus kind and help (``field.metadata``)."""
 
     lifecycles_started: int = _metric("counter", "Request lives started")
     lifecycles_by_state: dict[str, int] = field(default_factory=dict)
@@ -267,13 +248,11 @@ def _slice(items: Sequence[int], start: int, stop: int) -> Sequence[int]:
 class OffloadManager:
     """Decode-side KV offload: stride policy, acks, backup to a store, release exactly once.
 
-    Call it from one thread, the scheduler's: the first call binds it, and a
-    call from another thread while that one runs is refused with
-    :class:`~kvlife.errors.ManagerError` (reading :meth:`metrics` is allowed
-    from any thread). ``stride`` is in tokens, rounded down to whole pages (at least one
-    page); ``None`` means one page. Managers may share an engine, a store or a
-    host pool: an ack or a store result one manager's poll takes for another's
-    Lifecycle is handed to that manager, applied at its next poll or close.
+    Call it from one thread, the scheduler's: the first call binds it, and a call from another
+    while that one runs is refused (:class:`~kvlife.errors.ManagerError`; :meth:`metrics` may
+    be read from any). ``stride``: tokens, rounded down to whole pages (one page at least;
+    ``None``: one). Managers may share an engine, a store or a host pool: what one's poll takes
+    for another's request is handed over, applied at that one's next poll or close.
     """
 
     def __init__(
@@ -309,11 +288,9 @@ class OffloadManager:
         self._thread_obj: threading.Thread | None = None
         self._live: set[OffloadRequest] = set()  # started, not yet released
         self._released = 0
-        #: Refusals by kind: a refused call raises its typed error to the caller (counted);
-        #: a refused ack or store write is counted and logged.
+        #: Refusals by kind: a refused call raises (counted), a refused ack or write is logged.
         self.refusals = Refusals()
-        #: The host tier: pages kept under their keys (written chunks with ``keep_on_host``,
-        #: store pages promoted for a load), pinned while a load reads them.
+        #: Written chunks' pages with ``keep_on_host``, and store pages promoted for a load.
         self.tier: HostTier[str] = HostTier(
             host, keep=keep_on_host, refusals=Refusals(strict=True), events=False
         )
@@ -331,13 +308,8 @@ class OffloadManager:
             route=_route,
             acked=_loaded,
         )
-
-    @property
-    def callback_errors(self) -> list[ReleaseCallbackError]:
-        """Errors raised by release callbacks, newest last (bounded), for the runtime to log."""
-        return self.transfers.callback_errors
-
-    # ------------------------------------------------------------ lifecycles
+        #: Errors raised by release callbacks, newest last (bounded), for the runtime to log.
+        self.callback_errors = self.transfers.callback_errors
 
     def start(
         self,
@@ -347,11 +319,8 @@ class OffloadManager:
         *,
         prior_hash: str | None = None,
     ) -> OffloadRequest:
-        """Begin one request life; the chain continues from the prompt's whole pages.
-
-        ``prior_hash`` is the key of the prompt's last whole page if the
-        runtime has it from the prefill side; otherwise it is computed here.
-        """
+        """Begin one request life; the chain continues from the prompt's whole pages (from
+        ``prior_hash``, their last key, where the prefill side gave it; else hashed here)."""
         self._check_thread()
         keys: tuple[str, ...] = ()
         try:
@@ -381,18 +350,12 @@ class OffloadManager:
     def offload(
         self, req: OffloadRequest, tokens: Sequence[int], device_pages: Sequence[int]
     ) -> Ticket | None:
-        """After a decode step: submit the chunk that is due, if any; return its ticket.
-
-        ``tokens`` are the request's tokens so far (prompt and outputs; the
-        newest has no KV yet); ``device_pages`` its device page table. Returns
-        ``None`` when nothing is due, or when the host pool is full (nothing
-        changed; the same chunk is due again next step). A refusal raises
-        before anything changes, the page table kept included.
-        """
-        # The hot path: most steps submit nothing, so this prefix must cost about
-        # what a dict lookup does: it reads the record's slots only. It changes
-        # only the page table (one atomic store), so the thread is checked only
-        # once a chunk is due.
+        """After a decode step, submit the chunk due, if any, and return its ticket. ``tokens``:
+        the request's so far (the newest has no KV yet); ``device_pages``: its page table.
+        ``None`` when nothing is due or the host pool is full (nothing changed; due again next
+        step). A refusal raises before anything changes."""
+        # The hot path: most steps submit nothing, so this prefix reads the record's slots
+        # only; it changes only the page table, so the thread is checked once a chunk is due.
         if req.__class__ is not OffloadRequest or req.manager is not self:
             self._check_owned(req)
         if not DECODING[req._lifecycle._state]:
@@ -439,8 +402,7 @@ class OffloadManager:
         if host_pages is None:
             self._metrics.host_pool_exhausted += 1
             return None
-        # Until the Lifecycle holds the chunk, any exception (a refusal, a bug in a
-        # hasher or engine, Ctrl-C) gives the host pages back.
+        # Until the Lifecycle holds the chunk, any exception gives the host pages back.
         try:
             self.engine.check(chunk_pages, host_pages)
             ticket = req._lifecycle.submit(chunk_tokens)
@@ -463,10 +425,7 @@ class OffloadManager:
         device_pages: Sequence[int] | None = None,
     ) -> None:
         """End decoding; release runs now if nothing is in flight, else at the last ack.
-
-        ``device_pages`` is the request's final page table, if it changed since
-        the last :meth:`offload` (or there was none): the release callback gets it.
-        """
+        ``device_pages``: the final page table, if it changed since the last step."""
         self._check_thread()
         self._check_owned(req)
         kept = req.device_pages
@@ -481,24 +440,26 @@ class OffloadManager:
             self.refusals.counted(exc)
             raise
 
-    # ------------------------------------------------------------ loads
-
     def lookup(self, prompt: Sequence[int]) -> PrefixLookup:
-        """How much of ``prompt``'s whole-page prefix can be loaded now. Changes nothing.
-
-        A page counts as ready when the host tier holds it ready, or the store holds a
-        whole, verified page under its key (a load promotes it into the host tier). The
-        walk stops at the first page that is neither; ``pending`` says whether that page
-        is still being copied or written (a store or copy in flight: wait, never load it).
-        """
+        """How much of ``prompt``'s whole-page prefix can be loaded now (ready on the host
+        tier, or in the store); ``pending``: the next page is still being copied or written
+        (wait, never load it). Changes nothing."""
         self._check_thread()
         full = len(prompt) // self.page_size * self.page_size
         try:
             keys = self._prompt_keys(prompt, full) if full else ()
         except (HashingError, TypeError) as exc:
             raise self._refuse(f"cannot look up a prompt: {exc}") from None
-        ready = self._loadable(keys)
-        pending = ready < len(keys) and self._in_flight(keys[ready])
+        ready = self._leading(keys, self.transfers.in_store)
+        # "pending": that page's copy to the host or write to the store is in flight
+        pending = ready < len(keys) and (
+            self.transfers.writing(keys[ready])
+            or any(
+                keys[ready] in ticket[2]
+                for req in tuple(self._live)
+                for ticket in req._lifecycle.chunks_in_flight()
+            )
+        )
         if self.agreement is not None:  # every rank's answer: the shortest prefix, and
             # "pending" where a rank with that prefix waits on the next page
             agreed = self.agreement.least(2 * ready + (not pending))
@@ -510,16 +471,12 @@ class OffloadManager:
     def load(
         self, req: OffloadRequest, device_pages: Sequence[int], pages: int | None = None
     ) -> LoadTicket | None:
-        """Copy the ready prefix of the request's prompt (at most ``pages`` pages) into
-        ``device_pages`` (its page table: page ``i`` of the prompt goes to
-        ``device_pages[i]``); return the load's ticket, or ``None`` when no page is ready.
-
-        Pages the store holds are read and verified into the host tier first (a page that
-        is damaged or gone is a miss: the load stops before it). The host pages stay
-        pinned until the load's ack; the request does not release before it either. A
-        refusal raises before anything changes. With an :class:`Agreement` every rank loads
-        the same pages: the prefix every rank holds (one or two collectives, in every call).
-        """
+        """Copy the ready prefix of the request's prompt (at most ``pages``; page ``i`` to
+        ``device_pages[i]``) and return the load's ticket, or ``None`` if no page is ready.
+        Store pages are read and verified into the host tier first (a bad one is a miss); the
+        host pages stay pinned, the request unreleased, until the ack. A refusal raises before
+        anything changes. With an :class:`Agreement` every rank loads the prefix all hold (a
+        collective: call it on every rank)."""
         self._check_thread()
         self._check_owned(req)
         if not DECODING[req._lifecycle._state]:
@@ -533,12 +490,15 @@ class OffloadManager:
                 )
         except TypeError:
             raise self._invalid_step(req, "device_pages must be a sequence") from None
-        tier, agreement = self.tier, self.agreement
+        tier, agreement, transfers = self.tier, self.agreement, self.transfers
         wanted = todo = keys[:limit]
         if agreement is not None:  # promote only what every rank can: the same on each
-            wanted = todo = wanted[: agreement.least(self._loadable(wanted))]
-            todo = wanted[: self._admit_promotions(wanted, agreement)]
-        host_pages = self.transfers.pin_for_load(todo)
+            wanted = todo = wanted[: agreement.least(self._leading(wanted, transfers.in_store))]
+            # One host page admitted per page to promote, before any read, from what every
+            # rank sees alike (the agreed keys, the tier, the agreed budget); a page admitted
+            # and not loaded comes back with the budget at the next poll.
+            todo = wanted[: self._leading(wanted, lambda key: agreement.admit(1))]
+        host_pages = transfers.pin_for_load(todo)
         ready = list(todo[: len(host_pages)])
         if agreement is not None and wanted:  # a promotion failed on some rank: load less
             agreed = agreement.least(len(ready))
@@ -557,24 +517,11 @@ class OffloadManager:
             raise
         self._metrics.loads_started += 1
         req.device_pages = device_pages  # the page table the release hands back, as offload's
-        self.transfers.submit(ticket, device, host_pages)
+        transfers.submit(ticket, device, host_pages)
         return ticket
 
-    def _admit_promotions(self, keys: Sequence[str], agreement: Agreement) -> int:
-        """How many leading ``keys`` a load may take: one host page admitted per page to
-        promote, before any read. It reads only what every rank sees alike (the agreed
-        keys, the host tier, whose entries are the agreed loads' pinned pages, and the
-        agreed budget), so every rank is charged the same whatever a read does later; a
-        page admitted and not loaded comes back with the budget at the next poll."""
-        return self._leading(keys, lambda key: agreement.admit(1))
-
-    def _loadable(self, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` are ready on the host tier or held by the store."""
-        return self._leading(keys, self.transfers.in_store)
-
     def _leading(self, keys: Sequence[str], missing: Callable[[str], bool]) -> int:
-        """How many leading ``keys`` are ready on the host tier, or missing from it and
-        accepted by ``missing`` (in order: it is not asked past the first refusal)."""
+        """How many leading ``keys`` are ready on the host tier, or missing and ``missing``."""
         tier, n = self.tier, 0
         for key in keys:
             found = tier.lookup(key)
@@ -583,42 +530,21 @@ class OffloadManager:
             n += 1
         return n
 
-    def _in_flight(self, key: str) -> bool:
-        """Whether ``key``'s copy to the host or write to the store is in flight (lookups)."""
-        if self.transfers.writing(key):
-            return True
-        return any(
-            key in ticket[2]
-            for req in tuple(self._live)
-            for ticket in req._lifecycle.chunks_in_flight()
-        )
-
     def _prompt_keys(self, prompt: Sequence[int], full: int) -> tuple[str, ...]:
         return tuple(self.hasher(_slice(prompt, 0, full), self.page_size, self._seed))
 
-    # ------------------------------------------------------------ progress
-
     def poll(self) -> None:
-        """Apply completed copies and completed store writes. Never blocks (but an
-        :class:`Agreement` across ranks runs its collective here, every call).
-
-        Acks and store results taken from the engine and the store wait in the
-        manager until applied, so an exception from one (a release callback is
-        reported, not raised; a store or pool error is) leaves the others for
-        the next call, none lost.
-        """
+        """Apply completed copies and store writes. Never blocks (an :class:`Agreement` runs
+        its collective here, every call). An exception from one (a store or pool error; a
+        release callback's is reported, not raised) loses no other: they wait for the next."""
         if get_ident() != self._thread:  # inline: offload and poll run every step
             self._check_thread()
         self.transfers.poll()
 
     def close(self, timeout: float | None = None) -> None:
-        """Drain every copy and every store write; afterwards nothing is in flight or allocated.
-
-        A release callback that starts and offloads another request while this
-        runs is drained too. ``timeout`` bounds the whole call; past it
-        :class:`~kvlife.errors.DrainTimeout` is raised with nothing lost: what
-        was not applied yet is applied by a later :meth:`poll` or :meth:`close`.
-        """
+        """Drain every copy and store write (a release callback's new request's too): then
+        nothing is in flight or allocated. ``timeout`` bounds the whole call; past it
+        :class:`~kvlife.errors.DrainTimeout`, nothing lost (a later call applies the rest)."""
         self._check_thread()
         self.transfers.drain(timeout)
 
@@ -635,8 +561,7 @@ class OffloadManager:
             lc.owner = self
 
     def _check_thread(self) -> None:
-        """Bind the manager to the calling thread, or refuse a second one before anything
-        changes while the bound thread is alive; once it has ended, the next caller takes over."""
+        """Bind the manager to the calling thread; refuse another while that one is alive."""
         if get_ident() == self._thread:
             return
         bound = self._thread_obj
@@ -659,8 +584,6 @@ class OffloadManager:
         if not isinstance(req, OffloadRequest) or req.manager is not self:
             raise self._refuse(f"{req!r} was not started by this manager")
 
-    # ------------------------------------------------------------ metrics
-
     def metrics(self) -> ManagerMetrics:
         """A copy of the counters, with the gauges read now (any thread may call it)."""
         m = self._metrics
@@ -682,8 +605,7 @@ class OffloadManager:
 
 
 def _route(owner: object) -> tuple[Transfers, object] | None:
-    """The pipeline of the manager that started ``owner`` (a Lifecycle) and the request its
-    host pages belong to; ``None`` for anything no manager started (a forged ack)."""
+    """The pipeline and the request of the Lifecycle ``owner``; ``None`` if forged."""
     req = getattr(owner, "owner", None)
     if isinstance(req, OffloadRequest):
         return req.manager.transfers, req

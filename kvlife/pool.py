@@ -1,14 +1,9 @@
 """The host page pool: a torch tensor of host pages and an allocator that knows every owner.
 
-One host page is one row of :attr:`HostPagePool.tensor`, pinned when CUDA is
-available (``pin_memory`` says so outright; ``True`` without CUDA is a
-:class:`~kvlife.errors.ConfigError`, as are sizes and a dtype it cannot use). An
-allocation is all ``n`` pages or nothing (``None``: retry later); a page is freed
-only by its owner (compared by identity) and only once, every page checked before
-any is freed; each refusal is a :class:`~kvlife.errors.PoolError` and changes
-nothing. Free pages are a stack, so a freed chunk's run comes back whole to the
-next chunk of its size. One thread (the scheduler's) uses the allocator. Details:
-``docs/engines.md``.
+One host page is one row of :attr:`HostPagePool.tensor`. An allocation is all ``n`` pages or
+nothing (``None``); a page is freed only by its owner (by identity), once, every page checked
+before any changes (else :class:`~kvlife.errors.PoolError`). Free pages are a stack, so a
+freed chunk's run comes back whole. One thread uses the allocator; see ``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +22,9 @@ __all__ = ["REGISTER_CHUNK_BYTES", "HostPagePool", "page_lock", "page_unlock"]
 
 
 class HostPagePool:
-    """Host pages in one torch tensor, with an allocator that records each page's owner."""
+    """Host pages in one torch tensor, with an allocator that records each page's owner; the
+    pages are pinned where CUDA is (``pin_memory``: say so outright; ``True`` without CUDA,
+    like sizes or a dtype it cannot use, is a :class:`~kvlife.errors.ConfigError`)."""
 
     __slots__ = ("_free", "_owner", "tensor")
 
@@ -45,10 +42,8 @@ class HostPagePool:
 
     @classmethod
     def over(cls, tensor: torch.Tensor) -> HostPagePool:
-        """A pool whose pages are the rows of ``tensor`` (a 2-D, contiguous CPU tensor the
-        caller made, e.g. a mapping of shared memory that another process maps too); every
-        page free. The allocator is this object's own: another process's pool over the same
-        memory allocates apart."""
+        """A pool whose pages are the rows of ``tensor`` (a 2-D, contiguous CPU tensor, e.g.
+        shared memory another process maps too), all free; its allocator is its own."""
         if (
             not isinstance(tensor, torch.Tensor)
             or tensor.dim() != 2
@@ -71,8 +66,6 @@ class HostPagePool:
         # Free pages as a stack: pop() hands out 0, 1, 2, ... on a fresh pool.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._owner: list[object | None] = [None] * num_pages
-
-    # ---------------------------------------------------------------- reading
 
     @property
     def capacity(self) -> int:
@@ -128,8 +121,6 @@ class HostPagePool:
             f"{self.dtype} pinned={self.pinned}>"
         )
 
-    # ---------------------------------------------------------------- changes
-
     def alloc(self, n: int, owner: object) -> list[int] | None:
         """``n`` free pages, now owned by ``owner``; ``None`` (nothing taken) if fewer are free."""
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
@@ -156,8 +147,7 @@ class HostPagePool:
             free.append(p)
 
     def _check_owner(self, pages: Sequence[int], owner: object) -> None:
-        """Raise, changing nothing, at the first of ``pages`` that is not ``owner``'s, or is
-        named twice."""
+        """Raise, changing nothing, at the first page not ``owner``'s or named twice."""
         if type(pages) is not list and type(pages) is not tuple and not isinstance(pages, Sequence):
             # a set has no order; a generator, one pass
             raise PoolError(f"pages must be a sequence of ints, got {type(pages).__name__}")
@@ -176,19 +166,15 @@ class HostPagePool:
                 seen.add(p)
 
     def write_bytes(self, page: int, payload: bytes) -> bool:
-        """Copy ``payload`` into host page ``page`` if it is exactly one page's bytes (a
-        page read back from a store); whether it was."""
-        row = self.tensor[self._check(page)]
-        if len(payload) != row.numel() * row.element_size():
+        """Copy ``payload`` into host page ``page`` if it is one page's bytes; whether it was."""
+        row = self.tensor[self._check(page)].view(torch.uint8)
+        if len(payload) != row.numel():
             return False
-        row.view(-1).view(torch.uint8).copy_(
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        )
+        row.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         return True
 
     def transfer(self, pages: Sequence[int], owner: object, new_owner: object) -> None:
-        """Hand ``pages`` (all owned by ``owner``) to ``new_owner`` without freeing them (a
-        chunk's staged pages kept by the host tier); every page is checked first."""
+        """Hand ``pages`` (all ``owner``'s, every one checked first) to ``new_owner``."""
         if new_owner is None:
             raise PoolError("new_owner must not be None (None marks a free page)")
         self._check_owner(pages, owner)
@@ -215,14 +201,13 @@ def page_lock(
     *,
     chunk_bytes: int = REGISTER_CHUNK_BYTES,
 ) -> list[int] | None:
-    """Page-lock a pool made over memory the caller mapped (:meth:`HostPagePool.over`, e.g.
-    a shared file), so a CUDA engine copies from it as from a pinned pool:
-    ``register(address, nbytes)`` (``cudaHostRegister``; True on success) on ranges of at
-    most ``chunk_bytes`` that end on both a pool page and an OS page (the driver rounds a
-    range out to OS pages, and two ranges must not share one; a mapping starts on one). The
-    registered addresses, for :func:`page_unlock`; or None, with every range that was
-    registered unregistered again, when a range is refused or torch still does not see the
-    pool as pinned (and before an exception of ``register`` goes on)."""
+    """Page-lock a pool made over memory the caller mapped (:meth:`HostPagePool.over`), so a
+    CUDA engine copies from it as from a pinned pool: ``register(address, nbytes)``
+    (``cudaHostRegister``; True on success) on ranges of at most ``chunk_bytes`` that end on
+    both a pool page and an OS page (the driver rounds a range out to OS pages; two must not
+    share one). The registered addresses, for :func:`page_unlock`; or None, every range
+    unregistered again, when one is refused or torch still sees no pinned pool (and before
+    an exception of ``register`` goes on)."""
     tensor = pool.tensor
     row = int(tensor.stride(0)) * tensor.element_size()
     total = tensor.numel() * tensor.element_size()

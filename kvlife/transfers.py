@@ -1,36 +1,11 @@
 """The one copy pipeline: every host's copies, from the engine's ack to each host page's fate.
 
-Theory of operation
-===================
-
-A host (:class:`~kvlife.OffloadManager`, the vLLM worker, the SGLang linker)
-decides *what* to copy: which pages, under which keys, for which owner. The
-owner is what a ticket names (:data:`~kvlife.Ticket`): a request's
-:class:`~kvlife.Lifecycle`, or a host's own small record of one operation (a
-vLLM job, a linker load). Every owner has an ``inflight`` count and an
-``ack(ticket)`` that settles one of its tickets or raises
-:class:`~kvlife.errors.LifecycleError` (a duplicate, a forgery) and changes
-nothing. :class:`Transfers` does the rest, the same for every host:
-
-- **submit**: the engine takes a chunk whose checks passed; an engine that fails
-  to take it then is a failed copy, settled here like any other ack, and raised;
-- **acks**: polled or drained from the engine, agreed across ranks where there
-  is an :class:`~kvlife.manager.Agreement`, each applied to its ticket's owner
-  (never looked up by id), or handed to the pipeline that owns it (two managers
-  on one engine); a duplicate or forged ack is a counted refusal;
-- **a store's ack**: copied, its host pages go to the store under its keys (a
-  private copy where the host does not own the pages); failed, they are freed;
-- **store results**: the pages are freed, or adopted by the host tier where it
-  keeps written pages; counted; the host's ``stored`` hook hears each;
-- **a load's ack**: the host tier's pins on its keys are dropped;
-- **promotion**: a store page read, verified (whole, the pool's page size) and
-  written into the host tier under the tier's page rules, pinned for a load
-  (:func:`promote_pages`: the one promotion; the vLLM scheduler reads its ranks'
-  pages on a reader thread and hands them to it).
-
-Counts are by name (:class:`TransferCounts`, or a host's metrics object with the
-same fields); refusals go through one :class:`~kvlife.refusals.Refusals`. Only
-the scheduler thread drives a pipeline, as it drives the engine.
+A host (:class:`~kvlife.OffloadManager`, the vLLM worker, the SGLang linker) decides *what* to
+copy; :class:`Transfers` does the rest alike for every host: submit, acks to their tickets'
+owners (:class:`TicketOwner`), store writes and results (pages freed or kept on the host
+tier), a load's pins, the one promotion (:func:`promote_pages`), counts by name, one
+:class:`~kvlife.refusals.Refusals` (``docs/design.md``, "One copy pipeline"). Only the
+scheduler thread drives a pipeline, as it drives the engine.
 """
 
 from __future__ import annotations
@@ -40,8 +15,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
-
-import torch
 
 from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import Ack, page_index
@@ -67,17 +40,13 @@ __all__ = ["TicketOwner", "TransferCounts", "Transfers", "promote_pages"]
 
 
 class TicketOwner(Protocol):
-    """What a ticket's owner offers the pipeline: a :class:`~kvlife.Lifecycle` has both."""
+    """What a ticket's owner offers the pipeline (a :class:`~kvlife.Lifecycle` has both):
+    ``ack`` settles a ticket, or raises LifecycleError, nothing changed, if not in flight."""
 
     @property
-    def inflight(self) -> int:
-        """Tickets of this owner not yet acked."""
-        ...
+    def inflight(self) -> int: ...
 
-    def ack(self, ticket: Any) -> None:
-        """Settle one ticket; raise :class:`~kvlife.errors.LifecycleError` (nothing
-        changed) for one that is not in flight."""
-        ...
+    def ack(self, ticket: Any) -> None: ...
 
 
 @dataclass
@@ -108,16 +77,12 @@ AckedHook = Callable[[object, Ack], object]
 
 
 class Transfers:
-    """The copy pipeline of one host: submit, acks to owners, store writes, promotion.
-
-    ``owns_pages``: the host allocated the chunks' host pages (under the owner
-    ``route`` names) and this pipeline frees them once settled; without it (the
-    vLLM worker, whose pages the scheduler allocates) the store gets a private
-    copy and no page is freed. ``tier``: where loads' pins are dropped, written
-    pages are kept (when it keeps them) and store pages are promoted to. ``route``
-    says which pipeline applies an owner's acks (default: this one); ``acked`` and
-    ``stored`` let the host hear each settled ack and store result.
-    """
+    """The copy pipeline of one host. ``owns_pages``: the host allocated the chunks' pages
+    (to the owner ``route`` names) and the pipeline frees them once settled; else (the vLLM
+    worker) the store gets a private copy and nothing is freed. ``tier``: where loads' pins
+    are dropped, written pages kept (if it keeps them), store pages promoted to. ``route``:
+    which pipeline applies an owner's acks (default: this one); ``acked`` and ``stored``: the
+    host's hooks for each settled ack and store result."""
 
     def __init__(
         self,
@@ -152,8 +117,6 @@ class Transfers:
         #: Errors raised by release callbacks, newest last (bounded), for the host to log.
         self.callback_errors: list[ReleaseCallbackError] = []
 
-    # ------------------------------------------------------------ submit
-
     def submit(
         self,
         ticket: Ticket | LoadTicket,
@@ -162,15 +125,11 @@ class Transfers:
         *,
         checked: bool = True,
     ) -> object:
-        """Hand a chunk to the engine; return its completion handle.
-
-        ``checked``: the chunk passed the engine's checks and its owner already holds the
-        ticket, so an engine that fails to take it now is a failed copy: settled here (its
-        pages freed or unpinned) and raised. ``checked=False``: the checks run here, once;
-        a refusal (:class:`~kvlife.errors.EngineError`) is raised with nothing changed, the
-        pages still the caller's, and the owner must count the ticket only after this
-        returns.
-        """
+        """Hand a chunk to the engine; return its completion handle. ``checked``: it passed
+        the engine's checks and its owner holds the ticket, so an engine failing to take it is
+        a failed copy, settled here and raised; else the checks run here, and a refusal
+        (:class:`~kvlife.errors.EngineError`) changes nothing (the owner counts the ticket
+        only after this returns)."""
         try:
             handle = self.engine.submit(ticket, device_pages, host_pages)
         except BaseException as exc:
@@ -184,14 +143,8 @@ class Transfers:
             self.agreement.submitted(ticket)
         return handle
 
-    # ------------------------------------------------------------ progress
-
     def poll(self) -> None:
-        """Apply completed copies and store writes (agreed first, with an agreement).
-
-        Acks and results taken wait here until applied, so an exception from one leaves
-        the others for the next call, none lost.
-        """
+        """Apply completed copies and store writes (agreed first); one raising loses none."""
         acks = self.engine.poll()
         if self.agreement is not None:
             acks = self.agreement.agree(acks)
@@ -220,9 +173,7 @@ class Transfers:
             finally:
                 if store is not None:
                     self.apply_results(store.drain(_left(deadline)))
-            pending = agreement is not None and agreement.pending
-            writes = store is not None and store.pending
-            if not (self.engine.inflight or self._acks or writes or pending):
+            if self.idle:
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise DrainTimeout(f"work still in flight after {timeout} s")
@@ -282,7 +233,7 @@ class Transfers:
             self.counts.load_failures += 1
 
     def _settle_store(self, ack: Ack, owner: object) -> None:
-        """An applied store's host pages: freed if the copy failed, else to the store."""
+        """An applied store's host pages: freed if the copy failed, else written to the store."""
         m, pages = self.counts, ack.host_pages
         m.chunks_acked += 1
         latency = ack.completed_at - ack.submitted_at
@@ -292,15 +243,21 @@ class Transfers:
             m.ack_latency_max_s = latency
         if ack.error is not None:
             m.copy_failures += 1
+        else:
+            m.pages_offloaded += len(pages)  # on the host now, whatever the store does
+        if ack.error is not None or self.store is None:
             self._give_back(pages, owner)
             return
-        m.pages_offloaded += len(pages)  # on the host now, whatever the store does
-        if self.store is None:
-            self._give_back(pages, owner)
-            return
+        first, tensor = pages[0], self.host.tensor
         try:
+            if not self.owns_pages:
+                rows = tensor.index_select(0, page_index(pages))
+            elif len(pages) == 1 or pages == tuple(range(first, first + len(pages))):
+                rows = tensor[first : first + len(pages)]
+            else:
+                rows = tensor[list(pages)]
             token = (self, owner, pages)
-            self.store.put(token, ack.ticket[2], self._rows(pages))
+            self.store.put(token, ack.ticket[2], rows)
             self._writing[token] = ack.ticket[2]
         except BaseException as exc:  # refused or broken at once: never stored
             m.store_failures += 1
@@ -308,16 +265,6 @@ class Transfers:
             if not isinstance(exc, StoreError):
                 raise
             self.refusals.refuse(type(exc).__name__, exc)
-
-    def _rows(self, pages: tuple[int, ...]) -> torch.Tensor:
-        """The host pages as one ``[n, page_numel]`` tensor: a view of consecutive pages the
-        pipeline owns until the write ends, else a private copy."""
-        first, tensor = pages[0], self.host.tensor
-        if not self.owns_pages:
-            return tensor.index_select(0, page_index(pages))
-        if len(pages) == 1 or pages == tuple(range(first, first + len(pages))):
-            return tensor[first : first + len(pages)]
-        return tensor[list(pages)]
 
     def _give_back(self, pages: Sequence[int], owner: object) -> None:
         if self.owns_pages:
@@ -350,13 +297,10 @@ class Transfers:
             if self._stored is not None:
                 self._stored(owner, result)
 
-    # ------------------------------------------------------------ promotion
-
     def pin_for_load(self, keys: Sequence[Any]) -> list[int]:
-        """Pin the leading ``keys`` for a load: ready entries' pages, or store pages promoted
-        into the tier (making room for one never evicts a page pinned before it). Stops at
-        the first key neither holds; the pinned pages, in key order (the caller drops their
-        pins with ``tier.complete_load`` if it does not load them)."""
+        """Pin the leading ``keys`` for a load, ready or promoted from the store (room made
+        for one never evicts a page pinned before it), up to the first neither holds; the
+        pinned pages, in order (``tier.complete_load`` drops the pins of any not loaded)."""
         tier = self.tier
         assert tier is not None, "a load pins pages of a host tier"
         pages = tier.pin_ready(keys)
@@ -370,15 +314,11 @@ class Transfers:
             pages += tier.pin_ready(keys[len(pages) :])
         return pages
 
-    def promote(self, key: Any, name: Any = None) -> bool:
-        """Read ``key``'s page from the store (under ``name``, default the key) into the
-        host tier, verified and pinned for a load; whether it is there now. A page damaged,
-        gone, of another size, or a store that cannot answer is a miss."""
+    def promote(self, key: Any) -> bool:
+        """Read ``key``'s store page into the host tier, verified and pinned; whether it is."""
         assert self.tier is not None, "promotion needs a host tier"
-        if self.store is None:
-            return False
         try:
-            payload = self.store.get(key if name is None else name)
+            payload = None if self.store is None else self.store.get(key)
         except (StoreError, OSError):
             return False
         if not promote_pages(self.tier, key, [self.host], [payload], pin=True):
@@ -387,12 +327,9 @@ class Transfers:
         return True
 
     def in_store(self, key: Any) -> bool:
-        """Whether the store holds a whole page under ``key``; a store that cannot answer
-        now (a cluster busy or down, a read error) holds nothing a load could use."""
-        if self.store is None:
-            return False
+        """Whether the store holds a whole page under ``key`` (not if it cannot answer now)."""
         try:
-            return self.store.contains(key)
+            return self.store is not None and self.store.contains(key)
         except (StoreError, OSError):
             return False
 
@@ -403,14 +340,13 @@ class Transfers:
     @property
     def idle(self) -> bool:
         """Nothing in flight: no copy, no ack or result waiting, no store write."""
-        store = self.store
-        pending = self.agreement is not None and self.agreement.pending
+        store, agreement = self.store, self.agreement
         return not (
             self.engine.inflight
             or self._acks
             or self._results
             or (store is not None and store.pending)
-            or pending
+            or (agreement is not None and agreement.pending)
         )
 
     def record_callback_error(self, exc: ReleaseCallbackError) -> None:
@@ -430,24 +366,19 @@ def promote_pages(
 ) -> bool:
     """The one promotion: ``key`` becomes a ready host entry whose page holds, in each of
     ``pools`` (one per rank, the same page index), that pool's payload read back from the
-    persistent tier, pinned once for a load with ``pin``. Every payload is checked first
-    (present, exactly one page), so a damaged or missing page evicts nothing; the page is
-    taken under the tier's rules (never one pinned or pending). ``False``, nothing
-    changed, when a payload is bad, the key is held, or there is no room."""
-    whole = [
-        payload
+    persistent tier (pinned once for a load with ``pin``). Every payload is checked first,
+    so a bad one evicts nothing; ``False``, nothing changed, if one is bad, the key is held
+    or there is no room."""
+    pairs = [
+        (pool, payload)
         for pool, payload in zip(pools, payloads or (), strict=False)
         if payload is not None and len(payload) == pool.page_numel * pool.dtype.itemsize
     ]
-    if payloads is None or not len(payloads) == len(whole) == len(pools):
+    if payloads is None or not len(payloads) == len(pairs) == len(pools):
         return False
-
-    def fill(page: int) -> bool:
-        return all(
-            pool.write_bytes(page, payload) for pool, payload in zip(pools, whole, strict=True)
-        )
-
-    return tier.insert_ready(key, fill, pin=pin)
+    return tier.insert_ready(
+        key, lambda page: all(pool.write_bytes(page, b) for pool, b in pairs), pin=pin
+    )
 
 
 def _left(deadline: float | None) -> float | None:
