@@ -248,8 +248,8 @@ class Transfers:
         if ack.error is not None or self.store is None:
             self._give_back(pages, owner)
             return
-        first, tensor = pages[0], self.host.tensor
         try:
+            first, tensor = pages[0], self.host.tensor
             if not self.owns_pages:
                 rows = tensor.index_select(0, page_index(pages))
             elif len(pages) == 1 or pages == tuple(range(first, first + len(pages))):
