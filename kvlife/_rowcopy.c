@@ -9,31 +9,48 @@
  * stores write around the cache (the rows are not read again soon: a host page waits
  * for a load, a loaded block for the next step). docs/engines.md has the figures.
  *
- * copy_rows(dst, src, row_bytes, threads): dst and src are buffers of uint64 addresses,
- * entry i copies row_bytes[i % len(row_bytes)] bytes from src[i] to dst[i]. The caller
+ * copy_rows(dst, src, row_bytes, threads, stream=1): dst and src are buffers of uint64
+ * addresses, entry i copies row_bytes[i % len(row_bytes)] bytes from src[i] to dst[i];
+ * stream=0 copies by memcpy (for copies that fit the last-level cache). The caller
  * (kvlife.layout) computes the addresses from tensors it has checked and keeps alive.
+ *
+ * pages(seq, limit): the engines' check of a chunk's page list in one pass: every item
+ * an exact int in [0, limit), none twice. Returns the pages as a bytearray of int64, or
+ * the position of the first item that fails (the caller names the error).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdatomic.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
 #define MAX_THREADS 16
+/* The rows a thread takes at a time: about this many bytes. */
+#define BATCH_BYTES (256 << 10)
 
+/* One call's rows, taken by its threads a batch at a time from `next`: a thread that gets
+ * no core for a while (a busy machine, another pool's threads spinning) holds up one
+ * batch, not a fixed share of the rows; the calling thread copies whatever is left. */
 typedef struct {
+    int stream;
     const uint64_t *dst;
     const uint64_t *src;
     const uint64_t *sizes;
-    Py_ssize_t first, last, width;
-} Part;
+    Py_ssize_t rows, width, batch;
+    atomic_size_t next;
+} Job;
 
-static void copy_row(char *dst, const char *src, size_t n)
+static void copy_row(char *dst, const char *src, size_t n, int stream)
 {
 #if defined(__SSE2__)
+    if (!stream) {
+        memcpy(dst, src, n);
+        return;
+    }
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     if (n < head + 64) {
         memcpy(dst, src, n);
@@ -53,16 +70,56 @@ static void copy_row(char *dst, const char *src, size_t n)
     }
     memcpy(dst + i, src + i, n - i);
 #else
+    (void)stream;
     memcpy(dst, src, n);
 #endif
 }
 
+/* Rows this far ahead are prefetched, a line in each 4 KiB page of them: the page walks
+ * and the first misses of scattered rows overlap the copy of the rows before, instead of
+ * stalling it (a scattered copy of 16 KiB rows on one thread goes from 0.6x-0.9x a
+ * contiguous memcpy to 1.0x-1.1x). Targets are prefetched for writing, except streamed. */
+#define AHEAD 2
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(address, write) __builtin_prefetch((address), (write), 3)
+#else
+#define PREFETCH(address, write) ((void)(address))
+#endif
+
+static void prefetch_row(const char *src, char *dst, size_t n, int stream)
+{
+    for (size_t o = 0; o < n; o += 4096) {
+        PREFETCH(src + o, 0);
+        if (!stream)
+            PREFETCH(dst + o, 1);
+    }
+    if (n) {
+        PREFETCH(src + n - 1, 0);
+        if (!stream)
+            PREFETCH(dst + n - 1, 1);
+    }
+}
+
 static void *copy_part(void *arg)
 {
-    const Part *p = arg;
-    for (Py_ssize_t i = p->first; i < p->last; i++)
-        copy_row((char *)(uintptr_t)p->dst[i], (const char *)(uintptr_t)p->src[i],
-                 (size_t)p->sizes[i % p->width]);
+    Job *job = arg;
+    const uint64_t *dst = job->dst, *src = job->src, *sizes = job->sizes;
+    Py_ssize_t rows = job->rows, width = job->width;
+    for (;;) {
+        Py_ssize_t first = (Py_ssize_t)atomic_fetch_add(&job->next, (size_t)job->batch);
+        if (first >= rows)
+            break;
+        Py_ssize_t last = first + job->batch < rows ? first + job->batch : rows;
+        for (Py_ssize_t i = first; i < last; i++) {
+            Py_ssize_t j = i + AHEAD; /* the next batch's first rows too: most often this
+                                          thread's, and a prefetch is never wrong */
+            if (j < rows)
+                prefetch_row((const char *)(uintptr_t)src[j], (char *)(uintptr_t)dst[j],
+                             (size_t)sizes[j % width], job->stream);
+            copy_row((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i],
+                     (size_t)sizes[i % width], job->stream);
+        }
+    }
 #if defined(__SSE2__)
     _mm_sfence(); /* the streamed lines are visible before the thread is joined */
 #endif
@@ -72,9 +129,9 @@ static void *copy_part(void *arg)
 static PyObject *copy_rows(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src, sizes;
-    int threads;
+    int threads, stream = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*i", &dst, &src, &sizes, &threads))
+    if (!PyArg_ParseTuple(args, "y*y*y*i|p", &dst, &src, &sizes, &threads, &stream))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = dst.len / 8, width = sizes.len / 8;
@@ -88,24 +145,23 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
         threads = 1;
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
-    if (threads > n)
-        threads = n > 0 ? (int)n : 1;
-    Part parts[MAX_THREADS];
+    uint64_t row_bytes = 0;
+    for (Py_ssize_t c = 0; c < width; c++)
+        row_bytes += ((const uint64_t *)sizes.buf)[c];
+    row_bytes = row_bytes / (uint64_t)width + 1;
+    Job job = {stream, dst.buf, src.buf, sizes.buf, n, width,
+               (Py_ssize_t)(BATCH_BYTES / row_bytes) + 1, 0};
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    for (int t = 0; t < threads; t++)
-        parts[t] = (Part){dst.buf, src.buf, sizes.buf, n * t / threads, n * (t + 1) / threads,
-                          width};
+    if (threads > (n + job.batch - 1) / job.batch)
+        threads = (int)((n + job.batch - 1) / job.batch);
     Py_BEGIN_ALLOW_THREADS
     for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, copy_part, &parts[t]) == 0;
-    copy_part(&parts[0]);
-    for (int t = 1; t < threads; t++) {
+        started[t] = pthread_create(&ids[t], NULL, copy_part, &job) == 0;
+    copy_part(&job); /* this thread copies too: all of it where no thread could start */
+    for (int t = 1; t < threads; t++)
         if (started[t])
             pthread_join(ids[t], NULL);
-        else
-            copy_part(&parts[t]); /* no thread to be had: this one copies it */
-    }
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -115,10 +171,66 @@ done:
     return result;
 }
 
+/* pages(seq, limit): see the header. Duplicates are found in an open-addressing table of
+ * at least twice the pages, so the cost does not depend on limit. */
+static PyObject *pages(PyObject *self, PyObject *args)
+{
+    PyObject *seq;
+    long long limit;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OL", &seq, &limit))
+        return NULL;
+    PyObject *fast = PySequence_Fast(seq, "pages must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), size = 16, bad = -1;
+    while (size < 2 * n)
+        size *= 2;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    uint64_t *table = PyMem_Calloc((size_t)size, sizeof(uint64_t)); /* page + 1; 0: empty */
+    if (out == NULL || table == NULL) {
+        Py_XDECREF(out);
+        PyMem_Free(table);
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    int64_t *values = (int64_t *)PyByteArray_AS_STRING(out);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
+        int overflow = 0;
+        long long v = PyLong_CheckExact(items[i])
+                          ? PyLong_AsLongLongAndOverflow(items[i], &overflow)
+                          : -1;
+        if (overflow || v < 0 || v >= limit) {
+            bad = i;
+            break;
+        }
+        values[i] = v;
+        uint64_t key = (uint64_t)v + 1;
+        size_t slot = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 20) & (size_t)(size - 1);
+        while (table[slot] && table[slot] != key)
+            slot = (slot + 1) & (size_t)(size - 1);
+        if (table[slot])
+            bad = i; /* a page named twice */
+        table[slot] = key;
+    }
+    PyMem_Free(table);
+    Py_DECREF(fast);
+    if (bad >= 0) {
+        Py_DECREF(out);
+        return PyLong_FromSsize_t(bad);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(dst, src, row_bytes, threads): copy row i of row_bytes[i % len(row_bytes)] "
-     "bytes from address src[i] to dst[i] (uint64 buffers), without the GIL."},
+     "copy_rows(dst, src, row_bytes, threads, stream=1): copy row i of "
+     "row_bytes[i % len(row_bytes)] bytes from address src[i] to dst[i] (uint64 buffers), "
+     "without the GIL; stream=0: by memcpy, no streaming stores."},
+    {"pages", pages, METH_VARARGS,
+     "pages(seq, limit): seq's exact ints, each in [0, limit) and none twice, as a "
+     "bytearray of int64; else the position of the first that is not."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -2,10 +2,11 @@
 
 A page is ``page_size`` consecutive token slots of every buffer; one host page is
 one row of ``page_numel`` elements, the page's *page rows* (each buffer viewed as
-``[num_pages, row_numel]``) one after the other. A copy is one ``index_select``
-per buffer straight into that buffer's column block of the page-major output: no
-temporary, no per-page Python loop. Layouts, restores and their speed
-(``bench/engine.py``): ``docs/engines.md``.
+``[num_pages, row_numel]``) one after the other. On a CPU a copy is one call of
+``kvlife._rowcopy`` over every (page, buffer) row, by address; elsewhere (or without
+the extension) one ``index_select`` / ``index_copy_`` per buffer straight into or out
+of that buffer's column block of the page-major rows: no temporary, no per-page Python
+loop. Layouts, restores and their speed (``bench/engine.py``): ``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,12 +34,7 @@ __all__ = [
 ]
 
 
-#: Consecutive device pages from this many up are restored with one ``copy_`` per buffer.
-_MIN_RUN = 4
-#: Scattered page rows this large or larger are restored with one ``copy_`` each.
-_BIG_ROW_BYTES = 1 << 20
-#: CPU copies of this many bytes or more go through ``kvlife._rowcopy``: streaming stores
-#: on torch's thread count. Smaller ones stay in the cache and are faster through torch.
+#: CPU copies of this many bytes or more (they no longer fit the cache) are streamed.
 STREAM_BYTES = 32 << 20
 
 
@@ -83,13 +78,13 @@ def _plain_rows(rows: torch.Tensor) -> bool:
     )
 
 
-def _check_live(what: str, tensor: torch.Tensor) -> None:
-    """ConfigError unless every element of ``tensor`` lies inside its storage as it is
-    now: a buffer whose storage was released or shrunk after the layout was built
+def _check_live(what: str, tensor: torch.Tensor) -> int:
+    """``tensor``'s address; ConfigError unless every element of it lies inside its storage
+    as it is now: a buffer whose storage was released or shrunk after the layout was built
     (``untyped_storage().resize_(0)``) keeps its shape and strides, and a copy by address
     would read or write memory it no longer owns (torch's own copies check it and raise)."""
     if tensor.numel() == 0:
-        return
+        return 0
     storage = tensor.untyped_storage()
     start, held = storage.data_ptr(), storage.nbytes()
     size = tensor.element_size()
@@ -103,6 +98,7 @@ def _check_live(what: str, tensor: torch.Tensor) -> None:
             f"its storage, which holds {held}: its storage was released or shrunk "
             "(untyped_storage().resize_); nothing was copied"
         )
+    return first
 
 
 class KVLayout:
@@ -142,7 +138,6 @@ class KVLayout:
             for row, end in zip(self._rows, ends, strict=True)
         )
         self._page_numel = ends[-1]
-        self._np_rows: tuple[np.ndarray[Any, np.dtype[np.void]], ...] | None = None
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The device tensors that hold the KV cache, as the runtime sees them."""
@@ -259,10 +254,8 @@ class KVLayout:
         """The mirror of :meth:`gather_runs` (a load: host -> device): rows of ``host``
         given as runs ``(offset, first row, length)`` into ``pages``.
 
-        On a CPU layout, device pages that are consecutive too are written with
-        one ``copy_`` per buffer, the others with one row-wise memcpy scatter per
-        buffer; from another device, through device staging, then ``index_copy_``
-        per buffer on the device.
+        From another device, through device staging, then ``index_copy_`` per buffer
+        on the device.
         """
         self._copy_runs(True, pages, host, runs, max_staging_bytes)
 
@@ -277,7 +270,7 @@ class KVLayout:
         """Both directions of :meth:`gather_runs` and :meth:`scatter_runs`: they cannot differ."""
         self._check_rows("host", host)
         if host.device == self.device:
-            if self._stream(load, pages, host, runs):
+            if self._by_address(load, pages, host, runs):
                 return
             for offset, row, length in runs:
                 on_device, on_host = pages[offset : offset + length], host[row : row + length]
@@ -300,22 +293,22 @@ class KVLayout:
             if load:
                 self._scatter_from(pages[lo:hi], staging)
 
-    def _stream(
+    def _by_address(
         self,
         load: bool,
         pages: torch.Tensor,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
     ) -> bool:
-        """A CPU copy of ``STREAM_BYTES`` or more: every (page, buffer) row in one call of
-        ``kvlife._rowcopy``, by address, without the GIL, split over torch's thread count,
-        with streaming stores (docs/engines.md). False, nothing copied, when it does not
-        apply; the caller then copies through torch."""
+        """A CPU copy: every (page, buffer) row in one call of ``kvlife._rowcopy``, by
+        address, without the GIL; a ``memcpy`` a row on this thread, the next rows
+        prefetched, or from ``STREAM_BYTES`` up streamed over torch's thread count
+        (docs/engines.md). False, nothing copied, where the extension is not built or the
+        rows are not plain; the caller then copies through torch."""
         n = int(pages.numel())
         if (
             _rowcopy is None
             or self.device.type != "cpu"
-            or n * self.page_nbytes < STREAM_BYTES
             or not _plain_rows(host)
             or not all(_plain_rows(row) for row in self._rows)
         ):
@@ -323,29 +316,33 @@ class KVLayout:
         # Raw addresses: every page and host row is checked here, whatever the caller did,
         # on a private copy of the pages (no other thread can change them once checked),
         # and every buffer and the host pool lie inside their storage as it is now.
-        for i, buffer in enumerate(self._rows):
-            _check_live(f"KV buffer {i}", buffer)
-        _check_live("the host pool", host)
-        pages, runs = pages.clone(), list(runs)
-        self._check_index(pages)
-        rows = torch.full((n,), -1, dtype=torch.int64)
-        for offset, row, length in runs:
-            if not (0 <= offset <= offset + length <= n and 0 <= row <= row + length <= len(host)):
-                raise ConfigError(
-                    f"host run {(offset, row, length)}: not within {n} pages, {len(host)} host rows"
-                )
-            rows[offset : offset + length] = torch.arange(row, row + length)
-        if sum(length for _, _, length in runs) != n or (n and int(rows.min()) < 0):
-            raise ConfigError(f"host runs {list(runs)} do not cover {n} pages once each")
         size = self.dtype.itemsize
-        bases = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64)
-        strides = torch.tensor([r.stride(0) * size for r in self._rows], dtype=torch.int64)
-        cols = torch.tensor([c.start * size for _, c in self._blocks], dtype=torch.int64)
-        widths = np.array([int(r.shape[1]) * size for r in self._rows], dtype=np.uint64)
-        on_device = pages.view(-1, 1) * strides + bases
-        on_host = rows.view(-1, 1) * (host.stride(0) * size) + (host.data_ptr() + cols)
+        bases = [_check_live(f"KV buffer {i}", row) for i, row in enumerate(self._rows)]
+        host_base = _check_live("the host pool", host)
+        pages = pages.clone()
+        self._check_index(pages)
+        index = pages.numpy()
+        if len(runs) == 1 and runs[0][0] == 0 and runs[0][2] == n:  # one run: a job's, often
+            rows = np.arange(runs[0][1], runs[0][1] + n, dtype=np.int64)
+        else:
+            rows = np.full(n, -1, dtype=np.int64)
+            for offset, row, length in runs:
+                if 0 <= offset <= offset + length <= n:
+                    rows[offset : offset + length] = np.arange(row, row + length)
+        if n and not (
+            sum(length for _, _, length in runs) == n and 0 <= rows.min() <= rows.max() < len(host)
+        ):
+            raise ConfigError(
+                f"host runs {list(runs)}: not {n} pages once each within {len(host)} host rows"
+            )
+        strides = np.array([row.stride(0) * size for row in self._rows], dtype=np.int64)
+        cols = np.array([c.start * size for _, c in self._blocks], dtype=np.int64)
+        widths = np.array([int(r.shape[1]) * size for r in self._rows], dtype=np.int64)
+        on_device = index[:, None] * strides + np.array(bases, dtype=np.int64)
+        on_host = rows[:, None] * (host.stride(0) * size) + (cols + host_base)
         dst, src = (on_device, on_host) if load else (on_host, on_device)
-        _rowcopy.copy_rows(dst.numpy(), src.numpy(), widths, torch.get_num_threads())
+        stream = n * self.page_nbytes >= STREAM_BYTES
+        _rowcopy.copy_rows(dst, src, widths, torch.get_num_threads() if stream else 1, stream)
         return True
 
     def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
@@ -354,50 +351,8 @@ class KVLayout:
 
     def _scatter_from(self, pages: torch.Tensor, src: torch.Tensor) -> None:
         """Write rows ``src`` ``[n, page_numel]`` (on this device) into ``pages`` (checked)."""
-        if self.device.type != "cpu" or pages.numel() == 0:
-            # On a GPU index_copy_ runs at memory bandwidth.
-            for row, cols in self._blocks:
-                row.index_copy_(0, pages, src[:, cols])
-            return
-        # On a CPU index_copy_ copies element by element (about 0.3x a contiguous
-        # copy); whole rows are copied instead: runs of _MIN_RUN or more consecutive
-        # device pages with one copy_ per buffer, the pages between them by _scatter_rows.
-        listed = pages.tolist()
-        n = len(listed)
-        short = start = 0  # short: the first page of the stretch between long runs
-        for end in range(1, n + 1):
-            if end < n and listed[end] == listed[end - 1] + 1:
-                continue
-            if end - start >= _MIN_RUN:
-                if short < start:
-                    self._scatter_rows(pages[short:start], src[short:start])
-                first = listed[start]
-                for row, cols in self._blocks:
-                    row[first : first + end - start].copy_(src[start:end, cols])
-                short = end
-            start = end
-        if short < n:
-            self._scatter_rows(pages[short:], src[short:])
-
-    def _scatter_rows(self, pages: torch.Tensor, src: torch.Tensor) -> None:
-        """CPU: one numpy fancy assignment per buffer over its rows viewed as opaque items
-        (a memcpy per row, the GIL released); rows of ``_BIG_ROW_BYTES`` and more (a
-        page-first page) with one ``copy_`` each instead, the call's cost lost in the copy's.
-        """
-        itemsize = self.dtype.itemsize
-        if all(int(row.shape[1]) * itemsize >= _BIG_ROW_BYTES for row in self._rows):
-            for row, cols in self._blocks:
-                for i, page in enumerate(pages.tolist()):
-                    row[page].copy_(src[i, cols])
-            return
-        if self._np_rows is None:
-            as_bytes = [row.detach().view(torch.uint8).numpy() for row in self._rows]
-            self._np_rows = tuple(b.view(np.dtype((np.void, b.shape[1])))[:, 0] for b in as_bytes)
-        index = pages.numpy()
-        host = src.detach().view(torch.uint8).numpy()
-        for (_, cols), target in zip(self._blocks, self._np_rows, strict=True):
-            block = host[:, cols.start * itemsize : cols.stop * itemsize]
-            target[index] = block.view(target.dtype)[:, 0]
+        for row, cols in self._blocks:
+            row.index_copy_(0, pages, src[:, cols])
 
     def read_page(self, page: int) -> torch.Tensor:
         """A flat copy of one page (for verification), on the layout's device."""

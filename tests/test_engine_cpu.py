@@ -6,6 +6,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -337,7 +338,8 @@ def test_engine_follows_the_protocol(engines: Callable[..., CpuCopyEngine]) -> N
 
 def engine_state(engine: CpuCopyEngine, host: HostPagePool) -> tuple[object, ...]:
     owners = tuple(id(host.owner_of(p)) for p in range(host.capacity))
-    return (engine.inflight, host.num_used, owners, host.tensor.clone())
+    in_flight = (engine.inflight, engine.host_pages_busy(), engine.host_pages_busy(reads=False))
+    return (in_flight, host.num_used, owners, host.tensor.clone())
 
 
 def same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
@@ -354,6 +356,7 @@ def test_every_refusal_leaves_engine_and_pool_unchanged(
     assert busy == [0, 1]
     gate = engine.hold_next()
     engine.submit(busy_ticket, [0, 1], busy)  # in flight, held
+    assert engine.host_pages_busy(reads=False) == engine.host_pages_busy() == {0, 1}
     ticket = chunk(lc, 2)
     mine = host.alloc(2, ticket)  # pages 2, 3
     assert mine == [2, 3]
@@ -366,6 +369,9 @@ def test_every_refusal_leaves_engine_and_pool_unchanged(
         (ticket, [-1, 2], mine, OUT_OF_RANGE),
         (ticket, [2, 2.0], mine, OUT_OF_RANGE),
         (ticket, [2, True], mine, OUT_OF_RANGE),
+        (ticket, [2, np.int64(3)], mine, OUT_OF_RANGE),  # an int, exactly
+        (ticket, [2, 2**70], mine, OUT_OF_RANGE),
+        (ticket, [2, 3], [2, 2**64 + 3], OUT_OF_RANGE),
         (ticket, [2, 3], [2, 8], OUT_OF_RANGE),
         (ticket, [3, 3], mine, TWICE),
         (ticket, [2, 3], [3, 3], TWICE),
@@ -736,9 +742,12 @@ def test_a_page_two_loads_read_stays_busy_until_the_last_is_acked(
     first, second = engine.hold_next(), engine.hold_next()
     done = engine.submit(load(Lifecycle("a", page_size=PAGE), 2), [1, 2], [h0, h1])
     engine.submit(load(Lifecycle("b", page_size=PAGE), 2), [3, 4], [h1, h2])
+    assert engine.host_pages_busy() == {h0, h1, h2}  # read: no store may write them
+    assert engine.host_pages_busy(reads=False) == set()  # nothing writes them
     first.open()
     done.synchronize(timeout=10.0)
     assert [a.host_pages for a in engine.poll()] == [(h0, h1)]
+    assert engine.host_pages_busy() == {h1, h2}
     engine.check([5], [h0])  # only the first load read it: free
     for page in (h1, h2):
         with pytest.raises(PageBusy, match="being read by a load"):
@@ -812,6 +821,25 @@ def test_every_load_refusal_leaves_engine_pool_and_device_unchanged(
     # acked: every page is free for any direction again
     engine.check([2], [2], load=True)
     engine.check([1, 2], [2, 1])
+
+
+@pytest.mark.parametrize(
+    "refusals",
+    [
+        test_every_refusal_leaves_engine_and_pool_unchanged,
+        test_every_load_refusal_leaves_engine_pool_and_device_unchanged,
+    ],
+)
+def test_every_refusal_is_the_same_without_the_c_page_check(
+    monkeypatch: pytest.MonkeyPatch,
+    engines: Callable[..., CpuCopyEngine],
+    refusals: Callable[[Callable[..., CpuCopyEngine]], None],
+) -> None:
+    """Where kvlife._rowcopy is not built the pages are checked in Python: the same refusals."""
+    import kvlife.engine.base as base
+
+    monkeypatch.setattr(base, "_c_pages", None)
+    refusals(engines)
 
 
 def test_a_ticket_of_any_owner_is_copied_and_acked_to_that_owner(

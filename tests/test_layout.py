@@ -254,26 +254,20 @@ def test_issue23_a_device_that_cannot_be_used_is_a_config_error_naming_it(device
 
 # ---------------------------------------------------------------- restore (host -> device)
 
-# The CPU restore takes one of three paths; each test runs through all of them:
-# row-wise numpy scatter (scattered pages), one copy_ per consecutive device run,
-# and one copy_ per big row (a page-first page of a real model).
-PATHS = ["rows", "runs", "big_rows", "stream"]
+# A CPU copy takes one of three paths; each test runs through all of them: torch's
+# (index_select / index_copy_, where kvlife._rowcopy is not built), and the C row copy
+# by address, by memcpy on one thread or streamed.
+PATHS = ["torch", "memcpy", "stream"]
 
 
 def restore_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     import kvlife.layout as layout_module
 
-    monkeypatch.setattr(layout_module, "STREAM_BYTES", 1 << 62)
-    if path == "stream":
-        if layout_module._rowcopy is None:
-            pytest.skip("kvlife._rowcopy is not built (no C compiler at install)")
-        monkeypatch.setattr(layout_module, "STREAM_BYTES", 0)
-    elif path == "runs":
-        monkeypatch.setattr(layout_module, "_MIN_RUN", 2)
-    elif path == "big_rows":
-        monkeypatch.setattr(layout_module, "_BIG_ROW_BYTES", 1)
-    else:
-        monkeypatch.setattr(layout_module, "_MIN_RUN", 1 << 30)
+    monkeypatch.setattr(layout_module, "STREAM_BYTES", 0 if path == "stream" else 1 << 62)
+    if path == "torch":
+        monkeypatch.setattr(layout_module, "_rowcopy", None)
+    elif layout_module._rowcopy is None:
+        pytest.skip("kvlife._rowcopy is not built (no C compiler at install)")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -445,11 +439,12 @@ def _rowcopy_or_skip() -> Any:
     return layout_module._rowcopy
 
 
+@pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("threads", [1, 2, 3, 17])
-def test_row_copies_move_every_byte_at_any_alignment(threads: int) -> None:
+def test_row_copies_move_every_byte_at_any_alignment(threads: int, stream: bool) -> None:
     """Rows of 0 to 300 bytes from and to addresses at every offset mod 16 (the streaming
     stores need 16-byte aligned targets: the head and tail go by memcpy), on 1 to 17
-    threads (more than rows, more than the C side's cap of 16)."""
+    threads (more than rows, more than the C side's cap of 16), streamed or by memcpy."""
     rowcopy = _rowcopy_or_skip()
     g = torch.Generator().manual_seed(1)
     src = torch.randint(-128, 127, (8192,), dtype=torch.int8, generator=g)
@@ -469,8 +464,30 @@ def test_row_copies_move_every_byte_at_any_alignment(threads: int) -> None:
         np.array(sources, dtype=np.uint64),
         np.array(widths, dtype=np.uint64),
         threads,
+        stream,
     )
     assert torch.equal(dst, expected)
+
+
+def test_the_c_page_check_takes_distinct_ints_in_range_and_names_the_first_other() -> None:
+    """``kvlife._rowcopy.pages``, the engines' page check: the pages as int64, or the
+    position of the first that is not an exact int in range or repeats an earlier one."""
+    rowcopy = _rowcopy_or_skip()
+    assert np.frombuffer(rowcopy.pages([3, 0, 2], 4), dtype=np.int64).tolist() == [3, 0, 2]
+    assert rowcopy.pages((), 4) == bytearray()
+    for bad, at in [
+        ([3, 1, 3], 2),  # a repeat: the second one
+        ([1, True], 1),  # a bool is not a page
+        ([1, np.int64(2)], 1),  # nor a numpy int
+        ([1, 2.0], 1),
+        ([0, 4], 1),
+        ([-1, 0], 0),
+        ([2**70], 0),
+    ]:
+        assert rowcopy.pages(bad, 4) == at, bad
+    many = list(range(100_000))[::-1]
+    assert len(rowcopy.pages(many, 100_000)) == 8 * 100_000
+    assert rowcopy.pages([*many, 77], 100_000) == 100_000
 
 
 def test_row_copies_refuse_mismatched_address_buffers() -> None:
@@ -497,12 +514,14 @@ def test_row_copies_refuse_mismatched_address_buffers() -> None:
         [(0, 0, 6)],  # more pages than the chunk's 5
     ],
 )
+@pytest.mark.parametrize("path", ["memcpy", "stream"])
 def test_a_streamed_copy_with_bad_runs_is_refused_and_copies_nothing(
-    monkeypatch: pytest.MonkeyPatch, runs: list[tuple[int, int, int]]
+    monkeypatch: pytest.MonkeyPatch, runs: list[tuple[int, int, int]], path: str
 ) -> None:
-    """The streamed copy writes by raw address: every run and page is checked first."""
+    """The copy by address (memcpy or streamed) writes by raw address: every run and page
+    is checked first."""
     _rowcopy_or_skip()
-    restore_path(monkeypatch, "stream")
+    restore_path(monkeypatch, path)
     layout = make("layer_first", torch.float32, num_pages=12)
     fill_random_bits(layout, seed=6)
     before = snapshot(layout)
@@ -541,13 +560,15 @@ def test_int8_rows_of_odd_widths_at_odd_offsets_stream_bit_exact(
     assert all(torch.equal(r[targets], r[pages]) for r in rows)
 
 
+@pytest.mark.parametrize("path", ["memcpy", "stream"])
 def test_rows_a_byte_copy_would_get_wrong_are_left_to_torch(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """Host rows that overlap (an expanded tensor) and a lazily conjugated host are refused
-    as torch's paths refuse them, never copied as raw bytes by the streamed copy."""
+    """Host rows that overlap (an expanded tensor) are refused as torch's paths refuse them,
+    and a lazily conjugated host is copied as torch copies it (its values, conjugated):
+    neither is copied as raw bytes by the copy by address."""
     _rowcopy_or_skip()
-    restore_path(monkeypatch, "stream")
+    restore_path(monkeypatch, path)
     layout = make("layer_first", torch.float32, num_pages=12)
     fill_random_bits(layout, seed=8)
     before = snapshot(layout)
@@ -557,11 +578,11 @@ def test_rows_a_byte_copy_would_get_wrong_are_left_to_torch(
     assert unchanged(layout, before)
     rows = [torch.randn(6, 8, dtype=torch.complex64) for _ in range(2)]
     complex_layout = KVLayout(rows, page_size=1)
-    kept = [r.clone() for r in rows]
     host = torch.randn(3, complex_layout.page_numel, dtype=torch.complex64)
-    with pytest.raises(RuntimeError):
-        complex_layout.scatter_runs(torch.tensor([5, 0, 2]), host.conj(), [(0, 0, 3)])
-    assert all(torch.equal(a, b) for a, b in zip(rows, kept, strict=True))
+    complex_layout.scatter_runs(torch.tensor([5, 0, 2]), host.conj(), [(0, 0, 3)])
+    written = torch.cat([r[[5, 0, 2]] for r in rows], dim=1)
+    assert torch.equal(written, host.conj().resolve_conj())
+    assert not torch.equal(written, host)  # (not its raw bytes)
 
 
 def _in_a_child(call: Any, timeout: float = 30.0) -> tuple[int, str]:
@@ -600,9 +621,10 @@ def _in_a_child(call: Any, timeout: float = 30.0) -> tuple[int, str]:
     return status, b"".join(chunks).decode()
 
 
+@pytest.mark.parametrize("path", ["memcpy", "stream"])
 @pytest.mark.parametrize("released", ["kv_buffer", "host", "host_shrunk"])
 def test_issue36_8_a_streamed_copy_of_released_storage_is_refused_not_a_crash(
-    monkeypatch: pytest.MonkeyPatch, released: str
+    monkeypatch: pytest.MonkeyPatch, released: str, path: str
 ) -> None:
     """Scenario: a KV buffer's (or the host pool's) storage is released after the layout
     was built (``untyped_storage().resize_(0)``, or shrunk to half), then a CPU copy runs
@@ -612,7 +634,7 @@ def test_issue36_8_a_streamed_copy_of_released_storage_is_refused_not_a_crash(
     Run in a forked child, so the old crash fails this test instead of killing pytest."""
     import os
 
-    restore_path(monkeypatch, "stream")
+    restore_path(monkeypatch, path)
     layout = make("layer_first", torch.float32, num_pages=12)
     fill_random_bits(layout, seed=9)
     host = torch.randn(12, layout.page_numel)

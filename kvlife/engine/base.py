@@ -18,14 +18,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from kvlife._lifecycle import LoadTicket, Ticket, is_ticket
 from kvlife.errors import ConfigError, EngineClosed, EngineError, PageBusy, UnallocatedHostPage
 
+try:  # a chunk's page checks in one C pass; where it could not be built, in Python
+    from kvlife._rowcopy import pages as _c_pages
+except ImportError:
+    _c_pages = None  # type: ignore[assignment]
+
 if TYPE_CHECKING:
     from kvlife.layout import KVLayout
     from kvlife.pool import HostPagePool
+
+#: A chunk's pages as a 1-D int64 array, and pages either way.
+Index = np.ndarray[Any, np.dtype[np.int64]]
+Pages = Sequence[int] | Index
 
 __all__ = [
     "Ack",
@@ -136,18 +146,23 @@ class PageCopyEngine:
             )
         self.layout = layout
         self.host = host
-        self._busy: set[int] = set()  # host pages a store in flight is writing
-        # Pages read by copies in flight, with how many copies read each (a plain dict: the
-        # chunk-wide updates below run in C when no page is read twice, the common case).
-        self._host_reading: dict[int, int] = {}  # host pages loads in flight read
-        self._device_writing: set[int] = set()  # device pages a load in flight is writing
-        self._device_reading: dict[int, int] = {}  # device pages stores in flight read
+        # Per page, the copies in flight on it: -1 one writes it (a store its host pages, a
+        # load its device pages), n > 0 n copies read it, 0 none. Arrays: a chunk's check,
+        # claim and release are a few vectorised steps over its pages, not set operations.
+        self._host_use = np.zeros(host.capacity, dtype=np.int32)
+        self._device_use = np.zeros(layout.num_pages, dtype=np.int32)
         self._closed = False
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
         return self._closed
+
+    def host_pages_busy(self, *, reads: bool = True) -> set[int]:
+        """Host pages a store in flight writes and, with ``reads``, those a load in flight
+        reads: what an allocator must not hand to a store (with ``reads``) or a load."""
+        use = self._host_use
+        return set(np.flatnonzero(use != 0 if reads else use < 0).tolist())
 
     def check(
         self, device_pages: Sequence[int], host_pages: Sequence[int], *, load: bool = False
@@ -163,11 +178,23 @@ class PageCopyEngine:
         host_pages: Sequence[int],
         load: bool = False,
     ) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+        """:meth:`_checked_index` without the index arrays."""
+        load, dev, hst, _, _ = self._checked_index(ticket, device_pages, host_pages, load)
+        return load, dev, hst
+
+    def _checked_index(
+        self,
+        ticket: Ticket | LoadTicket | None,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
+        load: bool = False,
+    ) -> tuple[bool, tuple[int, ...], tuple[int, ...], Index, Index]:
         """Every check a chunk must pass before any copy: the one validation of every engine.
 
         With a ``ticket`` (``submit``), its type gives the direction (a
         :class:`~kvlife.LoadTicket` loads) and its page count must match; with
-        ``None`` (``check``), ``load`` says. Returns the direction and the pages.
+        ``None`` (``check``), ``load`` says. Returns the direction, the pages, and the
+        pages as int64 arrays (device, host).
         """
         if self._closed:
             raise EngineClosed("the engine is closed; it takes no more chunks")
@@ -188,83 +215,108 @@ class PageCopyEngine:
         dev, hst = tuple(device_pages), tuple(host_pages)
         if not dev or len(dev) != len(hst):
             raise EngineError(f"chunk has {len(dev)} device and {len(hst)} host pages")
-        # Each check runs in C over the whole chunk (sets, min/max, one itemgetter); only a
-        # chunk that fails one walks its pages to name the first offending page.
-        for side, pages, limit in (
-            ("device", dev, self.layout.num_pages),
-            ("host", hst, self.host.capacity),
-        ):
-            if set(map(type, pages)) != {int} or min(pages) < 0 or max(pages) >= limit:
-                p = next(p for p in pages if type(p) is not int or not 0 <= p < limit)
-                raise EngineError(f"{side} page {p!r} out of range [0, {limit})")
-            if len(set(pages)) != len(pages):
-                seen: set[int] = set()
-                for p in pages:
-                    if p in seen:
-                        raise EngineError(f"{side} page {p} appears twice in one chunk")
-                    seen.add(p)
+        d = _check_pages("device", dev, self.layout.num_pages)
+        h = _check_pages("host", hst, self.host.capacity)
         owners = self.host.owners_of(hst)
-        if None in owners or not self._busy.isdisjoint(hst):
-            for p, owner in zip(hst, owners, strict=True):
-                if owner is None:
-                    raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
-                if p in self._busy:
-                    raise PageBusy(f"host page {p} is still being written by a chunk in flight")
-        if not load and not self._host_reading.keys().isdisjoint(hst):
-            p = next(p for p in hst if p in self._host_reading)
-            raise PageBusy(f"host page {p} is still being read by a load in flight")
-        if not self._device_writing.isdisjoint(dev):
-            p = next(p for p in dev if p in self._device_writing)
-            raise PageBusy(f"device page {p} is still being written by a load in flight")
-        if load and not self._device_reading.keys().isdisjoint(dev):
-            p = next(p for p in dev if p in self._device_reading)
-            raise PageBusy(f"device page {p} is still being read by a store in flight")
-        return load, dev, hst
+        host_use, device_use = self._host_use[h], self._device_use[d]
+        # A store needs its host pages untouched and its device pages not being written; a
+        # load its host pages not being written and its device pages untouched.
+        if (
+            None in owners
+            or (host_use.min() < 0 if load else host_use.any())
+            or (device_use.any() if load else device_use.min() < 0)
+        ):
+            _refuse(load, dev, hst, owners, host_use, device_use)
+        return load, dev, hst, d, h
 
-    def _claim(self, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+    def _claim(self, load: bool, device_pages: Pages, host_pages: Pages) -> None:
         """Mark a checked chunk's pages as in use by a copy in flight."""
+        d, h = _index(device_pages), _index(host_pages)
         if load:
-            self._device_writing.update(device_pages)
-            _add(self._host_reading, host_pages)
+            self._device_use[d] = -1
+            self._host_use[h] += 1
         else:
-            self._busy.update(host_pages)
-            _add(self._device_reading, device_pages)
+            self._host_use[h] = -1
+            self._device_use[d] += 1
 
-    def _unclaim(self, load: bool, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+    def _unclaim(self, load: bool, device_pages: Pages, host_pages: Pages) -> None:
         """Release what :meth:`_claim` marked, when the chunk is acked."""
+        d, h = _index(device_pages), _index(host_pages)
         if load:
-            self._device_writing.difference_update(device_pages)
-            _drop(self._host_reading, host_pages)
+            self._device_use[d] = 0
+            self._host_use[h] -= 1
         else:
-            self._busy.difference_update(host_pages)
-            _drop(self._device_reading, device_pages)
+            self._host_use[h] = 0
+            self._device_use[d] -= 1
 
 
-def _add(readers: dict[int, int], pages: Sequence[int]) -> None:
-    """One more copy reads each of ``pages`` (distinct: a chunk names a page once)."""
-    if readers.keys().isdisjoint(pages):  # none read yet: one C update
-        readers.update(dict.fromkeys(pages, 1))
-        return
-    for p in pages:
-        readers[p] = readers.get(p, 0) + 1
+def _index(pages: Pages) -> Index:
+    """Checked pages as an int64 array (an array as it is)."""
+    return pages if isinstance(pages, np.ndarray) else page_index(pages).numpy()
 
 
-def _drop(readers: dict[int, int], pages: Sequence[int]) -> None:
-    """What :func:`_add` counted, undone: a page no copy reads any more is gone."""
-    if len(readers) == len(pages) and sum(readers.values()) == len(pages):  # the only reader
-        readers.clear()
-        return
-    for p in pages:
-        left = readers.pop(p) - 1
-        if left:
-            readers[p] = left
+def _refuse(
+    load: bool,
+    dev: tuple[int, ...],
+    hst: tuple[int, ...],
+    owners: tuple[object | None, ...],
+    host_use: np.ndarray[Any, Any],
+    device_use: np.ndarray[Any, Any],
+) -> None:
+    """The refusal of a chunk whose pages are not free to copy, naming the first page of
+    the first rule it breaks."""
+    for p, owner, use in zip(hst, owners, host_use.tolist(), strict=True):
+        if owner is None:
+            raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
+        if use < 0:
+            raise PageBusy(f"host page {p} is still being written by a chunk in flight")
+    if not load and host_use.any():
+        p = hst[int(np.flatnonzero(host_use)[0])]
+        raise PageBusy(f"host page {p} is still being read by a load in flight")
+    if device_use.min() < 0:
+        p = dev[int(np.flatnonzero(device_use < 0)[0])]
+        raise PageBusy(f"device page {p} is still being written by a load in flight")
+    p = dev[int(np.flatnonzero(device_use)[0])]
+    raise PageBusy(f"device page {p} is still being read by a store in flight")
+
+
+def _check_pages(side: str, pages: Sequence[int], limit: int) -> Index:
+    """``pages`` as an int64 array; EngineError unless every page is an int (not a bool)
+    in ``[0, limit)``, none twice: one C pass where the extension is built; a chunk that
+    fails walks its pages here to name the first offending page, as every check does
+    without the extension."""
+    if _c_pages is not None:
+        index = _c_pages(pages, limit)
+        if type(index) is bytearray:
+            return np.frombuffer(index, dtype=np.int64)
+    if set(map(type, pages)) != {int} or min(pages) < 0 or max(pages) >= limit:
+        p = next(p for p in pages if type(p) is not int or not 0 <= p < limit)
+        raise EngineError(f"{side} page {p!r} out of range [0, {limit})")
+    if len(set(pages)) != len(pages):
+        seen: set[int] = set()
+        for p in pages:
+            if p in seen:
+                raise EngineError(f"{side} page {p} appears twice in one chunk")
+            seen.add(p)
+    return np.array(pages, dtype=np.int64)
+
+
+def distinct(pages: Sequence[int]) -> bool:
+    """Whether no page repeats (one C pass where the extension is built)."""
+    if _c_pages is not None and type(_c_pages(pages, 1 << 62)) is bytearray:
+        return True
+    return len(set(pages)) == len(pages)
 
 
 def page_index(pages: Sequence[int]) -> torch.Tensor:
-    """Checked page numbers as an int64 CPU tensor, through a C array (a third of
-    ``torch.tensor``'s time for a list of ints; the tensor keeps the array alive)."""
+    """Checked page numbers as an int64 CPU tensor, through a C buffer (a tenth of
+    ``torch.tensor``'s time for a list of ints; the tensor keeps the buffer alive)."""
     if not pages:  # frombuffer refuses an empty buffer
         return torch.empty(0, dtype=torch.int64)
+    if _c_pages is not None:
+        index = _c_pages(pages, 1 << 62)
+        if type(index) is bytearray:
+            return torch.frombuffer(index, dtype=torch.int64)
     return torch.frombuffer(array.array("q", pages), dtype=torch.int64)
 
 

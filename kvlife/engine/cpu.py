@@ -23,7 +23,7 @@ import torch
 
 from kvlife._checks import finite_seconds, positive_int
 from kvlife._lifecycle import LoadTicket, Ticket
-from kvlife.engine.base import Ack, PageCopyEngine, host_runs, page_index
+from kvlife.engine.base import Ack, Index, PageCopyEngine, host_runs
 from kvlife.errors import ConfigError, CopyFault, DrainTimeout
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
@@ -88,6 +88,7 @@ class _Job:
     device_pages: tuple[int, ...]
     host_pages: tuple[int, ...]
     index: torch.Tensor
+    host_index: Index
     runs: list[tuple[int, int, int]]
     delay: float
     gate: Gate | None
@@ -193,7 +194,7 @@ class CpuCopyEngine(PageCopyEngine):
         A :data:`~kvlife.Ticket` copies device -> host, a
         :class:`~kvlife.LoadTicket` host -> device. Refusals raise and change nothing.
         """
-        load, dev, hst = self._checked(ticket, device_pages, host_pages)
+        load, dev, hst, d, h = self._checked_index(ticket, device_pages, host_pages)
         fault: BaseException | None = None
         origin = ""  # why a fault is made here: fail_next without an error of its own, or chance
         if self._fail_next:
@@ -217,14 +218,15 @@ class CpuCopyEngine(PageCopyEngine):
             load,
             dev,
             hst,
-            page_index(dev),
+            torch.from_numpy(d),
+            h,
             host_runs(hst),
             delay,
             gate,
             fault,
             time.perf_counter(),
         )
-        self._claim(load, dev, hst)
+        self._claim(load, d, h)
         self._inflight += 1
         self._jobs.put(job)
         return job.event
@@ -290,7 +292,7 @@ class CpuCopyEngine(PageCopyEngine):
     # ---------------------------------------------------------------- internals
 
     def _settle(self, job: _Job) -> Ack:
-        self._unclaim(job.load, job.device_pages, job.host_pages)
+        self._unclaim(job.load, job.index.numpy(), job.host_index)
         if job.error is not None and job.fault is None:
             self.copy_errors += 1
             self.last_copy_error = job.error

@@ -196,7 +196,7 @@ def test_with_10_percent_of_transfers_failed_loads_recompute_stores_drop_pages_w
     prepare_store, prepare_load = manager.prepare_store, manager.prepare_load
 
     def check(kind: str, pages: list[int]) -> None:
-        busy = set(engine._busy) | (set(engine._host_reading) if kind == "store" else set())
+        busy = engine.host_pages_busy(reads=kind == "store")
         if busy & set(pages):
             violations.append(f"{kind} handed out {sorted(busy & set(pages))}")
         checked[kind] += 1

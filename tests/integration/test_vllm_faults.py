@@ -123,9 +123,8 @@ class PageGuard:
 
     def _check(self, kind: str, pages: list[int]) -> None:
         engine = self.engine
-        busy = set(engine._busy)  # host pages a store in flight writes
-        if kind == "store":
-            busy |= set(engine._host_reading)  # ... and pages a load in flight reads
+        # Host pages a store in flight writes (and, for a store, those a load in flight reads).
+        busy = engine.host_pages_busy(reads=kind == "store")
         if busy & set(pages):
             self.violations.append(f"{kind} handed out {sorted(busy & set(pages))} under a copy")
         self.checked[kind] += 1

@@ -35,6 +35,7 @@ from kvlife.engine import (
     UnallocatedHostPage,
     host_runs,
 )
+from kvlife.engine.base import distinct
 from kvlife.errors import ConfigError, DuplicateAck, StoreError
 from kvlife.integrations.vllm._common import (
     FROM_STORE,
@@ -81,46 +82,11 @@ def host_row_bytes(kv_caches: CanonicalKVCaches, blocks_per_chunk: int = 1) -> i
     return blocks_per_chunk * max(widths)
 
 
-#: Rows this wide are gathered one by one (the per-row cost is lost in the copy's).
-_WIDE_ROW_BYTES = 16 << 10
-#: The element a copy moves block rows in: 16 bytes, copied bit for bit (torch moves
-#: complex values whole, never through arithmetic), 16 times fewer than int8 elements.
-_WORD = torch.complex128
-
-
-def _as_words(
-    blocks: Sequence[tuple[torch.Tensor, slice]], host_stride: int
-) -> list[tuple[torch.Tensor, slice]] | None:
-    """Each view as rows of 16-byte words with its columns of a host page in words, or None
-    when a view's rows, strides, place in the page or the host rows' stride are not 16-byte
-    aligned."""
-    size = _WORD.itemsize
-    if host_stride % size:
-        return None
-    words = []
-    for view, cols in blocks:
-        if cols.start % size or cols.stop % size or view.stride(0) % size:
-            return None
-        try:
-            wide = view.view(_WORD)
-        except RuntimeError:  # e.g. a storage offset that is not a whole word
-            return None
-        words.append((wide, slice(cols.start // size, cols.stop // size)))
-    return words
-
-
 class BlockViewsLayout(KVLayout):
     """vLLM's KV cache as a kvlife layout: block ``b`` is row ``b`` of every view, vLLM's
-    per-layer ``(num_blocks, page_bytes)`` int8 views (strided, each row contiguous).
-    ``host_stride``: the bytes between the host rows it copies to and from (default its
-    page: a host page is one block)."""
+    per-layer ``(num_blocks, page_bytes)`` int8 views (strided, each row contiguous)."""
 
-    def __init__(
-        self,
-        views: Sequence[torch.Tensor],
-        tokens_per_block: int = 1,
-        host_stride: int | None = None,
-    ) -> None:
+    def __init__(self, views: Sequence[torch.Tensor], tokens_per_block: int = 1) -> None:
         # KVLayout checks the rest: at least one, 2-D, contiguous rows, one block count.
         for view in views:
             if view.dtype != torch.int8:
@@ -128,60 +94,6 @@ class BlockViewsLayout(KVLayout):
         super().__init__(views, page_size=tokens_per_block)
         #: vLLM's block views, one per layer (or per tensor layers share): the page rows.
         self.views = self.buffers()
-        self._np_views: tuple[np.ndarray[Any, Any], ...] | None = None
-        self._wide_rows = all(int(view.shape[1]) >= _WIDE_ROW_BYTES for view in self.views)
-        self._words = _as_words(self._blocks, host_stride or self.page_numel)
-
-    def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
-        """A store's copy on a CPU below ``STREAM_BYTES`` (larger ones are streamed by
-        ``KVLayout``): each view's rows as 16-byte words, one ``index_select`` per view
-        straight into the host page columns (torch's own loop, in C++ and on its threads:
-        0.9x a contiguous copy of the same bytes for 64 KiB rows, where int8 elements are
-        copied one by one at 0.6x); views that are not 16-byte aligned by the rows below."""
-        words = self._words
-        if words is not None and self.device.type == "cpu" and pages.numel():
-            host = out.view(_WORD)
-            for view, cols in words:
-                torch.index_select(view, 0, pages, out=host[:, cols])
-            return
-        self._gather_rows(pages, out)
-
-    def _scatter_from(self, pages: torch.Tensor, src: torch.Tensor) -> None:
-        """A load's copy on a CPU below ``STREAM_BYTES``, as the store's: one ``index_copy_``
-        of 16-byte words per view (0.9x a contiguous copy; the core's row loop is 0.6x)."""
-        words = self._words
-        if words is not None and self.device.type == "cpu" and pages.numel():
-            host = src.view(_WORD)
-            for view, cols in words:
-                view.index_copy_(0, pages, host[:, cols])
-            return
-        super()._scatter_from(pages, src)
-
-    def _gather_rows(self, pages: torch.Tensor, out: torch.Tensor) -> None:
-        """A store's copy on a CPU for views that are not 16-byte aligned, one memcpy per
-        (page, view) row with the GIL released: rows of 16 KiB and more assigned one by one
-        (numpy slices: 0.75x to 0.85x a contiguous copy), smaller ones as opaque items by
-        one numpy ``take`` per view (the loop's cost would be the copy's). ``index_select``
-        of int8 elements into strided host columns copies them one by one: 0.3x to 0.6x
-        (``bench/vllm_offload.py``)."""
-        if self.device.type != "cpu" or pages.numel() == 0:
-            super()._gather_into(pages, out)
-            return
-        if self._np_views is None:
-            rows = [row.detach().view(torch.uint8).numpy() for row, _ in self._blocks]
-            self._np_views = tuple(r.view(np.dtype((np.void, r.shape[1])))[:, 0] for r in rows)
-        host = out.detach().view(torch.uint8).numpy()
-        if self._wide_rows:
-            pairs = [(cols, row.detach().view(torch.uint8).numpy()) for row, cols in self._blocks]
-            for i, page in enumerate(pages.tolist()):
-                row = host[i]
-                for cols, view in pairs:
-                    row[cols] = view[page]
-            return
-        index = pages.numpy()
-        for (_, cols), source in zip(self._blocks, self._np_views, strict=True):
-            target = host[:, cols.start : cols.stop].view(source.dtype)[:, 0]
-            np.take(source, index, out=target, mode="clip")  # indices checked: no buffering
 
 
 class GroupedBlocksLayout(KVLayout):
@@ -210,9 +122,7 @@ class GroupedBlocksLayout(KVLayout):
         #: One :class:`BlockViewsLayout` per distinct set of group tensors.
         self.parts = [
             BlockViewsLayout(
-                [kv_caches.tensors[i].tensor for i in part],
-                tokens[groups.index(part)],
-                host_stride=self.slot_numel,
+                [kv_caches.tensors[i].tensor for i in part], tokens[groups.index(part)]
             )
             for part in parts
         ]
@@ -554,15 +464,18 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         fit this worker's groups or cache."""
         ptrs, groups = getattr(device, "ptrs", None), len(self._refs)
         if ptrs is None:
-            ids: list[int] = device.block_ids.tolist()
-            sizes = list(device.group_sizes or [len(ids)])
+            block_ids = np.asarray(device.block_ids)
+            sizes = list(device.group_sizes or [len(block_ids)])
             starts = list(device.block_indices or [0] * len(sizes))
-            if len(sizes) != groups or len(starts) != groups or sum(sizes) != len(ids):
+            if len(sizes) != groups or len(starts) != groups or sum(sizes) != len(block_ids):
                 self.refusals.note("device_spec_refused", f"{len(sizes)} groups of {groups}")
                 return None
-            if ids and not 0 <= min(ids) <= max(ids) < self._num_blocks:  # not another part's
+            if len(block_ids) and not 0 <= block_ids.min() <= block_ids.max() < self._num_blocks:
                 self.refusals.note("device_spec_refused", "block ids outside the KV cache")
-                return None
+                return None  # (not another part's block either)
+            ids: list[int] = block_ids.tolist()
+            if groups == 1:
+                return [(ids, int(starts[0]))]
             ends = np.cumsum(sizes).tolist()
             return [
                 (ids[end - n : end], int(first))
@@ -622,7 +535,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 pages.append(self._parts[g] * stride + real)
                 chunks.append(chunk)
                 job.groups[g] = job.groups.get(g, 0) + 1
-        if len(pages) != keys or len(set(pages)) != len(pages):
+        if len(pages) != keys or not distinct(pages):
             self.refusals.note("device_spec_refused", f"{len(pages)} chunks for {keys} keys")
             return None
         layout = self.layout
