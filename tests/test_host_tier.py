@@ -140,6 +140,21 @@ def test_scenario_an_old_requests_late_completion_never_outranks_a_newer_request
     assert t.eviction_order() == ["o0", "n1", "n0"]
 
 
+def test_a_pin_or_a_completion_moves_no_key_in_the_eviction_order() -> None:
+    """A key keeps its place by rank while a load pins it: passed over while pinned, it is the
+    next victim again once unpinned, as its rank says (no pin or unpin re-ranks it)."""
+    t = tier(3)
+    store(t, "a", "b")
+    assert t.prepare_load(["a"]) is not None
+    plan = t.prepare_store(["c", "d"])
+    assert plan is not None and plan.evicted == ["b"]  # a is pinned: passed over
+    t.complete_store(["d", "c"])
+    t.complete_load(["a"])
+    assert t.eviction_order() == ["a", "c", "d"]
+    plan = t.prepare_store(["e"])
+    assert plan is not None and plan.evicted == ["a"]
+
+
 def test_a_running_requests_keys_rank_by_position_below_later_requests() -> None:
     """rank(): a running request's keys as (request, -position): its tail goes before its
     head, the whole request before a later one's keys and before any key re-ranked after."""
@@ -153,6 +168,8 @@ def test_a_running_requests_keys_rank_by_position_below_later_requests() -> None
     t.finished(["r0", "r1"])
     assert t.eviction_order() == ["r2", "s0", "r1", "r0"]
     assert t.rank_of("r0") is not None and t.rank_of("zz") is None
+    plan = t.prepare_store(["v", "w", "x", "y", "z"])  # victims in that order: heap and lane
+    assert plan is not None and plan.evicted == ["r2", "s0", "r1"]
 
 
 _SEEDED = """
@@ -371,6 +388,15 @@ class TierMachine(RuleBasedStateMachine):
         self.t.finished(keys)
         ranks = [self.t.rank_of(k) for k in keys if k in self.t.held()]
         assert ranks == sorted(ranks, reverse=True)  # the head the most recent
+
+    @rule(keys=st.lists(KEYS, min_size=1, max_size=4, unique=True), lower=st.booleans())
+    def rank_running(self, keys: list[str], lower: bool) -> None:
+        """A running request ranks its keys by position (into the heap; prepare_store's
+        victims must still follow eviction_order across the heap and the lane)."""
+        request = self.t.new_rank()[0]
+        self.t.rank([(k, (request, -i)) for i, k in enumerate(keys)], lower=lower)
+        held = [k for k in keys if k in self.t.held()]
+        assert [self.t.rank_of(k) for k in held] == [(request, -keys.index(k)) for k in held]
 
     @rule(key=KEYS)
     def stray_completion(self, key: str) -> None:

@@ -6,7 +6,9 @@ and checks the stored bytes, not only counters.
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,6 +192,34 @@ def test_scenario_reused_rid_late_ack_moves_only_its_own_request(rig: Rig) -> No
     assert torch.equal(rig.stored(ta[2][0]), a_page)
     for key, page in zip(tb[2], b_pages, strict=True):
         assert torch.equal(rig.stored(key), page)
+
+
+def test_a_released_request_is_freed_at_once_and_a_late_duplicate_ack_still_refused(
+    rig: Rig,
+) -> None:
+    """Once released, a request's Lifecycle no longer leads back to it (no reference cycle):
+    the runtime's last reference gone, it is freed without the cycle collector. An engine's
+    duplicate of its last ack after that is still a DuplicateAck, changing nothing."""
+    m = rig.manager
+    req = m.start("r", [], rig.on_release)
+    ticket = m.offload(req, tokens_for(PAGE + 1, 1), [1, 2])
+    assert ticket is not None
+    m.finish(req)
+    m.close()
+    rig.store.close()  # its writer thread lets go of the last put's token (the request)
+    assert rig.released == [(req, (1, 2))] and req._lifecycle.owner is m
+    gone = weakref.ref(req)
+    gc.disable()
+    try:
+        del req
+        rig.released.clear()
+        assert gone() is None
+    finally:
+        gc.enable()
+    before = m.metrics()
+    m.transfers.apply_acks([Ack(ticket, (1,), (0,))])
+    assert m.refusals.count("DuplicateAck") == 1
+    assert m.metrics().chunks_acked == before.chunks_acked and m.host.num_used == 0
 
 
 def test_scenario_full_host_pool_leaves_no_state_behind(rig: Rig) -> None:
