@@ -69,7 +69,7 @@ from kvlife.integrations.vllm import (
     live_workers,
     transfer_config,
 )
-from kvlife.layout import KVLayout, _rowcopy
+from kvlife.layout import _rowcopy
 from kvlife.pool import HostPagePool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -430,8 +430,8 @@ def copy_paths(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dic
     paths: dict[str, Any] = {
         "store_copy": lambda: layout.gather_runs(src, host, whole),
         "load_copy": lambda: layout.scatter_runs(dst, host, whole),
-        "store_torch": lambda: KVLayout._gather_into(layout, src, host),
-        "load_torch": lambda: KVLayout._scatter_from(layout, dst, host),
+        "store_torch": lambda: layout._torch_copy(False, src, host),
+        "load_torch": lambda: layout._torch_copy(True, dst, host),
         "contiguous": lambda: flat_dst.copy_(flat_src),
         "memcpy": lambda: np.copyto(np_dst, np_src),
         "rows_in_order": lambda: torch.index_select(src_rows, 0, in_order, out=dst_rows),

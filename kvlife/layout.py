@@ -270,28 +270,25 @@ class KVLayout:
         """Both directions of :meth:`gather_runs` and :meth:`scatter_runs`: they cannot differ."""
         self._check_rows("host", host)
         if host.device == self.device:
-            if self._by_address(load, pages, host, runs):
-                return
-            for offset, row, length in runs:
-                on_device, on_host = pages[offset : offset + length], host[row : row + length]
-                if load:
-                    self._scatter_from(on_device, on_host)
-                else:
-                    self._gather_into(on_device, on_host)
+            if not self._by_address(load, pages, host, runs):
+                for offset, row, length in runs:
+                    self._torch_copy(
+                        load, pages[offset : offset + length], host[row : row + length]
+                    )
             return
         non_blocking = host.is_pinned()
         window = max(1, max_staging_bytes // max(1, self.page_nbytes))
         for lo, hi, pieces in staging_windows(pages.numel(), runs, window):
             staging = torch.empty((hi - lo, self._page_numel), dtype=self.dtype, device=self.device)
             if not load:
-                self._gather_into(pages[lo:hi], staging)
+                self._torch_copy(False, pages[lo:hi], staging)
             for first, last, row in pieces:
                 src, dst = staging[first:last], host[row : row + last - first]
                 if load:
                     src, dst = dst, src
                 dst.copy_(src, non_blocking=non_blocking)
             if load:
-                self._scatter_from(pages[lo:hi], staging)
+                self._torch_copy(True, pages[lo:hi], staging)
 
     def _by_address(
         self,
@@ -321,38 +318,31 @@ class KVLayout:
         host_base = _check_live("the host pool", host)
         pages = pages.clone()
         self._check_index(pages)
-        index = pages.numpy()
-        if len(runs) == 1 and runs[0][0] == 0 and runs[0][2] == n:  # one run: a job's, often
-            rows = np.arange(runs[0][1], runs[0][1] + n, dtype=np.int64)
-        else:
-            rows = np.full(n, -1, dtype=np.int64)
-            for offset, row, length in runs:
-                if 0 <= offset <= offset + length <= n:
-                    rows[offset : offset + length] = np.arange(row, row + length)
-        if n and not (
-            sum(length for _, _, length in runs) == n and 0 <= rows.min() <= rows.max() < len(host)
-        ):
-            raise ConfigError(
-                f"host runs {list(runs)}: not {n} pages once each within {len(host)} host rows"
-            )
+        rows = np.full(n, -1, dtype=np.int64)
+        for offset, row, length in runs:
+            if not 0 <= offset <= offset + length <= n:
+                raise ConfigError(f"host run {(offset, row, length)} outside {n} pages")
+            rows[offset : offset + length] = np.arange(row, row + length)
+        if n and not (sum(r[2] for r in runs) == n and 0 <= rows.min() <= rows.max() < len(host)):
+            raise ConfigError(f"host runs {list(runs)}: not {n} pages once each, {len(host)} rows")
         strides = np.array([row.stride(0) * size for row in self._rows], dtype=np.int64)
         cols = np.array([c.start * size for _, c in self._blocks], dtype=np.int64)
         widths = np.array([int(r.shape[1]) * size for r in self._rows], dtype=np.int64)
-        on_device = index[:, None] * strides + np.array(bases, dtype=np.int64)
+        on_device = pages.numpy()[:, None] * strides + np.array(bases, dtype=np.int64)
         on_host = rows[:, None] * (host.stride(0) * size) + (cols + host_base)
         dst, src = (on_device, on_host) if load else (on_host, on_device)
         stream = n * self.page_nbytes >= STREAM_BYTES
         _rowcopy.copy_rows(dst, src, widths, torch.get_num_threads() if stream else 1, stream)
         return True
 
-    def _gather_into(self, pages: torch.Tensor, out: torch.Tensor) -> None:
+    def _torch_copy(self, load: bool, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows ``[n, page_numel]`` (on this device) to ``pages`` (``load``) or from them,
+        one ``index_copy_`` / ``index_select`` per buffer."""
         for row, cols in self._blocks:
-            torch.index_select(row, 0, pages, out=out[:, cols])
-
-    def _scatter_from(self, pages: torch.Tensor, src: torch.Tensor) -> None:
-        """Write rows ``src`` ``[n, page_numel]`` (on this device) into ``pages`` (checked)."""
-        for row, cols in self._blocks:
-            row.index_copy_(0, pages, src[:, cols])
+            if load:
+                row.index_copy_(0, pages, rows[:, cols])
+            else:
+                torch.index_select(row, 0, pages, out=rows[:, cols])
 
     def read_page(self, page: int) -> torch.Tensor:
         """A flat copy of one page (for verification), on the layout's device."""

@@ -512,6 +512,7 @@ def test_row_copies_refuse_mismatched_address_buffers() -> None:
         [(0, 6, 5)],  # host rows past the pool's 8
         [(0, -1, 5)],  # a negative host row
         [(0, 0, 6)],  # more pages than the chunk's 5
+        [(0, 0, 5), (0, 5, 1), (0, 0, -1)],  # a negative run: the lengths add up, rows clash
     ],
 )
 @pytest.mark.parametrize("path", ["memcpy", "stream"])

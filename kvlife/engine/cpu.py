@@ -1,12 +1,10 @@
 """A torch CPU copy engine: real worker threads, so races in tests are real.
 
-The owning thread submits chunks; worker threads copy them between a CPU
-:class:`~kvlife.layout.KVLayout` and the host pool when they *run* (so a runtime
-that touches a chunk's device pages before its ack sees what it would on a GPU),
-then queue each finished chunk and set its :class:`CpuCopyEvent`. ``poll`` and
-``drain`` collect finished chunks in completion order on the owning thread, which
-alone changes the engine's counters: no lock on the hot path. Delays and fault
-injection make interleavings reproducible: ``docs/engines.md``.
+Worker threads copy a chunk when they *run* (a runtime that touches its device pages
+before the ack sees what it would on a GPU); ``poll`` and ``drain`` collect finished
+chunks in completion order on the owning thread, which alone changes the engine's
+counters. The delays and fault injection that make interleavings reproducible:
+``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -38,20 +36,32 @@ MAX_PENDING_FAULTS = 1 << 20
 class CpuCopyEvent:
     """One chunk's completion, queried like ``torch.cuda.Event``."""
 
-    __slots__ = ("_done", "_started")
+    __slots__ = ("_done", "_pending", "_started")
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        # A lock held from submit until the worker is done (one C object: a
+        # threading.Event is a Python Condition over a lock, several times the cost).
+        self._pending = threading.Lock()
+        self._pending.acquire()
+        self._done = False
         self._started = False
 
     def query(self) -> bool:
         """Whether the chunk's copy has completed (successfully or not)."""
-        return self._done.is_set()
+        return self._done
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Block until the copy completed; :class:`DrainTimeout` after ``timeout`` seconds."""
-        if not self._done.wait(timeout):
+        if self._done:
+            return
+        if not self._pending.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             raise DrainTimeout(f"chunk copy not complete after {timeout} s")
+        self._pending.release()  # for the next waiter
+
+    def _set(self) -> None:
+        """The worker's: the copy is over."""
+        self._done = True
+        self._pending.release()
 
     @property
     def started(self) -> bool:
@@ -59,26 +69,18 @@ class CpuCopyEvent:
         return self._started
 
 
-class Gate:
-    """Holds one chunk's copy until :meth:`open` (a copy delay the test ends)."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
+class Gate(threading.Event):
+    """Holds one chunk's copy until :meth:`open` (a copy delay the test ends); the worker
+    waits on it."""
 
     def open(self) -> None:
         """Let the held copy run."""
-        self._event.set()
+        self.set()
 
     @property
     def is_open(self) -> bool:
         """Whether the gate was opened."""
-        return self._event.is_set()
-
-    def wait(self) -> None:
-        """Block until the gate is opened (called by the worker)."""
-        self._event.wait()
+        return self.is_set()
 
 
 @dataclass(slots=True)
@@ -213,19 +215,8 @@ class CpuCopyEngine(PageCopyEngine):
         gate = self._hold_next.popleft() if self._hold_next else None
         if gate is not None:
             self._held.append(gate)
-        job = _Job(
-            ticket,
-            load,
-            dev,
-            hst,
-            torch.from_numpy(d),
-            h,
-            host_runs(hst),
-            delay,
-            gate,
-            fault,
-            time.perf_counter(),
-        )
+        index, runs = torch.from_numpy(d), host_runs(hst)
+        job = _Job(ticket, load, dev, hst, index, h, runs, delay, gate, fault, time.perf_counter())
         self._claim(load, d, h)
         self._inflight += 1
         self._jobs.put(job)
@@ -235,12 +226,8 @@ class CpuCopyEngine(PageCopyEngine):
         """Acks completed since the last poll or drain, in completion order; never blocks."""
         acks, self._ready = self._ready, []
         done = self._done
-        while True:
-            try:
-                job = done.get_nowait()
-            except queue.Empty:
-                break
-            acks.append(self._settle(job))
+        while not done.empty():  # this thread alone takes from it
+            acks.append(self._settle(done.get_nowait()))
         self._inflight -= len(acks)
         return acks
 
@@ -332,4 +319,4 @@ class CpuCopyEngine(PageCopyEngine):
                 job.error = exc
             job.completed_at = time.perf_counter()
             self._done.put(job)  # before the event: a poll after synchronize() must see it
-            job.event._done.set()
+            job.event._set()

@@ -98,12 +98,10 @@ class BlockViewsLayout(KVLayout):
 
 class GroupedBlocksLayout(KVLayout):
     """Several KV cache groups, or chunks of several blocks, as one layout the copy engine
-    drives: a host page is one key's chunk, ``blocks_per_chunk`` slots as wide as the widest
-    group's block, slot ``j`` holding the chunk's block ``j`` as its group's
-    :class:`BlockViewsLayout` lays it out (from the slot's start). A device "page" names one
-    key's blocks: ``part * num_blocks + block`` (``part``: the key's group, groups over the
-    same tensors sharing one), ``block`` its chunk's first real block; with several blocks a
-    chunk, the worker registers the chunk's blocks under it while its copy is in flight."""
+    drives (docs/vllm.md, "Hybrid models: several KV cache groups"): a host page is one
+    key's chunk, slot ``j`` its block ``j``; a device "page" is ``part * num_blocks +
+    block``, ``block`` the chunk's first real block, the chunk's blocks registered under it
+    while its copy is in flight."""
 
     def __init__(
         self,
@@ -143,32 +141,7 @@ class GroupedBlocksLayout(KVLayout):
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return tuple(dict.fromkeys(v for part in self.parts for v in part.views))
 
-    def blocks_of(self, page: int) -> tuple[int, tuple[int, ...]]:
-        """A device page's part and blocks."""
-        part, block = divmod(page, self.num_blocks)
-        return part, self.chunks[page] if self.blocks_per_chunk > 1 else (block,)
-
-    def gather_runs(
-        self,
-        pages: torch.Tensor,
-        host: torch.Tensor,
-        runs: Sequence[tuple[int, int, int]],
-        *,
-        max_staging_bytes: int = 256 << 20,
-    ) -> None:
-        self._copy_parts(False, pages, host, runs, max_staging_bytes)
-
-    def scatter_runs(
-        self,
-        pages: torch.Tensor,
-        host: torch.Tensor,
-        runs: Sequence[tuple[int, int, int]],
-        *,
-        max_staging_bytes: int = 256 << 20,
-    ) -> None:
-        self._copy_parts(True, pages, host, runs, max_staging_bytes)
-
-    def _copy_parts(
+    def _copy_runs(
         self,
         load: bool,
         pages: torch.Tensor,
@@ -178,25 +151,21 @@ class GroupedBlocksLayout(KVLayout):
     ) -> None:
         """Each part's blocks and host slots in one copy of that part's layout."""
         self._check_rows("host", host)
-        rows: list[int] = []
-        for _, row, length in sorted(runs):
-            rows.extend(range(row, row + length))
-        bpc, width = self.blocks_per_chunk, self.slot_numel
-        slots = host.view(host.shape[0] * bpc, width)
-        wanted: dict[int, tuple[list[int], list[int]]] = {}
-        for page, row in zip(pages.tolist(), rows, strict=True):
-            part, blocks = self.blocks_of(page)
-            device, host_slots = wanted.setdefault(part, ([], []))
-            for j, block in enumerate(blocks):
-                if block >= 0:
-                    device.append(block)
-                    host_slots.append(row * bpc + j)
-        for part, (device, host_slots) in wanted.items():
+        bpc, listed = self.blocks_per_chunk, pages.tolist()
+        rows = np.empty(len(listed), dtype=np.int64)
+        for offset, row, length in runs:
+            rows[offset : offset + length] = np.arange(row, row + length)
+        parts, blocks = np.divmod(np.array(listed, dtype=np.int64), self.num_blocks)
+        chunks = np.array([self.chunks[p] for p in listed]) if bpc > 1 else blocks[:, None]
+        slots = rows[:, None] * bpc + np.arange(bpc)
+        host_slots = host.view(host.shape[0] * bpc, self.slot_numel)
+        for part in np.unique(parts).tolist():
+            wanted = (chunks >= 0) & (parts == part)[:, None]
             layout = self.parts[part]
-            target = slots[:, : layout.page_numel]
             copy = layout.scatter_runs if load else layout.gather_runs
-            index = torch.tensor(device, dtype=torch.int64).to(layout.device)
-            copy(index, target, host_runs(host_slots), max_staging_bytes=max_staging_bytes)
+            index = torch.from_numpy(chunks[wanted]).to(layout.device)
+            target, runs = host_slots[:, : layout.page_numel], host_runs(slots[wanted].tolist())
+            copy(index, target, runs, max_staging_bytes=max_staging_bytes)
 
     def read_page(self, page: int) -> torch.Tensor:
         out = torch.zeros((1, self.page_numel), dtype=self.dtype)
@@ -236,13 +205,8 @@ class _WorkerJob:
     def ack(self, ticket: object) -> None:
         """One chunk of the job is over; more acks than chunks are refused, nothing changed."""
         if not self.inflight:
-            raise DuplicateAck(
-                f"job {self.job_id} has no chunk in flight",
-                event="ack",
-                state=None,
-                rid=self.job_id,
-                ident=id(self),
-            )
+            what = f"job {self.job_id} has no chunk in flight"
+            raise DuplicateAck(what, event="ack", state=None, rid=self.job_id, ident=id(self))
         self.inflight -= 1
 
 
@@ -270,17 +234,18 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         shared = pool if isinstance(pool, SharedHostPool) else SharedHostPool(pool)
         pool = shared.pool
         groups = _group_tensors(kv_caches)
-        tokens = (
-            [tokens_per_block] * len(groups)
-            if isinstance(tokens_per_block, int)
-            else list(tokens_per_block)
-        )
+        if isinstance(tokens_per_block, int):
+            tokens_per_block = [tokens_per_block] * len(groups)
+        tokens = list(tokens_per_block)
         layout: BlockViewsLayout | GroupedBlocksLayout
+        # Each group's part of the layout (0 for every group over the same tensors).
         if len(set(groups)) == 1 and blocks_per_chunk == 1:  # one group's blocks: as they are
             views = [kv_caches.tensors[i].tensor for i in groups[0]]
             layout = BlockViewsLayout(views, tokens[0])
+            self._num_blocks, self._parts = layout.num_pages, [0] * len(groups)
         else:
             layout = GroupedBlocksLayout(kv_caches, blocks_per_chunk, tokens)
+            self._num_blocks, self._parts = layout.num_blocks, layout.group_part
         if pool.page_numel != layout.page_numel or pool.dtype != torch.int8:
             raise ConfigError(
                 f"host pages of {pool.page_numel} {pool.dtype} cannot hold a block of "
@@ -288,9 +253,6 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             )
         self.layout = layout
         self.row_bytes = layout.page_numel
-        self._num_blocks = (
-            layout.num_blocks if isinstance(layout, GroupedBlocksLayout) else layout.num_pages
-        )
         engine = CudaCopyEngine if layout.device.type == "cuda" else CpuCopyEngine
         self.engine: CpuCopyEngine | CudaCopyEngine = engine(layout, pool)
         self._pool = pool
@@ -320,10 +282,6 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         )
         self.stats: Counter[str] = Counter()
         self.seconds: dict[str, float] = {"store": 0.0, "load": 0.0}
-        #: Each group's part of the layout (0 for every group over the same tensors).
-        self._parts = (
-            layout.group_part if isinstance(layout, GroupedBlocksLayout) else [0] * len(groups)
-        )
         # Per group, each data ref's view base address and row stride, in vLLM's order, to
         # read device pointers (vLLM 0.34) back as block ids: ``base + block * stride``.
         self._refs: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
@@ -404,12 +362,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         the job's result is a failure (vLLM 0.32, or 0.34 on a synchronous load, then
         stops rather than use the blocks)."""
         pages = torch.tensor(list(device_pages), dtype=torch.int64, device=self.layout.device)
-        runs = host_runs(host_pages)
+        copy = self.layout.scatter_runs if job.load else self.layout.gather_runs
         try:
-            if job.load:
-                self.layout.scatter_runs(pages, self._pool.tensor, runs)
-            else:
-                self.layout.gather_runs(pages, self._pool.tensor, runs)
+            copy(pages, self._pool.tensor, host_runs(host_pages))
         except Exception as exc:
             job.failed = True
             self.refusals.note("copy_failed_twice", repr(exc))
@@ -457,11 +412,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _device_groups(self, device: Any) -> list[tuple[list[int], int]] | None:
         """A job's device blocks per KV cache group, each group's with the request's index
-        of its first block: vLLM 0.32's ``GPULoadStoreSpec`` names them; vLLM 0.34's
-        ``DevicePointers`` give each data ref's row address per block (``base + block *
-        stride``; group by group, ref by ref), read back here: every ref of a group must
-        name the same blocks, inside the cache. ``None`` (counted) for a spec that does not
-        fit this worker's groups or cache."""
+        of its first block, from vLLM 0.32's block ids or vLLM 0.34's pointers (read back
+        as docs/vllm.md says). ``None`` (counted) for a spec that does not fit this worker's
+        groups or cache."""
         ptrs, groups = getattr(device, "ptrs", None), len(self._refs)
         if ptrs is None:
             block_ids = np.asarray(device.block_ids)
@@ -555,19 +508,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     ) -> bool:
         """Device -> host: ``src_spec`` is vLLM 0.32's ``GPULoadStoreSpec`` or vLLM 0.34's
         ``DevicePointers``; ``dst_spec`` the scheduler's host pages, one a key."""
-        spec = cast(HostBlocksSpec, dst_spec)
-        host_pages = list(spec.block_ids)
-        job = self._start(job_id, False, len(host_pages))
-        device = self._device_pages(job, src_spec, len(host_pages))
-        if device is None:
-            job.failed = True
-        elif host_pages:  # named for the persistent tier where there is one, once, here
-            names = self._names
-            keys = tuple(map(names, spec.keys) if self._store is not None else spec.keys)
-            self._submit(job, (job, 0, keys, 0), device, host_pages)
-        if not job.inflight:
-            self._done(job)
-        return True
+        return self._transfer(job_id, False, src_spec, cast(HostBlocksSpec, dst_spec), False)
 
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, **kwargs: Any
@@ -576,26 +517,32 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         ``DevicePointers``. An ``expedited`` load (vLLM 0.34's synchronous load, waited on
         in its request's step) is copied like the rest, and a copy of it that fails is
         made again at once, as on vLLM 0.32: its failure would stop vLLM."""
-        spec = cast(HostBlocksSpec, src_spec)
+        expedited = bool(kwargs.get("expedited", False))
+        return self._transfer(job_id, True, dst_spec, cast(HostBlocksSpec, src_spec), expedited)
+
+    def _transfer(
+        self, job_id: int, load: bool, device_spec: Any, spec: HostBlocksSpec, expedited: bool
+    ) -> bool:
+        """One job: its host pages and keys (``spec``), its device blocks, one chunk."""
         host_ids = spec.block_ids
-        job = self._start(job_id, True, len(host_ids))
-        job.expedited = bool(kwargs.get("expedited", False))
-        device_ids = self._device_pages(job, dst_spec, len(host_ids))
-        if device_ids is None:
+        job = self._start(job_id, load, len(host_ids))
+        job.expedited = expedited
+        device = self._device_pages(job, device_spec, len(host_ids))
+        if device is None:
             job.failed = True
-            self._done(job)
-            return True
-        keys, device, host = spec.keys, device_ids, list(host_ids)
-        if FROM_STORE in host_ids:  # blocks the persistent tier holds: read here, first
-            disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
-            names = [self._names(keys[i]) for i in disk]
-            self._load_from_store(job, names, [device_ids[i] for i in disk])
-            on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
-            keys = [spec.keys[i] for i in on_host]
-            device = [device_ids[i] for i in on_host]
-            host = [host_ids[i] for i in on_host]
-        if host:  # the rest (every block, in the common case) from host pages: one chunk
-            self._submit(job, LoadTicket(job, 0, tuple(keys)), device, host)
+        elif host_ids:
+            keys, host = spec.keys, list(host_ids)
+            if not load and self._store is not None:  # named for the persistent tier, here
+                keys = list(map(self._names, keys))
+            if load and FROM_STORE in host_ids:  # pages the persistent tier holds: read first
+                disk = [i for i, page in enumerate(host_ids) if page == FROM_STORE]
+                names = [self._names(keys[i]) for i in disk]
+                self._load_from_store(job, names, [device[i] for i in disk])
+                on_host = [i for i, page in enumerate(host_ids) if page != FROM_STORE]
+                keys, device, host = ([x[i] for i in on_host] for x in (keys, device, host))
+            if host:  # the rest (every block, in the common case) from host pages: one chunk
+                ticket = LoadTicket(job, 0, tuple(keys)) if load else (job, 0, tuple(keys), 0)
+                self._submit(job, ticket, device, host)
         if not job.inflight:
             self._done(job)
         return True
