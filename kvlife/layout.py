@@ -1,12 +1,10 @@
 """Device KV pools as serving engines lay them out, and page-wise copies out of them.
 
-A page is ``page_size`` consecutive token slots of every buffer; one host page is
-one row of ``page_numel`` elements, the page's *page rows* (each buffer viewed as
-``[num_pages, row_numel]``) one after the other. On a CPU a copy is one call of
-``kvlife._rowcopy`` over every (page, buffer) row, by address; elsewhere (or without
-the extension) one ``index_select`` / ``index_copy_`` per buffer straight into or out
-of that buffer's column block of the page-major rows: no temporary, no per-page Python
-loop. Layouts, restores and their speed (``bench/engine.py``): ``docs/engines.md``.
+A page is ``page_size`` consecutive token slots of every buffer; one host page is one row
+of ``page_numel`` elements, the page's *page rows* (each buffer viewed as ``[num_pages,
+row_numel]``) one after the other. A CPU copy is one call of ``kvlife._rowcopy`` over every
+(page, buffer) row; elsewhere, or without it, one ``index_select`` / ``index_copy_`` per
+buffer. Layouts, copies and their speed (``bench/engine.py``): ``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -41,13 +39,11 @@ STREAM_BYTES = 32 << 20
 def staging_windows(
     n: int, runs: Sequence[tuple[int, int, int]], window: int
 ) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
-    """A chunk of ``n`` pages, copied through staging ``window`` pages at a time.
-
-    ``runs`` are the chunk's host rows as ``(offset, first row, length)``. Yields
-    ``(lo, hi, pieces)`` per window of chunk pages ``[lo, hi)``; each piece
-    ``(first, last, row)`` is staging rows ``[first, last)`` and host rows
-    ``[row, row + last - first)``. Used by both directions, so they cannot differ.
-    """
+    """A chunk of ``n`` pages, copied through staging ``window`` pages at a time. ``runs`` are
+    the chunk's host rows as ``(offset, first row, length)``. Yields ``(lo, hi, pieces)`` per
+    window of chunk pages ``[lo, hi)``; each piece ``(first, last, row)`` is staging rows
+    ``[first, last)`` and host rows ``[row, row + last - first)``. Used by both directions, so
+    they cannot differ."""
     for lo in range(0, n, window):
         hi = min(n, lo + window)
         pieces = []
@@ -102,13 +98,11 @@ def _check_live(what: str, tensor: torch.Tensor) -> int:
 
 
 class KVLayout:
-    """A device KV pool cut into pages; copies whole pages to and from page-major rows.
-
-    Made from its *page rows*, the buffers viewed as ``[num_pages, row_numel]``
-    (one page of one buffer is one contiguous row), of one dtype and device. The
-    kinds below make them from a runtime's buffers; a runtime whose buffers are
-    already page rows (vLLM's block views) passes them here.
-    """
+    """A device KV pool cut into pages; copies whole pages to and from page-major rows. Made
+    from its *page rows*, the buffers viewed as ``[num_pages, row_numel]`` (one page of one
+    buffer is one contiguous row), of one dtype and device. The kinds below make them from a
+    runtime's buffers; a runtime whose buffers are already page rows (vLLM's block views) passes
+    them here."""
 
     def __init__(self, rows: Sequence[torch.Tensor], page_size: int) -> None:
         self._rows: tuple[torch.Tensor, ...] = tuple(rows)
@@ -163,8 +157,6 @@ class KVLayout:
             f"page_numel={self._page_numel} {self.dtype} {self.device}>"
         )
 
-    # ---------------------------------------------------------------- checks
-
     def page_index(self, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Pages as a checked int64 index tensor on this layout's device."""
         if isinstance(pages, torch.Tensor):
@@ -206,15 +198,10 @@ class KVLayout:
             raise ConfigError(f"page {page!r} out of range [0, {self.num_pages})")
         return page
 
-    # ---------------------------------------------------------------- copies
-
     def gather(self, pages: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy ``pages`` into ``out`` ``[n, page_numel]``, page-major, flat.
-
-        ``out`` on another device (pinned host memory for a CUDA layout) goes
-        through a device staging buffer and ``non_blocking`` copies when
-        ``out`` is pinned; the caller then waits for the current stream.
-        """
+        """Copy ``pages`` into ``out`` ``[n, page_numel]``, page-major, flat; ``out`` on
+        another device as :meth:`gather_runs` (pinned: the caller then waits for the
+        current stream)."""
         self._check_index(pages)
         self._check_rows("out", out, pages.numel())
         self.gather_runs(pages.to(self.device), out, [(0, 0, pages.numel())])
@@ -233,14 +220,10 @@ class KVLayout:
         *,
         max_staging_bytes: int = 256 << 20,
     ) -> None:
-        """Copy ``pages`` into rows of ``host`` given as runs ``(offset, first row, length)``.
-
-        This is a copy engine's step: a chunk's host pages are a few runs of
-        consecutive rows of the host pool; the chunk's page ``offset + i`` is host
-        row ``row + i``. Pages and runs must already be checked (the engine does);
-        a host tensor on another device goes through device staging of at most
-        ``max_staging_bytes`` at a time, with ``non_blocking`` copies when it is pinned.
-        """
+        """Copy ``pages`` into rows of ``host`` given as runs ``(offset, first row, length)``:
+        a copy engine's step, the chunk's page ``offset + i`` to host row ``row + i`` (pages
+        and runs checked by the engine). A host tensor on another device goes through device
+        staging of at most ``max_staging_bytes`` at a time, ``non_blocking`` when pinned."""
         self._copy_runs(False, pages, host, runs, max_staging_bytes)
 
     def scatter_runs(
@@ -252,11 +235,7 @@ class KVLayout:
         max_staging_bytes: int = 256 << 20,
     ) -> None:
         """The mirror of :meth:`gather_runs` (a load: host -> device): rows of ``host``
-        given as runs ``(offset, first row, length)`` into ``pages``.
-
-        From another device, through device staging, then ``index_copy_`` per buffer
-        on the device.
-        """
+        given as runs ``(offset, first row, length)`` into ``pages``."""
         self._copy_runs(True, pages, host, runs, max_staging_bytes)
 
     def _copy_runs(
@@ -391,11 +370,9 @@ def _slot_rows(
 
 class LayerFirstLayout(KVLayout):
     """Per layer one K and one V buffer of token slots x heads x head dim (SGLang's MHA pool).
-
-    Wraps a runtime's own K and V buffers ``[slots, heads, head_dim]`` (no
-    copy); :meth:`zeros` allocates them. Page rows are ordered layer by layer,
-    K before V: a host page is ``[num_layers, 2, page_size, num_heads, head_dim]``.
-    """
+    Wraps a runtime's own K and V buffers ``[slots, heads, head_dim]`` (no copy); :meth:`zeros`
+    allocates them. Page rows are ordered layer by layer, K before V: a host page is
+    ``[num_layers, 2, page_size, num_heads, head_dim]``."""
 
     def __init__(
         self, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int
@@ -440,9 +417,7 @@ class LayerFirstLayout(KVLayout):
 
 class PageFirstLayout(KVLayout):
     """One tensor ``[num_pages, num_layers, 2, page_size, heads, head_dim]``: a page is one row.
-
-    Wraps a runtime's own tensor (no copy); :meth:`zeros` allocates it.
-    """
+    Wraps a runtime's own tensor (no copy); :meth:`zeros` allocates it."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if tensor.dim() != 6 or tensor.shape[2] != 2 or not tensor.is_contiguous():
@@ -481,9 +456,7 @@ class PageFirstLayout(KVLayout):
 
 class MLALayout(KVLayout):
     """Per layer one latent buffer ``[slots, 1, latent_dim]`` (multi-head latent attention).
-
-    Wraps a runtime's own latent buffers (no copy); :meth:`zeros` allocates them.
-    """
+    Wraps a runtime's own latent buffers (no copy); :meth:`zeros` allocates them."""
 
     def __init__(self, kv_buffers: Sequence[torch.Tensor], page_size: int) -> None:
         if kv_buffers and (kv_buffers[0].dim() != 3 or kv_buffers[0].shape[1] != 1):

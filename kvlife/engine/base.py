@@ -90,11 +90,9 @@ class Ack:
 
 @runtime_checkable
 class CopyEngine(Protocol):
-    """Copies chunks between device and host pages and reports one :class:`Ack` per chunk.
-
-    A :data:`~kvlife.Ticket` copies device -> host (store), a
-    :class:`~kvlife.LoadTicket` host -> device (load).
-    """
+    """Copies chunks between device and host pages and reports one :class:`Ack` per chunk. A
+    :data:`~kvlife.Ticket` copies device -> host (store), a :class:`~kvlife.LoadTicket` host ->
+    device (load)."""
 
     def check(
         self, device_pages: Sequence[int], host_pages: Sequence[int], *, load: bool = False
@@ -156,8 +154,7 @@ class PageCopyEngine:
         return self._closed
 
     def host_pages_busy(self, *, reads: bool = True) -> set[int]:
-        """Host pages a store in flight writes and, with ``reads``, those a load in flight
-        reads: what an allocator must not hand to a store (with ``reads``) or a load."""
+        """Host pages a store in flight writes and, with ``reads``, a load in flight reads."""
         use = self._host_use
         return set(np.flatnonzero(use != 0 if reads else use < 0).tolist())
 
@@ -187,12 +184,10 @@ class PageCopyEngine:
         load: bool = False,
     ) -> tuple[bool, tuple[int, ...], tuple[int, ...], Index, Index]:
         """Every check a chunk must pass before any copy: the one validation of every engine.
-
         With a ``ticket`` (``submit``), its type gives the direction (a
-        :class:`~kvlife.LoadTicket` loads) and its page count must match; with
-        ``None`` (``check``), ``load`` says. Returns the direction, the pages, and the
-        pages as int64 arrays (device, host).
-        """
+        :class:`~kvlife.LoadTicket` loads) and its page count must match; with ``None``
+        (``check``), ``load`` says. Returns the direction, the pages, and the pages as int64
+        arrays (device, host)."""
         if self._closed:
             raise EngineClosed("the engine is closed; it takes no more chunks")
         if ticket is not None:
@@ -217,82 +212,65 @@ class PageCopyEngine:
         owners = self.host.owners_of(hst)
         host_use, device_use = self._host_use[h], self._device_use[d]
         # A store needs its host pages untouched and its device pages not being written; a
-        # load its host pages not being written and its device pages untouched.
+        # load its host pages not being written and its device pages untouched. A chunk that
+        # breaks a rule walks its pages to name the first page of the first rule it breaks.
         if (
             None in owners
             or (host_use.min() < 0 if load else host_use.any())
             or (device_use.any() if load else device_use.min() < 0)
         ):
-            _refuse(load, dev, hst, owners, host_use, device_use)
+            for p, owner, use in zip(hst, owners, host_use.tolist(), strict=True):
+                if owner is None:
+                    raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
+                if use < 0:
+                    raise PageBusy(f"host page {p} is still being written by a chunk in flight")
+            if not load and host_use.any():
+                p = hst[int(np.flatnonzero(host_use)[0])]
+                raise PageBusy(f"host page {p} is still being read by a load in flight")
+            if device_use.min() < 0:
+                p = dev[int(np.flatnonzero(device_use < 0)[0])]
+                raise PageBusy(f"device page {p} is still being written by a load in flight")
+            p = dev[int(np.flatnonzero(device_use)[0])]
+            raise PageBusy(f"device page {p} is still being read by a store in flight")
         return load, dev, hst, d, h
 
-    def _claim(self, load: bool, device_pages: Pages, host_pages: Pages) -> None:
-        """Mark a checked chunk's pages as in use by a copy in flight."""
-        d, h = _index(device_pages), _index(host_pages)
-        if load:
-            self._device_use[d] = -1
-            self._host_use[h] += 1
-        else:
-            self._host_use[h] = -1
-            self._device_use[d] += 1
+    def _claim(self, load: bool, device_pages: Pages, host_pages: Pages, n: int = 1) -> None:
+        """Mark a checked chunk's pages as in use by a copy in flight (``n=-1``: no longer):
+        the pages it writes (a store's host pages, a load's device pages) -1, the pages it
+        reads one reader more."""
+        pairs = [(self._device_use, _index(device_pages)), (self._host_use, _index(host_pages))]
+        (writes, written), (reads, read) = pairs if load else pairs[::-1]
+        writes[written] = -1 if n > 0 else 0
+        reads[read] += n
 
     def _unclaim(self, load: bool, device_pages: Pages, host_pages: Pages) -> None:
         """Release what :meth:`_claim` marked, when the chunk is acked."""
-        d, h = _index(device_pages), _index(host_pages)
-        if load:
-            self._device_use[d] = 0
-            self._host_use[h] -= 1
-        else:
-            self._host_use[h] = 0
-            self._device_use[d] -= 1
+        self._claim(load, device_pages, host_pages, -1)
+
+
+def _c_index(pages: Sequence[int], limit: int = 1 << 62) -> Index | None:
+    """``pages`` as int64 from one C pass when each is an int (not a bool) in ``[0, limit)``
+    and none repeats (a tenth of ``np.array``'s time for a list of ints); else, or where
+    the extension is not built, None."""
+    index = None if _c_pages is None else _c_pages(pages, limit)
+    return np.frombuffer(index, dtype=np.int64) if type(index) is bytearray else None
 
 
 def _index(pages: Pages) -> Index:
-    """Checked pages as an int64 array (an array as it is): through one C pass where the
-    extension is built (a tenth of ``np.array``'s time for a list of ints)."""
+    """Checked pages as an int64 array (an array as it is)."""
     if isinstance(pages, np.ndarray):
         return pages
-    if _c_pages is not None:
-        index = _c_pages(pages, 1 << 62)
-        if type(index) is bytearray:
-            return np.frombuffer(index, dtype=np.int64)
-    return np.array(pages, dtype=np.int64)
-
-
-def _refuse(
-    load: bool,
-    dev: tuple[int, ...],
-    hst: tuple[int, ...],
-    owners: tuple[object | None, ...],
-    host_use: np.ndarray[Any, Any],
-    device_use: np.ndarray[Any, Any],
-) -> None:
-    """The refusal of a chunk whose pages are not free to copy, naming the first page of
-    the first rule it breaks."""
-    for p, owner, use in zip(hst, owners, host_use.tolist(), strict=True):
-        if owner is None:
-            raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
-        if use < 0:
-            raise PageBusy(f"host page {p} is still being written by a chunk in flight")
-    if not load and host_use.any():
-        p = hst[int(np.flatnonzero(host_use)[0])]
-        raise PageBusy(f"host page {p} is still being read by a load in flight")
-    if device_use.min() < 0:
-        p = dev[int(np.flatnonzero(device_use < 0)[0])]
-        raise PageBusy(f"device page {p} is still being written by a load in flight")
-    p = dev[int(np.flatnonzero(device_use)[0])]
-    raise PageBusy(f"device page {p} is still being read by a store in flight")
+    index = _c_index(pages)
+    return np.array(pages, dtype=np.int64) if index is None else index
 
 
 def _check_pages(side: str, pages: Sequence[int], limit: int) -> Index:
     """``pages`` as an int64 array; EngineError unless every page is an int (not a bool)
-    in ``[0, limit)``, none twice: one C pass where the extension is built; a chunk that
-    fails walks its pages here to name the first offending page, as every check does
-    without the extension."""
-    if _c_pages is not None:
-        index = _c_pages(pages, limit)
-        if type(index) is bytearray:
-            return np.frombuffer(index, dtype=np.int64)
+    in ``[0, limit)``, none twice: a chunk that fails the C pass (or every chunk, without
+    the extension) walks its pages here to name the first offending page."""
+    index = _c_index(pages, limit)
+    if index is not None:
+        return index
     if set(map(type, pages)) != {int} or min(pages) < 0 or max(pages) >= limit:
         p = next(p for p in pages if type(p) is not int or not 0 <= p < limit)
         raise EngineError(f"{side} page {p!r} out of range [0, {limit})")
@@ -306,10 +284,8 @@ def _check_pages(side: str, pages: Sequence[int], limit: int) -> Index:
 
 
 def distinct(pages: Sequence[int]) -> bool:
-    """Whether no page repeats (one C pass where the extension is built)."""
-    if _c_pages is not None and type(_c_pages(pages, 1 << 62)) is bytearray:
-        return True
-    return len(set(pages)) == len(pages)
+    """Whether no page repeats."""
+    return _c_index(pages) is not None or len(set(pages)) == len(pages)
 
 
 def page_index(pages: Sequence[int]) -> torch.Tensor:

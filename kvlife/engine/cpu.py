@@ -39,8 +39,7 @@ class CpuCopyEvent:
     __slots__ = ("_done", "_pending", "_started")
 
     def __init__(self) -> None:
-        # A lock held from submit until the worker is done (one C object: a
-        # threading.Event is a Python Condition over a lock, several times the cost).
+        # Held until the worker is done: one C object, where a threading.Event is several.
         self._pending = threading.Lock()
         self._pending.acquire()
         self._done = False
@@ -70,8 +69,7 @@ class CpuCopyEvent:
 
 
 class Gate(threading.Event):
-    """Holds one chunk's copy until :meth:`open` (a copy delay the test ends); the worker
-    waits on it."""
+    """Holds one chunk's copy (the worker waits on it) until :meth:`open`."""
 
     def open(self) -> None:
         """Let the held copy run."""
@@ -127,7 +125,7 @@ class CpuCopyEngine(PageCopyEngine):
         self._rng = random.Random(seed)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        # Owner-thread state: collected but not yet returned acks, counters, busy host pages.
+        # Owner-thread state: collected but not yet returned acks, counters, queued faults.
         self._ready: list[Ack] = []
         self._inflight = 0
         self._fail_next: deque[BaseException | None] = deque()
@@ -146,15 +144,11 @@ class CpuCopyEngine(PageCopyEngine):
         for thread in self._threads:
             thread.start()
 
-    # ---------------------------------------------------------------- fault injection
-
     def fail_next(self, n: int = 1, error: BaseException | None = None) -> None:
-        """Make the next ``n`` submitted chunks fail with ``error`` (default :class:`CopyFault`).
-
-        ``n`` is a positive int (not a bool), and at most :data:`MAX_PENDING_FAULTS` faults
-        wait at once; ``error`` is an exception instance. Refused with ConfigError, nothing
-        queued.
-        """
+        """Make the next ``n`` submitted chunks fail with ``error`` (default
+        :class:`CopyFault`). ``n`` is a positive int (not a bool), and at most
+        :data:`MAX_PENDING_FAULTS` faults wait at once; ``error`` is an exception instance.
+        Refused with ConfigError, nothing queued."""
         positive_int("n", n)
         if n > MAX_PENDING_FAULTS - len(self._fail_next):
             raise ConfigError(
@@ -178,8 +172,6 @@ class CpuCopyEngine(PageCopyEngine):
         self._hold_next.append(gate)
         return gate
 
-    # ---------------------------------------------------------------- the engine
-
     @property
     def inflight(self) -> int:
         """Chunks submitted whose acks were not yet returned by poll or drain."""
@@ -191,11 +183,9 @@ class CpuCopyEngine(PageCopyEngine):
         device_pages: Sequence[int],
         host_pages: Sequence[int],
     ) -> CpuCopyEvent:
-        """Validate the chunk, then queue its copy; returns the chunk's completion event.
-
-        A :data:`~kvlife.Ticket` copies device -> host, a
-        :class:`~kvlife.LoadTicket` host -> device. Refusals raise and change nothing.
-        """
+        """Validate the chunk, then queue its copy; returns the chunk's completion event. A
+        :data:`~kvlife.Ticket` copies device -> host, a :class:`~kvlife.LoadTicket` host ->
+        device. Refusals raise and change nothing."""
         load, dev, hst, d, h = self._checked_index(ticket, device_pages, host_pages)
         fault: BaseException | None = None
         origin = ""  # why a fault is made here: fail_next without an error of its own, or chance
@@ -232,10 +222,8 @@ class CpuCopyEngine(PageCopyEngine):
         return acks
 
     def drain(self, timeout: float | None = None) -> list[Ack]:
-        """Block until every submitted chunk is acked; return the acks not yet returned.
-
-        On :class:`DrainTimeout` the acks collected so far stay for the next poll or drain.
-        """
+        """Block until every submitted chunk is acked; return the acks not yet returned. On
+        :class:`DrainTimeout` the acks collected so far stay for the next poll or drain."""
         deadline = None if timeout is None else time.monotonic() + timeout
         ready = self._ready
         while len(ready) < self._inflight:
@@ -253,10 +241,8 @@ class CpuCopyEngine(PageCopyEngine):
 
     def close(self, timeout: float = 10.0) -> None:
         """Take no more chunks, open held gates, and let the workers finish queued copies.
-
-        Copies still waiting out their delay run at once. The workers are waited
-        for ``timeout`` seconds at most (they are daemon threads).
-        """
+        Copies still waiting out their delay run at once. The workers are waited for ``timeout``
+        seconds at most (they are daemon threads)."""
         if self._closed:
             return
         self._closed = True
@@ -275,8 +261,6 @@ class CpuCopyEngine(PageCopyEngine):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---------------------------------------------------------------- internals
 
     def _settle(self, job: _Job) -> Ack:
         self._unclaim(job.load, job.index.numpy(), job.host_index)

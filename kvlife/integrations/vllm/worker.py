@@ -134,8 +134,7 @@ class GroupedBlocksLayout(KVLayout):
         # KVLayout's own rows are a placeholder (no memory): every copy goes through a part.
         placeholder = torch.zeros((1, width), dtype=torch.int8, device=first.device)
         super().__init__([placeholder.expand(len(parts) * self.num_blocks, width)], tokens[0])
-        #: The blocks of each chunk in flight (``blocks_per_chunk`` > 1), by device page;
-        #: -1 where a chunk has no block.
+        #: With several blocks a chunk: each chunk's blocks by device page while in flight.
         self.chunks: dict[int, tuple[int, ...]] = {}
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -195,9 +194,8 @@ class _WorkerJob:
     #: vLLM 0.34's synchronous load (``expedited``): waited on in the step that runs its
     #: request, so a failed result cannot become a recompute (vLLM stops).
     expedited: bool = False
-    #: Chunks of the job in flight (what the pipeline reads).
+    #: Chunks of the job in flight (what the pipeline reads), and its keys by KV cache group.
     inflight: int = 0
-    #: Keys of the job by KV cache group (position).
     groups: dict[int, int] = field(default_factory=dict)
     #: Device pages whose chunk's blocks the job registered (``blocks_per_chunk`` > 1).
     pages: list[int] = field(default_factory=list)
@@ -212,10 +210,8 @@ class _WorkerJob:
 
 class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     """Copies blocks between vLLM's KV cache and host page rows through kvlife's copy
-    pipeline (:class:`~kvlife.transfers.Transfers`): each job is a record that owns its
-    chunks' tickets; the engine acks them, the pipeline writes stored blocks to the
-    persistent tier (a private copy: the scheduler owns the host pages), and a job whose
-    last chunk is over is the job's one ``TransferResult``."""
+    pipeline (:class:`~kvlife.transfers.Transfers`), each job a record that owns its
+    chunks' tickets (docs/design.md, "One copy pipeline")."""
 
     def __init__(
         self,
@@ -266,8 +262,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self._jobs: dict[int, _WorkerJob] = {}  # job id -> job in flight
         self._finished: list[TransferResult] = []
         self._shut = False
-        #: Refusals and recovered failures by kind (counted, logged once per kind; a refusal
-        #: of bad input raises with strict, a failure the worker recovers from never does).
+        #: Refusals and recovered failures by kind (a refusal raises with strict).
         self.refusals = Refusals(strict=strict, logger=logger)
         #: The copy pipeline: acks to their jobs, stored blocks to the persistent tier.
         self.transfers = Transfers(
@@ -309,9 +304,8 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     def _start(self, job_id: int, load: bool, blocks: int) -> _WorkerJob:
         if not self._pages_claimed:  # the first job
             self._pages_claimed = True
-            # No manager here took the pool (vLLM's multiprocess mode; or no pool key): the
-            # scheduler allocates page indices elsewhere and this worker owns every page
-            # (the engine copies only allocated pages).
+            # No manager here took the pool (multiprocess mode; or no pool key): the scheduler
+            # allocates pages elsewhere, so this worker owns them all (the engine wants owners).
             if (self._unshare() or self._pool_key is None) and self._pool.num_free:
                 self._pool.alloc(self._pool.num_free, self)
         if job_id in self._jobs:  # vLLM reused a job id in flight: both still get results
@@ -346,10 +340,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         job.inflight += 1
 
     def _recover(self, job: _WorkerJob, device: Sequence[int], host: Sequence[int]) -> None:
-        """A chunk the engine refused or failed: vLLM 0.34+ takes the job as failed (a
-        load is recomputed, a store dropped), except a synchronous load, whose request
-        already runs on the blocks (vLLM raises on its failure); vLLM 0.32 takes no
-        failure. Those are made here, at once."""
+        """A chunk the engine refused or failed: vLLM 0.34+ takes the job as failed,
+        except a synchronous load (its request already runs on the blocks); vLLM 0.32
+        takes no failure. Those are made here, at once."""
         if TAKES_FAILURES and not job.expedited:
             job.failed = True
         else:
@@ -411,10 +404,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             self.refusals.note("disk_write_failures", repr(result.error))
 
     def _device_groups(self, device: Any) -> list[tuple[list[int], int]] | None:
-        """A job's device blocks per KV cache group, each group's with the request's index
-        of its first block, from vLLM 0.32's block ids or vLLM 0.34's pointers (read back
-        as docs/vllm.md says). ``None`` (counted) for a spec that does not fit this worker's
-        groups or cache."""
+        """A job's device blocks per KV cache group, each with the request's index of its
+        first block, from vLLM 0.32's block ids or 0.34's pointers (docs/vllm.md); ``None``
+        (counted) for a spec that does not fit this worker's groups or cache."""
         ptrs, groups = getattr(device, "ptrs", None), len(self._refs)
         if ptrs is None:
             block_ids = np.asarray(device.block_ids)
@@ -427,8 +419,6 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 self.refusals.note("device_spec_refused", "block ids outside the KV cache")
                 return None  # (not another part's block either)
             ids: list[int] = block_ids.tolist()
-            if groups == 1:
-                return [(ids, int(starts[0]))]
             ends = np.cumsum(sizes).tolist()
             return [
                 (ids[end - n : end], int(first))
@@ -456,15 +446,14 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             ):
                 self.refusals.note("device_pointers_refused", "pointers outside the KV cache views")
                 return None
-            out.append(([int(b) for b in rows[0].tolist()], int(first)))
+            out.append((rows[0].tolist(), int(first)))
         return out
 
     def _device_pages(self, job: _WorkerJob, device: Any, keys: int) -> list[int] | None:
-        """Each key's device page, in the job's key order (vLLM's: group by group, each
-        group's keys in request order): a group's blocks fill its keys' chunks in order, the
-        first one from slot ``first % blocks_per_chunk`` (vLLM's offset into a chunk). With
-        several blocks a chunk, each chunk's blocks are registered under its page until the
-        job is over. ``None`` (counted) when they do not make one chunk per key."""
+        """Each key's device page in the job's key order, a group's blocks filling its keys'
+        chunks from slot ``first % blocks_per_chunk`` (docs/vllm.md, "Chunks of several
+        blocks"), each chunk's blocks registered under its page until the job is over;
+        ``None`` (counted) when they do not make one chunk per key."""
         groups = self._device_groups(device)
         if groups is None:
             return None
