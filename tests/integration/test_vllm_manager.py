@@ -286,11 +286,21 @@ def _worker(views: list[torch.Tensor]) -> Any:
     return KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
 
 
+@pytest.mark.parametrize("by_address", [True, False])
 @pytest.mark.parametrize("row", [64, 24])
-def test_store_and_load_copy_every_byte_as_it_is(row: int) -> None:
+def test_store_and_load_copy_every_byte_as_it_is(
+    monkeypatch: pytest.MonkeyPatch, row: int, by_address: bool
+) -> None:
     """Random bytes (NaN and signalling-NaN patterns among them, as 16-byte words) stored
-    from scattered blocks and loaded into others are bit-identical; 64-byte rows go as
-    16-byte words through ``index_select``/``index_copy_``, 24-byte ones by the row loop."""
+    from scattered blocks and loaded into others are bit-identical, rows of 16-byte words
+    or not, copied by address (``kvlife._rowcopy``) or, where it is not built, through
+    torch's ``index_select``/``index_copy_``."""
+    import kvlife.layout as layout_module
+
+    if by_address and layout_module._rowcopy is None:
+        pytest.skip("kvlife._rowcopy is not built")
+    if not by_address:
+        monkeypatch.setattr(layout_module, "_rowcopy", None)
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
         CanonicalKVCaches,
@@ -307,7 +317,6 @@ def test_store_and_load_copy_every_byte_as_it_is(row: int) -> None:
         group_data_refs=[[CanonicalKVCacheRef(i, row) for i in range(len(views))]],
     )
     worker = KVLifeWorker(caches, HostPagePool(6, 2 * row, torch.int8))
-    assert (worker.engine.layout._words is not None) == (row % 16 == 0)
     src, dst, host = [9, 2, 14, 5, 11, 7], [1, 12, 3, 8, 15, 4], [5, 0, 3, 1, 4, 2]
     keys = [key(i) for i in range(6)]
     assert worker.submit_store(1, GPULoadStoreSpec(src, [6], [0]), HostBlocksSpec(host, keys))
