@@ -464,6 +464,15 @@ def copy_paths(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dic
     }
 
 
+def paths_line(paths: dict[str, float]) -> str:
+    """One line of :func:`copy_paths`' ratios: to a contiguous copy, and to ``copy_`` alone."""
+    return "copy paths alone (per-round ratios to a contiguous copy; to copy_): " + ", ".join(
+        f"{name} {v}x ({paths[name + '_vs_copy_']}x)"
+        for k, v in paths.items()
+        if (name := k.removesuffix("_vs_contiguous")) != k
+    )
+
+
 def realistic_views(layers: int, layer_block_bytes: int, blocks: int) -> tuple[torch.Tensor, ...]:
     """Block views of a realistic KV cache, one ``(num_blocks, layer_block_bytes)`` int8
     tensor per layer as vLLM hands them to a worker (e.g. 32 layers x 64 KiB: 16 tokens x
@@ -513,14 +522,7 @@ def main() -> None:
             f"load {real['load_vs_contiguous_per_round']}x; to torch's copy_ alone: store "
             f"{real['store_vs_copy__per_round']}x, load {real['load_vs_copy__per_round']}x)"
         )
-        print(
-            "copy paths alone (per-round ratios to a contiguous copy; to copy_): "
-            + ", ".join(
-                f"{k.removesuffix('_vs_contiguous')} {v}x ({paths[k[:-10] + 'copy_']}x)"
-                for k, v in paths.items()
-                if k.endswith("_vs_contiguous")
-            )
-        )
+        print(paths_line(paths))
     if args.real_only:
         print(json.dumps({**realistic, "torch_threads": torch.get_num_threads()}))
         return
@@ -559,14 +561,7 @@ def main() -> None:
         f"{bandwidth['store_fixed_ms']} / {bandwidth['load_fixed_ms']} ms a job"
     )
     tiny_paths = copy_paths(views, args.bw_blocks, max(7, args.bw_rounds))
-    print(
-        "copy paths alone (per-round ratios to a contiguous copy): "
-        + ", ".join(
-            f"{k.removesuffix('_vs_contiguous')} {v}x"
-            for k, v in tiny_paths.items()
-            if k.endswith("_vs_contiguous")
-        )
-    )
+    print(paths_line(tiny_paths))
     bandwidth.update({f"alone_{k}": v for k, v in tiny_paths.items()})
     threads = {"torch_threads": torch.get_num_threads()}  # the copies' (and the baseline's)
     print(json.dumps({**result, **bandwidth, **realistic, **threads}))
