@@ -1,12 +1,6 @@
-"""Agreement across the ranks of one tensor-parallel group, over ``torch.distributed``.
-
-:class:`TorchAgreement` makes every rank apply the same acks in the same order: each poll
-is one ``all_reduce(MIN)`` of seven int64 words, so an ack is applied once its copy is
-complete on every rank, a copy failed on any rank fails on all, and ranks that submitted
-different chunks, or a peer that crashed or went silent, raise
-:class:`~kvlife.errors.GroupBroken`. :meth:`TorchAgreement.least` agrees a lookup's or a
-load's prefix alike. The words, the host budget, loads and every failure case are in
-``docs/distributed.md``.
+"""Agreement across the ranks of one tensor-parallel group, over ``torch.distributed``:
+:class:`TorchAgreement` makes every rank apply the same acks in the same order. The words,
+the host budget, loads and every failure case are in ``docs/distributed.md``.
 """
 
 from __future__ import annotations
@@ -72,7 +66,10 @@ def _is_load_ticket(obj: object) -> bool:
 
 
 class TorchAgreement:
-    """Agreement over a ``torch.distributed`` group: one MIN all-reduce of 7 int64 per poll.
+    """Agreement over a ``torch.distributed`` group: one MIN all-reduce of 7 int64 per poll,
+    so an ack is applied once its copy is complete on every rank, a copy failed on any rank
+    fails on all, and ranks that submitted different chunks, or a peer that crashed or went
+    silent, raise :class:`~kvlife.errors.GroupBroken`.
 
     ``group``: any process group (default: the world; one without gloo gets a
     gloo group of the same ranks). ``timeout``: seconds a collective may wait for

@@ -1,18 +1,9 @@
-"""The page hash chain: one storage key per whole page, each chained to the one before.
+"""The page hash chain: one storage key per whole page, each the next page's prior.
 
-The default scheme is the SGLang HiCache storage key scheme, so a decode side
-using kvlife finds the keys a prefill side wrote:
-
-    key(page) = sha256( bytes.fromhex(prior) if prior else b""
-                        ++ each token id as 4 bytes little-endian unsigned ).hexdigest()
-
-Each page's key is the next page's prior.
-
-A *namespace* seeds the chain: with no prior, the first page's prior becomes
-``sha256(namespace.encode()).hexdigest()``, so two models (or tenants) sharing a
-store never share keys. Without a namespace, keys are exactly SGLang's.
-
-The scheme is pluggable: anything with the :class:`PageHasher` signature works.
+The default scheme is SGLang HiCache's (``docs/design.md``, "Facts it builds on"), so a
+decode side using kvlife finds the keys a prefill side wrote. A *namespace* seeds the chain
+(:func:`namespace_prior`), so two models sharing a store never share keys; without one, keys
+are exactly SGLang's. Any :class:`PageHasher` can replace the scheme.
 """
 
 from __future__ import annotations

@@ -269,10 +269,7 @@ class HostTier(Generic[K]):
                 self._next_rank += 1  # _make_recent, inlined for a new key
                 lane[key] = self._next_rank
                 taken.append(key)
-        if taken:
-            self._add_ready(taken, freed)
-        if freed:
-            self.pool.free(freed, self)
+        self._add_ready(taken, freed)
         return taken
 
     def make_room(self, n: int, *, protected: Iterable[K] = ()) -> bool:
@@ -306,10 +303,7 @@ class HostTier(Generic[K]):
             entry.pins = 1
             self.counts.pinned += 1
             self.counts.loads += 1
-        freed: list[int] = []
-        self._add_ready([key], freed)
-        if freed:
-            self.pool.free(freed, self)
+        self._add_ready([key], [])
         return True
 
     def expire(self, now: float | None = None) -> list[K]:
@@ -542,13 +536,17 @@ class HostTier(Generic[K]):
         lane.move_to_end(key)
 
     def _add_ready(self, keys: list[K], freed: list[int]) -> None:
-        """``keys`` were just indexed as ready: counted, announced, each settled."""
+        """``keys`` were just indexed as ready: counted, announced, each settled; then the
+        pages of ``freed`` (and of any settled entry not kept) are freed."""
         c, index = self.counts, self._index
-        c.entries += len(keys)
-        c.stored += len(keys)
-        self._announce(keys, False)
+        if keys:
+            c.entries += len(keys)
+            c.stored += len(keys)
+            self._announce(keys, False)
         for key in keys:
             self._settled(key, index[key], freed)
+        if freed:
+            self.pool.free(freed, self)
 
     def _announce(self, keys: Sequence[K], removed: bool, source: object = None) -> None:
         """Queue one event for :meth:`take_events` (where events are taken at all)."""

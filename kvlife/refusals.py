@@ -1,12 +1,7 @@
-"""One refusal policy for the core and every integration: count, log once per kind, or raise.
-
-A refusal is an event kvlife will not apply (a completion of a key with nothing in
-flight, a call for a request it never saw, a bad argument from a host runtime); it has
-changed nothing when it reaches :meth:`Refusals.refuse`. Inside a host runtime it is
-counted under its kind and logged the first time that kind occurs, never raised into the
-host, unless ``strict`` (tests, and callers whose contract is a typed error, such as
-:class:`~kvlife.OffloadManager`). Only the owning thread counts; a scrape from another
-thread reads :meth:`Refusals.snapshot`, a copy made in one C call.
+"""One refusal policy for the core and every integration: count, log once per kind, or raise
+(``docs/design.md``, rule 6). A refusal has changed nothing when it reaches
+:meth:`Refusals.refuse`. Only the owning thread counts; a scrape from another thread reads
+:meth:`Refusals.snapshot`, a copy made in one C call.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The one copy pipeline: every host's copies, from the engine's ack to each host page's fate.
-
-A host (:class:`~kvlife.OffloadManager`, the vLLM worker, the SGLang linker) decides *what* to
-copy; :class:`Transfers` does the rest alike for every host: submit, acks to their tickets'
-owners (:class:`TicketOwner`), store writes and results (pages freed or kept on the host
-tier), a load's pins, the one promotion (:func:`promote_pages`), counts by name, one
-:class:`~kvlife.refusals.Refusals` (``docs/design.md``, "One copy pipeline"). Only the
-scheduler thread drives a pipeline, as it drives the engine.
+"""The one copy pipeline: every host's copies, from the engine's ack to each host page's fate
+(``docs/design.md``, "One copy pipeline"). Only the scheduler thread drives a pipeline, as it
+drives the engine.
 """
 
 from __future__ import annotations
@@ -215,22 +210,18 @@ class Transfers:
 
     def _settle(self, ack: Ack, owner: object) -> None:
         """An applied ack's pages: a load's pins dropped, a store's pages written or freed."""
-        if type(ack.ticket) is LoadTicket:
-            self._settle_load(ack)
+        if type(ack.ticket) is LoadTicket:  # the host tier's pins on its keys go
+            keys = ack.ticket[2]
+            if self.tier is not None:
+                self.tier.complete_load(keys)
+            if ack.error is None:
+                self.counts.pages_loaded += len(keys)
+            else:
+                self.counts.load_failures += 1
         else:
             self._settle_store(ack, owner)
         if self._acked is not None:
             self._acked(owner, ack)
-
-    def _settle_load(self, ack: Ack) -> None:
-        """An applied load: the host tier's pins on its keys go."""
-        keys = ack.ticket[2]
-        if self.tier is not None:
-            self.tier.complete_load(keys)
-        if ack.error is None:
-            self.counts.pages_loaded += len(keys)
-        else:
-            self.counts.load_failures += 1
 
     def _settle_store(self, ack: Ack, owner: object) -> None:
         """An applied store's host pages: freed if the copy failed, else written to the store."""

@@ -9,12 +9,9 @@ config picks the store: ``"kvlife_store": "directory"`` (default) under ``"kvlif
 ``$MOONCAKE_MASTER`` and ``$MOONCAKE_TE_META_DATA_SERVER``); ``"kvlife_namespace"`` overrides
 the namespace, otherwise the model and the shard as SGLang's file backend names them.
 
-The contract kept (a page returned only whole and verified, a key's first value kept,
-``batch_set`` one put, ``clear``, the zero-copy ``*_v1`` calls with ``"interface_v1": 1``) is
-in docs/store-tier.md, "The SGLang backend". Nothing raises into SGLang: a refused or failed
-call is counted in ``refusals`` by kind and logged once (``"kvlife_strict": true`` raises).
-SGLang's page keys are SHA-256 hex digests, which kvlife's hasher makes bit for bit; a key
-that is not lowercase hex (a suffixed pool key) is stored under the SHA-256 of its text.
+The contract kept (pages only whole and verified, first values kept, nothing raised into
+SGLang unless ``"kvlife_strict": true``) is in docs/store-tier.md, "The SGLang backend"; a
+key that is not lowercase hex (a suffixed pool key) is stored under the SHA-256 of its text.
 """
 
 from __future__ import annotations
@@ -237,13 +234,11 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         return index, pool.get_data_page(index, flat=False)
 
     def _read_into(self, keys: Sequence[str], targets: Sequence[torch.Tensor]) -> list[bool]:
-        names = [store_key(k) for k in keys]
         outs = [tensor_segments(t, writable=True) for t in targets]
-        return self.store.get_batch_into(names, outs)
+        return self.store.get_batch_into([store_key(k) for k in keys], outs)
 
     def _read(self, keys: Sequence[str]) -> list[bytes | None]:
-        names = [store_key(k) for k in keys]
-        return self.store.get_batch(names)
+        return self.store.get_batch([store_key(k) for k in keys])
 
     def get(
         self,

@@ -1,24 +1,14 @@
 """SGLang's decode-side KV offload manager with kvlife Lifecycles as its bookkeeping
-(docs/sglang.md, "The decode offload manager": retraction, tensor parallelism, a write the
-cache controller refuses, refusals).
+(docs/sglang.md, "The decode offload manager": what it keeps of SGLang's, retraction, tensor
+parallelism, a write the cache controller refuses, refusals).
 
 :class:`KVLifeDecodeOffloadManager` subclasses SGLang 0.5.23's ``DecodeKVCacheOffloadManager``
-(built on first use, so this module imports without SGLang). It keeps the surface SGLang's
-scheduler calls and SGLang's own cache controller, host pool and release path, and replaces the
-per-request dicts: each request *life* is a :class:`~kvlife.Lifecycle` whose tickets the copies'
-completions ack (a late ack moves only its own life), released (SGLang's
-``_release_finished_req``) exactly once, when it finished and no copy of it is in flight. A free
-naming device pages a copy in flight still reads is held back, whole, until that copy's ack (the
-KV allocator's ``free`` is guarded), so ``drain_before_retraction()`` neither refuses nor waits.
-With more than one rank, admissions and acks are agreed (:class:`~kvlife.distributed.
-TorchAgreement`). Switch it on in the scheduler process, before SGLang builds its scheduler::
+(built on first use, so this module imports without SGLang): each request *life* is a
+:class:`~kvlife.Lifecycle` whose tickets the copies' acks settle, released exactly once; a free
+naming device pages a copy in flight still reads waits, whole, for that copy's ack. Switch it
+on in the scheduler process, before SGLang builds its scheduler::
 
     import kvlife.integrations.sglang_decode as kvlife_decode; kvlife_decode.install()
-
-A kvlife refusal never reaches SGLang's scheduler: ``refusals`` (kvlife's one
-:class:`~kvlife.refusals.Refusals`) counts it and logs its kind once, and the call answers
-``False``; ``strict=True`` raises it. A full host pool is no refusal (``host_pool_exhausted``,
-``writes_refused``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """An SGLang ``UnifiedCacheLinker`` (SGLang #40595) backed by kvlife (docs/sglang.md,
 "The unified-cache linker": its config, namespaces and the contract kept).
 
-SGLang's linker completions carry no identity (a count, and ``pop_completed_offload()`` oldest
-first) and its loads are cancelled by rid. Here every load and every offload is a small record
-(:class:`_Op`: a linker sees operations, never request lives) that owns its one ticket, so a
-late completion settles only its own operation and ``cancel_queued_load(rid)`` reaches only the
-rid's queued load. The copies go through kvlife's one pipeline
-(:class:`~kvlife.transfers.Transfers`): a load promotes each stored page into the host tier
-(read, verified, pinned) and copies it to the device; an offload copies to host pages, then
-the store writes them, and is complete only after both. Load it from SGLang's own factory::
+Every load and every offload is a small record (:class:`_Op`) that owns its one ticket, so a
+late completion settles only its own operation; the copies go through kvlife's one pipeline
+(:class:`~kvlife.transfers.Transfers`). Load it from SGLang's own factory::
 
     --unified-cache-external-linker-config '{"linker": "KVLifeCacheLinker",
       "linker_module_path": "kvlife.integrations.sglang_linker",

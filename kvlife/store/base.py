@@ -182,12 +182,6 @@ def payload_nbytes(payload: bytes | memoryview | Payload) -> int:
     return sum(map(len, _parts(payload)))
 
 
-def same_bytes(held: bytes | memoryview, payload: Payload) -> bool:
-    """Whether ``held`` has exactly the bytes of ``payload``."""
-    # As bytes: memcmp (comparing memoryviews goes item by item).
-    return len(held) == payload_nbytes(payload) and bytes(held) == b"".join(payload)
-
-
 def check_frame_namespace(namespace: object) -> str:
     """Return ``namespace`` if a page header can hold it (ASCII, at most
     :data:`MAX_NAMESPACE_BYTES`), else raise ConfigError."""
@@ -239,11 +233,6 @@ def parse_header(key: str, head: bytes | memoryview, namespace: str = "") -> tup
     return int(length), int(check)
 
 
-def checksum_matches(payload: bytes | memoryview | Payload, check: int) -> bool:
-    """Whether ``payload`` has the checksum a header declared."""
-    return _checksum(payload) == check
-
-
 def frame_size(key: str, payload_nbytes: int, namespace: str = "") -> int:
     """Bytes of the stored page of ``key`` in ``namespace`` with ``payload_nbytes`` of payload."""
     return header_size(key, namespace) + payload_nbytes
@@ -287,7 +276,8 @@ def check_held(
     (``held``: its verified stored payload, None if none). If it holds other bytes, the
     stored page is kept: PageMismatch, or, when ``kept`` is given (a put that keeps first
     values), ``key`` is appended to ``kept`` for the mismatch counter and True returned."""
-    if held is not None and not same_bytes(held, page):
+    # Compared as bytes: memcmp (comparing memoryviews goes item by item).
+    if held is not None and (len(held) != payload_nbytes(page) or bytes(held) != b"".join(page)):
         if kept is None:
             raise PageMismatch(
                 f"key {key} is stored with different bytes; the stored page is kept", key=key

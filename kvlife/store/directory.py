@@ -1,9 +1,5 @@
-"""LocalDirectoryStore: one file per page under a root directory, the embedded default.
-
-Page ``key`` is the file ``<root>/<namespace>/@pages/<key[:2]>/<key>.page``. A put
-writes temporary files beside its pages and names them with ``os.link`` once all are
-complete (the first whole page of a key wins); a failed put removes what it made. The
-rules (atomicity, first writer wins, safe reads, permissions) are in ``docs/store.md``.
+"""LocalDirectoryStore: one file per page under a root directory, the embedded default
+(``docs/store.md``: the file layout, atomicity, first writer wins, safe reads, permissions).
 """
 
 from __future__ import annotations
@@ -25,11 +21,11 @@ from kvlife.store.base import (
     Payload,
     QueuedStore,
     Written,
+    _checksum,
     _pieces,
     check_frame_namespace,
     check_held,
     check_key,
-    checksum_matches,
     frame_page,
     header_size,
     parse_header,
@@ -178,7 +174,7 @@ class LocalDirectoryStore(QueuedStore):
             return None
         finally:
             os.close(fd)
-        if len(payload) != length or not checksum_matches(payload, check):
+        if len(payload) != length or _checksum(payload) != check:
             if count:
                 self._count(pages_corrupt=1)
             return None
@@ -200,7 +196,7 @@ class LocalDirectoryStore(QueuedStore):
             return False
         finally:
             os.close(fd)
-        if done != length or not checksum_matches(out, check):
+        if done != length or _checksum(out) != check:
             self._count(pages_corrupt=1)
             return False
         return True

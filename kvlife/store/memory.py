@@ -1,12 +1,7 @@
 """Pages in a dict: :class:`MemoryStore` behind a real writer thread, :class:`InlineStore`
-on the caller's thread (see ``docs/store.md``).
-
-``MemoryStore`` completes asynchronously exactly like the directory store, so
-tests see the same interleavings. Its writer frames every page of a put first
-and commits them to the dict in one step under the lock; a failure (one
-:mod:`kvlife.testing.faults` injects, or a key holding other bytes) strikes before
-the commit, so nothing of that put is ever visible. Pages are kept framed and
-checked on every read like files.
+on the caller's thread (see ``docs/store.md``). A put's pages are framed first and
+committed to the dict in one step under the lock, so a failure leaves nothing of it visible;
+pages are kept framed and checked on every read like files.
 """
 
 from __future__ import annotations

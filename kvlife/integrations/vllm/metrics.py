@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,8 +10,6 @@ from kvlife.integrations.vllm.scheduler import METRICS, live_managers
 from kvlife.integrations.vllm.worker import live_workers
 from kvlife.manager import ManagerMetrics
 from kvlife.metrics import ManagerCollector, summed
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["METRICS", "OffloadCollector"]
 

@@ -379,9 +379,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if isinstance(disk, LocalDirectoryStore) and not os.path.exists(disk.path(name(key))):
                 return LookupResult.MISS  # a stat: most misses stop here (else the read tells)
             self._reads[key] = self._reader.submit(self._read_pages, key)
-            self.counts.lookups_pending += 1
-            return LookupResult.HIT_PENDING  # the next lookup finds it ready
-        if not read.done():
+        if read is None or not read.done():  # the next lookup (or a later one) finds it ready
             self.counts.lookups_pending += 1
             return LookupResult.HIT_PENDING
         del self._reads[key]
@@ -433,8 +431,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
         pages: list[int] = []
         for key in ordered:
             if tier.lookup(key) is Lookup.HIT:
-                pinned = tier.prepare_load([key])
-                pages.append(pinned[0] if pinned else FROM_STORE)
+                pages += tier.pin_ready([key])
             else:
                 if self.holds_bytes:  # promoted at lookup, evicted since: read in the worker
                     self._refuse("load:evicted_since_lookup", f"key {key.hex()[:16]} left")

@@ -1,12 +1,7 @@
-"""The host pool a vLLM worker shares with its scheduler, as one object for its whole life.
-
-A worker makes its rank's host pool: in a tmpfs file the scheduler process maps (vLLM's
-multiprocess executor; the name says the engine, the scheduler's pid and the rank), or in
-private memory. On CUDA a shared pool is page-locked through vLLM's ``host_register``. In
-one process the worker offers the pool to the manager of the same engine (:meth:`offer`,
-:meth:`offered`, :meth:`withdraw`). The name goes as soon as every side maps it, so nothing
-stays in shared memory if a process dies; :meth:`close` undoes the lock and removes the
-name, once. This module imports neither side of the backend.
+"""The host pool a vLLM worker shares with its scheduler, as one object for its whole life:
+made in a tmpfs file the scheduler process maps (or private), page-locked on CUDA, offered
+to the manager in one process, unlinked and unlocked by :meth:`~SharedHostPool.close`. This
+module imports neither side of the backend.
 """
 
 from __future__ import annotations
