@@ -1,13 +1,8 @@
-"""The ``kvlife`` command.
-
-Each subcommand is one ``register`` function in :data:`COMMANDS`: it adds its
-parser to the subparsers and sets ``handler`` (``args -> exit status``). A new
-subcommand is one more function and one more entry. Exit status: 0 done,
-2 refused (bad usage, a :class:`~kvlife.errors.KVLifeError` such as a missing
-Graphviz, or an ``OSError`` such as an ``--out`` that cannot be written), with
-the reason on one line of stderr and no traceback; 128 + the signal's number when a
-stop signal (:data:`STOP_SIGNALS`) ended it, after every process it started was
-ended and every temporary directory it made removed.
+"""The ``kvlife`` command: each subcommand is one ``register`` function in :data:`COMMANDS`
+that adds its parser and sets ``handler`` (``args -> exit status``). Exit status: 0 done, 2
+refused (bad usage, a :class:`~kvlife.errors.KVLifeError`, an ``OSError``), the reason on one
+line of stderr and no traceback; 128 + the signal's number when a stop signal
+(:data:`STOP_SIGNALS`) ended it, after all it started was ended and removed.
 """
 
 from __future__ import annotations

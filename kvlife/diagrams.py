@@ -1,10 +1,8 @@
 """The lifecycle drawn from :data:`kvlife._lifecycle.TABLE`: what ``kvlife diagram`` prints.
 
-Nothing here is drawn by hand. The mermaid state diagram is rendered by
-``transitions``' ``GraphMachine`` (its mermaid engine needs no binary); the
-Graphviz dot source is written from the table (one renderer, whatever is
-installed); svg and png are that dot source run through Graphviz's ``dot``.
-The docs' copies (``docs/generated``) are made from these by ``tests/docs_gen.py``.
+Nothing here is drawn by hand: mermaid by ``transitions``' ``GraphMachine``, dot written from
+the table, svg and png that dot run through Graphviz's ``dot``. The docs' copies
+(``docs/generated``) are made from these by ``tests/docs_gen.py``.
 """
 
 from __future__ import annotations

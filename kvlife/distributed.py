@@ -133,8 +133,6 @@ class TorchAgreement:
             self._all_reduce("construction")
             self._budget = int(self._words[6])
 
-    # ------------------------------------------------------------ the Agreement
-
     @property
     def pending(self) -> int:
         """Submissions not yet returned by :meth:`agree` (the same on every rank)."""
@@ -251,8 +249,6 @@ class TorchAgreement:
             out.extend(self._strays)
             self._strays = []
         return out
-
-    # ------------------------------------------------------------ internals
 
     def _check_usable(self) -> None:
         if self._broken is not None:

@@ -107,11 +107,7 @@ class AgreementError(KVLifeError):
     rank. Its subclass :class:`GroupBroken` is the one to stop on."""
 
     def __init__(
-        self,
-        message: str,
-        *,
-        index: int | None = None,
-        chunks: list[str | None] | None = None,
+        self, message: str, *, index: int | None = None, chunks: list[str | None] | None = None
     ) -> None:
         super().__init__(message)
         self.index = index

@@ -336,8 +336,7 @@ class HostTier(Generic[K]):
             if entry is None or entry.pending:
                 what = "pending" if entry is not None else "not held"
                 self.refusals.refuse(
-                    "prepare_load",
-                    TierError(f"cannot load key {_short(key)}: {what}", key=key),
+                    "prepare_load", TierError(f"cannot load key {_short(key)}: {what}", key=key)
                 )
                 return None
         return self.pin_ready(keys)

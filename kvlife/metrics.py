@@ -5,8 +5,7 @@
 
 The collector reads ``manager.metrics()`` at scrape time, on the exporter's thread: nothing
 on the hot path, the same figures as the snapshot (plain ints, so a scrape may see one
-event half-counted across two metrics, never a torn value). Each scalar field's kind and
-help are the dataclass field's metadata.
+event half-counted across two metrics, never a torn value).
 """
 
 from __future__ import annotations
@@ -71,11 +70,7 @@ class ManagerCollector:
     each family's name (``kvlife_vllm`` for the vLLM backend: the same fields)."""
 
     def __init__(
-        self,
-        manager: MetricsSource,
-        *,
-        labels: dict[str, str] | None = None,
-        prefix: str = PREFIX,
+        self, manager: MetricsSource, *, labels: dict[str, str] | None = None, prefix: str = PREFIX
     ) -> None:
         try:
             import prometheus_client  # noqa: F401

@@ -29,12 +29,7 @@ class HostPagePool:
     __slots__ = ("_free", "_owner", "tensor")
 
     def __init__(
-        self,
-        num_pages: int,
-        page_numel: int,
-        dtype: torch.dtype,
-        *,
-        pin_memory: bool | None = None,
+        self, num_pages: int, page_numel: int, dtype: torch.dtype, *, pin_memory: bool | None = None
     ) -> None:
         buffer_spec(dtype, num_pages=num_pages, page_numel=page_numel)
         pin = pin_memory_of(pin_memory)

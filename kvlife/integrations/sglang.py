@@ -141,8 +141,6 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
                 self.refusals.refuse(kind, error)  # raises when strict
             return failed
 
-    # -- writes
-
     def _put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> bool:
         """One put of ``values[i]`` under ``keys[i]`` (``keep_first``: docs/store-tier.md);
         True once every key holds a page; a store failure stores none of them (raised)."""
@@ -223,8 +221,6 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
         return self._guard("clear", "clear", clear, False)
 
-    # -- reads
-
     def _pool_page(self, host_indices: torch.Tensor, i: int) -> tuple[int, torch.Tensor]:
         """(first token index, page view) of page ``i`` of ``host_indices`` in the host pool."""
         pool = getattr(self, "mem_pool_host", None)
@@ -241,19 +237,13 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         return self.store.get_batch([store_key(k) for k in keys])
 
     def get(
-        self,
-        key: str,
-        target_location: Any | None = None,
-        target_sizes: Any | None = None,
+        self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
     ) -> torch.Tensor | None:
         """The page under ``key`` in ``target_location`` (or a new uint8 tensor); None on a miss."""
         return self.batch_get([key], None if target_location is None else [target_location])[0]
 
     def batch_get(
-        self,
-        keys: list[str],
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
     ) -> list[torch.Tensor | None]:
         """``get`` of every key, each read straight into its target."""
         if target_locations is None:

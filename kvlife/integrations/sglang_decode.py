@@ -161,8 +161,14 @@ class _KVLifeDecodeOffload:
             device_indices=device_indices, node_id=ack_id, extra_pools=pool_transfers
         )
         agreement = self.agreement
-        if host_indices is None:
-            self._write_refused(req)
+        if host_indices is None:  # no host pages for the write after all (SGLang logs it)
+            self.writes_refused += 1
+            if self.writes_refused == 1:
+                logger.warning(
+                    "kvlife: the cache controller refused a write for request %r (no host "
+                    "pages); the chunk is offered again. Counted in writes_refused, logged once",
+                    req.rid,
+                )
             if agreement is None:  # nothing submitted: the chunk is due again next step
                 return False
         self._pins[ack_id] = device_indices  # on every rank, copy or not: frees wait alike
@@ -373,16 +379,6 @@ class _KVLifeDecodeOffload:
         if not ok:
             self.host_pool_exhausted += 1
         return ok
-
-    def _write_refused(self, req: Any) -> None:
-        """The cache controller had no host pages for a write after all (SGLang logs it)."""
-        self.writes_refused += 1
-        if self.writes_refused == 1:
-            logger.warning(
-                "kvlife: the cache controller refused a write for request %r (no host pages); "
-                "the chunk is offered again. Counted in writes_refused, logged once",
-                req.rid,
-            )
 
     def _apply(self, ack_id: int) -> None:
         """One agreed ack: back the chunk up under its life's keys, then ack the life."""

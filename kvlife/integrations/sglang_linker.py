@@ -66,10 +66,6 @@ class _Op:
 class _KVLifeCacheLinker:
     """The kvlife half of ``KVLifeCacheLinker`` (no SGLang import here)."""
 
-    layer_done_counter: Any
-    pools: dict[Any, object]
-    forward_stream: Any
-
     def __init__(
         self,
         server_args: Any,
@@ -119,8 +115,6 @@ class _KVLifeCacheLinker:
         self._offloads: deque[_Op] = deque()  # submission order; reported oldest first
         #: Offloads declined because the host pool was full (SGLang offers them again).
         self.host_pool_exhausted = 0
-
-    # ------------------------------------------------------------ lookups and loads
 
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         """Every prefix length (pages) whose pages are all in the store."""
@@ -173,8 +167,6 @@ class _KVLifeCacheLinker:
         ok = bool(self.layer_done_counter.finish(counter_index))
         return ok and all(op.result for op in ops)
 
-    # ------------------------------------------------------------ offloads
-
     def offload(self, transfers: list[Any], session_id: str | None = None) -> bool:
         """Queue a device -> host -> store copy of the transfer's pages under its keys."""
         try:
@@ -212,8 +204,6 @@ class _KVLifeCacheLinker:
             return False
         return bool(self._offloads.popleft().result)
 
-    # ------------------------------------------------------------ lifecycle
-
     def reset(self) -> None:
         """Wait for every copy and write, cancel queued loads, forget completed offloads."""
         self._queued.clear()
@@ -229,8 +219,6 @@ class _KVLifeCacheLinker:
         finally:
             self.engine.close()
             self.store.close()
-
-    # ------------------------------------------------------------ internals
 
     def _kv(self, transfers: Sequence[Any]) -> Any:
         for transfer in transfers:

@@ -3,13 +3,7 @@
 :class:`InlineStore`, which writes on the caller's thread (tests).
 """
 
-from kvlife.errors import (
-    InvalidPut,
-    PageMismatch,
-    StoreClosed,
-    StoreError,
-    StoreUnavailable,
-)
+from kvlife.errors import InvalidPut, PageMismatch, StoreClosed, StoreError, StoreUnavailable
 from kvlife.store.base import Store, StoreResult, StoreStats
 from kvlife.store.directory import LocalDirectoryStore
 from kvlife.store.memory import InlineStore, MemoryStore

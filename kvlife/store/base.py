@@ -46,9 +46,6 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------- protocol
-
-
 @dataclass(frozen=True, slots=True)
 class StoreResult:
     """The outcome of one put: the caller's token, the put's keys, and the error if it failed."""
@@ -119,8 +116,6 @@ class Store(Protocol):
         """Puts accepted whose result was not yet returned by poll or drain."""
 
 
-# ----------------------------------------------------------------------------- validation
-
 _KEY = re.compile(r"[0-9a-f]{2,128}")
 
 
@@ -140,14 +135,10 @@ def _check_keys(keys: Sequence[str], call: str) -> list[str]:
     return [check_key(k) for k in keys]
 
 
-# ----------------------------------------------------------------------------- page format
-
 # The fields, and why a page of another version (1 did not bind the namespace) is a miss:
 # docs/store.md, "Page format and verification"; why XXH3: docs/store-tier.md, "Throughput".
 PAGE_MAGIC = b"KVLP"
 PAGE_VERSION = 2
-# magic, version, key length, namespace length, payload length, XXH3-64 of the payload;
-# then the key's ASCII digits, the namespace's ASCII and the payload.
 _HEADER = struct.Struct("<4sBBHQQ")
 #: The longest namespace a page header holds (its length field is 16 bits).
 MAX_NAMESPACE_BYTES = 0xFFFF
@@ -388,9 +379,6 @@ def _copy_into(data: bytes | memoryview, out: Payload) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------- the shared writer
-
-
 @dataclass(frozen=True, slots=True)
 class _Put:
     token: object
@@ -451,10 +439,7 @@ class QueuedStore(abc.ABC):
 
     @abc.abstractmethod
     def _store_pages(
-        self,
-        keys: tuple[str, ...],
-        pages: Sequence[Payload],
-        kept: list[str] | None = None,
+        self, keys: tuple[str, ...], pages: Sequence[Payload], kept: list[str] | None = None
     ) -> Written:
         """Store every page (``pages[i]``: the raw bytes of ``keys[i]``) or none and return
         those written; raise (after rolling back) on failure, and call :meth:`_step`
@@ -477,8 +462,6 @@ class QueuedStore(abc.ABC):
     @abc.abstractmethod
     def _clear(self) -> int:
         """Remove every page of this store's namespace; the number removed."""
-
-    # -- the protocol
 
     @property
     def namespace(self) -> str:
@@ -596,16 +579,14 @@ class QueuedStore(abc.ABC):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- internals
-
-    def _verify(self, key: str, stored: _B | None, *, count: bool = True) -> _B | None:
+    def _verify(self, key: str, stored: _B | None) -> _B | None:
         """The payload of ``stored`` if it is a whole page of ``key`` in this store's
         namespace, else None; a stored page failing verification (another namespace's
-        page among them) is counted in ``pages_corrupt`` (when ``count``)."""
+        page among them) is counted in ``pages_corrupt``."""
         if stored is None:
             return None
         payload = unframe_page(key, stored, self._namespace)
-        if payload is None and count:
+        if payload is None:
             self._count(pages_corrupt=1)
         return payload
 

@@ -204,11 +204,9 @@ class LocalDirectoryStore(QueuedStore):
     def _open_page(
         self, file: Path, key: str, expect: int | None, count: bool
     ) -> tuple[int, int, int] | None:
-        """(open descriptor, payload length, checksum) of page ``file`` if it is a regular
-        file whose header names ``key``, declares a payload of at most ``max_page_bytes``
-        (exactly ``expect`` if given) and matches the file's size; else None, counted:
-        ``read_errors`` for an OSError, ``pages_corrupt`` for what is not a page. Reads
-        nothing but the header, and never blocks (``_READ_FLAGS``)."""
+        """(open descriptor, payload length, checksum) of page ``file`` if it is a whole page
+        of ``key`` (exactly ``expect`` bytes if given); else None, counted as
+        ``docs/store.md`` says ("Reading is safe whatever sits at a page path")."""
         try:
             fd = os.open(file, _READ_FLAGS)
         except FileNotFoundError:
@@ -287,10 +285,7 @@ class LocalDirectoryStore(QueuedStore):
         file.write(page)
 
     def _store_pages(
-        self,
-        keys: tuple[str, ...],
-        pages: Sequence[Payload],
-        kept: list[str] | None = None,
+        self, keys: tuple[str, ...], pages: Sequence[Payload], kept: list[str] | None = None
     ) -> Written:
         # Steps 0 to n - 1: before writing each page's temporary file; n to 2n - 1: before
         # each link.

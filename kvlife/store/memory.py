@@ -31,10 +31,7 @@ class MemoryStore(QueuedStore):
         super().__init__(name="memory-store", max_page_bytes=max_page_bytes)
 
     def _store_pages(
-        self,
-        keys: tuple[str, ...],
-        pages: Sequence[Payload],
-        kept: list[str] | None = None,
+        self, keys: tuple[str, ...], pages: Sequence[Payload], kept: list[str] | None = None
     ) -> Written:
         framed: list[bytes] = []
         for i, key in enumerate(keys):  # steps 0 to n - 1, then n: before the commit

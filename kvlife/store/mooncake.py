@@ -23,13 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvlife._checks import finite_seconds, positive_int
-from kvlife.errors import (
-    ConfigError,
-    InvalidPut,
-    MissingDependency,
-    StoreError,
-    StoreUnavailable,
-)
+from kvlife.errors import ConfigError, InvalidPut, MissingDependency, StoreError, StoreUnavailable
 from kvlife.store.base import (
     DEFAULT_MAX_PAGE_BYTES,
     Payload,
@@ -208,8 +202,6 @@ class MooncakeStore(QueuedStore):
         kwargs.setdefault("local_hostname", os.environ.get(ENV_LOCAL_HOSTNAME))
         return cls(master, metadata, namespace, **kwargs)
 
-    # -- identity
-
     @property
     def master(self) -> str:
         """The master's HOST:PORT."""
@@ -351,10 +343,7 @@ class MooncakeStore(QueuedStore):
     # -- writes (writer thread)
 
     def _store_pages(
-        self,
-        keys: tuple[str, ...],
-        pages: Sequence[Payload],
-        kept: list[str] | None = None,
+        self, keys: tuple[str, ...], pages: Sequence[Payload], kept: list[str] | None = None
     ) -> Written:
         # Steps 0, 1, 2: before looking for stored pages, before writing, after writing
         # (rolled back).
@@ -373,10 +362,7 @@ class MooncakeStore(QueuedStore):
             raise
 
     def _write(
-        self,
-        keys: tuple[str, ...],
-        pages: Sequence[Payload],
-        kept: list[str] | None,
+        self, keys: tuple[str, ...], pages: Sequence[Payload], kept: list[str] | None
     ) -> Written:
         names = [self._prefix + k for k in keys]
         self._step(0, "before looking for stored pages")
@@ -488,8 +474,6 @@ class MooncakeStore(QueuedStore):
             return False
         self._client.remove(probe, True)
         return True
-
-    # -- lifecycle
 
     def close(self) -> None:
         """Finish queued puts, stop the writer, then release the buffers and the client."""

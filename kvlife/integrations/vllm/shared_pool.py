@@ -30,8 +30,6 @@ class SharedHostPool:
         self.path = path
         self._pinned: list[int] = []  # the page-locked ranges, unlocked by close()
 
-    # -------------------------------------------------------------- made, mapped, named
-
     @staticmethod
     def path_for(engine: str, scheduler_pid: int, rank: int) -> str:
         """Where rank ``rank``'s worker shares its pool with the scheduler process of
@@ -53,8 +51,7 @@ class SharedHostPool:
         pool and reads the persistent tier itself)."""
         fd = None
         try:
-            if os.path.exists(path):
-                os.unlink(path)
+            SharedHostPool.discard(path)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.posix_fallocate(fd, 0, pages * row)
             shared = cls(_map(path, pages, row), path)
@@ -144,8 +141,6 @@ class SharedHostPool:
             return False
         self._pinned = pinned
         return True
-
-    # -------------------------------------------------------------- one process
 
     def offer(self, key: str) -> None:
         """Offer this pool to the manager of the same engine in this process (vLLM builds

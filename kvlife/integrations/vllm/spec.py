@@ -30,11 +30,7 @@ from kvlife._checks import positive_int
 from kvlife.errors import ConfigError
 from kvlife.integrations.checkpoint import checkpoint_fingerprint
 from kvlife.integrations.vllm._common import PersistentTier, shut_down
-from kvlife.integrations.vllm.scheduler import (
-    CONFIG_INFO_KEYS,
-    METRICS,
-    KVLifeOffloadingManager,
-)
+from kvlife.integrations.vllm.scheduler import CONFIG_INFO_KEYS, METRICS, KVLifeOffloadingManager
 from kvlife.integrations.vllm.shared_pool import SharedHostPool
 from kvlife.integrations.vllm.worker import KVLifeWorker, host_row_bytes
 from kvlife.pool import HostPagePool
@@ -357,9 +353,7 @@ class KVLifeOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             row = host_row_bytes(kv_caches, self.blocks_per_chunk)
-            # The persistent tier first: an unusable one (a store_dir that cannot be made, an
-            # unreachable Mooncake master) is refused before the host tier is allocated.
-            store = self._open_store()
+            store = self._open_store()  # first, as in get_manager: before the host tier
             shared: SharedHostPool | None = None
             try:
                 device = kv_caches.tensors[0].tensor.device.type
