@@ -210,18 +210,22 @@ class Transfers:
 
     def _settle(self, ack: Ack, owner: object) -> None:
         """An applied ack's pages: a load's pins dropped, a store's pages written or freed."""
-        if type(ack.ticket) is LoadTicket:  # the host tier's pins on its keys go
-            keys = ack.ticket[2]
-            if self.tier is not None:
-                self.tier.complete_load(keys)
-            if ack.error is None:
-                self.counts.pages_loaded += len(keys)
-            else:
-                self.counts.load_failures += 1
+        if type(ack.ticket) is LoadTicket:
+            self._settle_load(ack)
         else:
             self._settle_store(ack, owner)
         if self._acked is not None:
             self._acked(owner, ack)
+
+    def _settle_load(self, ack: Ack) -> None:
+        """An applied load: the host tier's pins on its keys go."""
+        keys = ack.ticket[2]
+        if self.tier is not None:
+            self.tier.complete_load(keys)
+        if ack.error is None:
+            self.counts.pages_loaded += len(keys)
+        else:
+            self.counts.load_failures += 1
 
     def _settle_store(self, ack: Ack, owner: object) -> None:
         """An applied store's host pages: freed if the copy failed, else written to the store."""
