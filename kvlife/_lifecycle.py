@@ -309,6 +309,10 @@ class LoadTicket(NamedTuple):
 _new_ticket = tuple.__new__
 
 
+#: A Lifecycle's oldest chunk when no store is in flight: no ack is ever this object.
+_NO_CHUNK: Any = object()
+
+
 class _Settled:
     """A chunk acked while an earlier one is still in flight: only its last key matters."""
 
@@ -351,14 +355,14 @@ class Lifecycle:
 
     __slots__ = (
         "__weakref__",
-        "_chunks",
         "_finish_reason",
         "_hasher",
+        "_head",
         "_last_hash",
+        "_later",
         "_loads",
         "_loads_started",
         "_next_seq",
-        "_nloads",
         "_on_release",
         "_page_size",
         "_pages_submitted",
@@ -388,18 +392,20 @@ class Lifecycle:
         self._hasher = hasher
         self._state = _IDLE
         self._stores = 0  # chunks in flight
-        self._nloads = 0  # loads in flight
         self._pages_submitted = 0
         self._last_hash = prior_hash
         self._tail = prior_hash
-        # Every chunk from the first one not yet in the acked prefix, in seq order:
-        # _chunks[i] has seq _next_seq - len(_chunks) + i. An entry is the chunk's Ticket while
-        # it is in flight; once acked out of order it becomes a _Settled holding
-        # the chunk's last page key, until the prefix reaches it.
-        self._chunks: list[Ticket | _Settled] = []
+        # Every chunk from the first one not yet in the acked prefix, in seq order: _head,
+        # the oldest chunk in flight (_NO_CHUNK: no store in flight), then _later (a list made at
+        # the first chunk submitted behind another). An entry of _later is the chunk's
+        # Ticket while it is in flight; once acked out of order it becomes a _Settled
+        # holding the chunk's last page key, until the prefix reaches it.
+        self._head: Ticket = _NO_CHUNK
+        self._later: list[Ticket | _Settled] | None = None
         self._next_seq = 0
         self._finish_reason: FinishReason | None = None
-        self._loads: dict[int, LoadTicket] | None = None  # in flight, by seq (made at a load)
+        # Loads in flight, by seq (made at the first load): their count is its length.
+        self._loads: dict[int, LoadTicket] | None = None
         self._loads_started = 0
         self.owner: object = None
 
@@ -423,7 +429,7 @@ class Lifecycle:
     @property
     def inflight(self) -> int:
         """Chunks and loads started and not yet acked."""
-        return self._stores + self._nloads
+        return self._stores + len(self._loads or ())
 
     @property
     def stores_in_flight(self) -> int:
@@ -433,7 +439,7 @@ class Lifecycle:
     @property
     def loads_in_flight_count(self) -> int:
         """Loads started and not yet acked."""
-        return self._nloads
+        return len(self._loads or ())
 
     @property
     def tokens_submitted(self) -> int:
@@ -462,7 +468,7 @@ class Lifecycle:
 
     def chunks_in_flight(self) -> tuple[Ticket, ...]:
         """Tickets submitted and not yet acked, in page order."""
-        return tuple(chunk for chunk in self._chunks if type(chunk) is not _Settled)  # type: ignore[misc]
+        return tuple(chunk for chunk in self._window() if type(chunk) is not _Settled)  # type: ignore[misc]
 
     def loads_in_flight(self) -> tuple[LoadTicket, ...]:
         """Loads started and not yet acked, in seq order."""
@@ -473,7 +479,7 @@ class Lifecycle:
         """Every observable field, for comparing whole states."""
         return LifecycleSnapshot(
             self._state,
-            self._stores + self._nloads,
+            self.inflight,
             self.tokens_submitted,
             self._last_hash,
             self._tail,
@@ -529,7 +535,12 @@ class Lifecycle:
         seq = self._next_seq
         first_page = self._pages_submitted
         ticket = (self, seq, keys, first_page)
-        self._chunks.append(ticket)
+        if self._head is _NO_CHUNK:  # the usual chunk: nothing else in flight
+            self._head = ticket
+        elif self._later is None:
+            self._later = [ticket]
+        else:
+            self._later.append(ticket)
         self._next_seq = seq + 1
         self._pages_submitted = first_page + pages
         self._tail = tail
@@ -544,13 +555,12 @@ class Lifecycle:
         :class:`DuplicateAck` if it was already acked, :class:`UnknownChunk` if
         this Lifecycle never issued it. May release the Lifecycle.
         """
-        chunks = self._chunks
-        if not chunks or chunks[0] is not ticket:
+        if ticket is not self._head:
             return self._ack_other(ticket)
         # The oldest chunk in flight, the common case: it is this Lifecycle's (only its
-        # own tickets are in _chunks) and in flight, so it needs no further check.
+        # own tickets are ever its _head) and in flight, so it needs no further check.
         stores = self._stores  # _ack_next_state, inlined: this is the hot path
-        loads = self._nloads
+        loads = self._loads  # None or a dict: empty when none are in flight
         dest: State | None
         if loads:
             dest = self._ack_next_state(_ON_ACK, _ACK)
@@ -562,15 +572,11 @@ class Lifecycle:
             if dest is None:
                 raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
         # The acked prefix grows over this chunk and any acked early after it.
-        del chunks[0]
-        last = ticket[2][-1]
-        while chunks:
-            head: Ticket | _Settled = chunks[0]
-            if type(head) is not _Settled:
-                break
-            del chunks[0]
-            last = head.last_key
-        self._last_hash = last
+        if self._later:
+            self._last_hash = self._advance(ticket[2][-1])
+        else:
+            self._head = _NO_CHUNK
+            self._last_hash = ticket[2][-1]
         self._stores = stores - 1
         self._state = dest
         if dest is _FINISHED and stores == 1 and not loads:
@@ -582,7 +588,7 @@ class Lifecycle:
         an equal copy of a ticket (one that crossed a process), or a refusal."""
         if type(ticket) is LoadTicket:
             return self._ack_load(ticket)
-        chunks = self._chunks
+        chunks = self._window()
         try:
             if type(ticket) is not tuple:  # a subclass could answer the equality test below
                 raise TypeError
@@ -607,10 +613,27 @@ class Lifecycle:
         # An earlier chunk is still in flight: remember this one's last key (from the
         # ticket it issued, not the copy). That earlier chunk keeps the Lifecycle from
         # draining, so nothing is released here.
-        chunks[index] = _Settled(chunk[2][-1])  # type: ignore[index]
+        self._later[index - 1] = _Settled(chunk[2][-1])  # type: ignore[index]
         self._stores -= 1
         self._state = dest
         return None
+
+    def _window(self) -> list[Ticket | _Settled]:
+        """Every chunk from the oldest in flight on, in seq order: entry ``i`` has seq
+        ``_next_seq - len(window) + i``."""
+        if self._head is _NO_CHUNK:
+            return []
+        return [self._head, *(self._later or ())]
+
+    def _advance(self, last: str) -> str:
+        """The oldest chunk was acked, with chunks behind it: the next one in flight becomes
+        the oldest, past those acked early. Returns the new last key of the acked prefix."""
+        later = self._later
+        assert later
+        while later and type(later[0]) is _Settled:
+            last = later.pop(0).last_key  # type: ignore[union-attr]
+        self._head = later.pop(0) if later else _NO_CHUNK  # type: ignore[assignment]
+        return last
 
     def load(self, keys: Sequence[str]) -> LoadTicket:
         """Record a load of the pages stored under ``keys`` into device pages; return its ticket.
@@ -637,7 +660,6 @@ class Lifecycle:
             self._loads = {}
         self._loads[seq] = ticket
         self._loads_started = seq + 1
-        self._nloads += 1
         self._state = dest
         return ticket
 
@@ -653,9 +675,8 @@ class Lifecycle:
             raise self._refuse(UnknownChunk, _LOAD_ACK, f"load {seq!r} was never started")
         dest = self._ack_next_state(_ON_LOAD_ACK, _LOAD_ACK)
         del loads[seq]
-        self._nloads -= 1
         self._state = dest
-        if dest is _FINISHED and not self._stores and not self._nloads:
+        if dest is _FINISHED and not self._stores and not loads:
             self._release()
 
     def finish(self, reason: FinishReason = FinishReason.FINISHED) -> None:
@@ -667,7 +688,7 @@ class Lifecycle:
             raise self._refuse(InvalidTransition, _FINISH, "the table has no such transition")
         self._finish_reason = reason
         self._state = dest
-        if not self._stores and not self._nloads:
+        if not self._stores and not self._loads:
             self._release()
 
     def _release(self) -> None:
@@ -687,7 +708,7 @@ class Lifecycle:
     def _ack_next_state(self, rows: dict[State, _Row], event: Event) -> State:
         """The table's destination of an ack (``rows``: a store's or a load's) with what is
         in flight now, before it."""
-        stores, loads = self._stores, self._nloads
+        stores, loads = self._stores, len(self._loads or ())
         index = min(stores, 2) + 3 * min(loads, 2)
         dest = rows.get(self._state, _REFUSED)[index]
         if dest is None:  # unreachable while the table and the ack checks agree
@@ -716,7 +737,7 @@ class Lifecycle:
         )
 
     def _ack_refusal(self, seq: int, chunk: Ticket | _Settled | None) -> LifecycleError:
-        acked = self._next_seq - len(self._chunks)  # every chunk before this seq is settled
+        acked = self._next_seq - len(self._window())  # every chunk before it is settled
         if type(chunk) is _Settled or (chunk is None and 0 <= seq < acked):
             return self._refuse(DuplicateAck, _ACK, f"chunk {seq} was already acked")
         return self._refuse(UnknownChunk, _ACK, f"chunk {seq} was never submitted")

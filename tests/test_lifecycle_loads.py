@@ -45,7 +45,7 @@ class _LoadNotCounted(Lifecycle):
 
     def load(self, keys: Any) -> LoadTicket:
         ticket = super().load(keys)
-        self._nloads -= 1
+        del self._loads[ticket.seq]  # type: ignore[index]
         if self.inflight == 0 and self._state is State.LOADING:
             self._state = State.IDLE
         return ticket
