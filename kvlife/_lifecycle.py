@@ -238,6 +238,8 @@ def _flat(rows: dict[State, _Row]) -> dict[State, State]:
 _ON_SUBMIT = _flat(_rows_of(_NEXT, _SUBMIT))
 _ON_LOAD = _flat(_rows_of(_NEXT, _LOAD))
 _ON_ACK = _rows_of(_NEXT, _ACK)
+#: An ack of the one store in flight, no load in flight: the usual ack's own view.
+_ON_LAST_ACK = {state: row[1] for state, row in _ON_ACK.items() if row[1] is not None}
 _ON_LOAD_ACK = _rows_of(_NEXT, _LOAD_ACK)
 _ON_FINISH = _flat(_rows_of(_NEXT, _FINISH))
 _ON_RELEASE = _rows_of(_NEXT, _RELEASE)
@@ -557,20 +559,28 @@ class Lifecycle:
         """
         if ticket is not self._head:
             return self._ack_other(ticket)
-        # The oldest chunk in flight, the common case: it is this Lifecycle's (only its
-        # own tickets are ever its _head) and in flight, so it needs no further check.
-        stores = self._stores  # _ack_next_state, inlined: this is the hot path
-        loads = self._loads  # None or a dict: empty when none are in flight
-        dest: State | None
-        if loads:
-            dest = self._ack_next_state(_ON_ACK, _ACK)
-        else:
-            try:
-                dest = _ON_ACK[self._state][stores if stores < 2 else 2]
-            except KeyError:  # unreachable while the table and the checks agree
-                dest = None
-            if dest is None:
-                raise self._refuse(InvalidTransition, _ACK, "the table has no such transition")
+        if self._later or self._loads:
+            return self._ack_oldest(ticket)
+        # The one chunk in flight, and no load: the common case. It is this Lifecycle's
+        # (only its own tickets are ever its _head) and in flight: no further check.
+        try:
+            dest = _ON_LAST_ACK[self._state]
+        except KeyError:  # unreachable while the table and the checks agree
+            raise self._refuse(
+                InvalidTransition, _ACK, "the table has no such transition"
+            ) from None
+        self._head = _NO_CHUNK
+        self._last_hash = ticket[2][-1]
+        self._stores = 0
+        self._state = dest
+        if dest is _FINISHED:
+            self._release()
+        return None
+
+    def _ack_oldest(self, ticket: Ticket) -> None:
+        """An ack of the oldest chunk in flight, with other chunks or loads in flight."""
+        stores, loads = self._stores, self._loads
+        dest = self._ack_next_state(_ON_ACK, _ACK)
         # The acked prefix grows over this chunk and any acked early after it.
         if self._later:
             self._last_hash = self._advance(ticket[2][-1])
