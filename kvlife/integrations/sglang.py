@@ -60,9 +60,8 @@ def store_key(key: str) -> str:
 
 
 def _model_component(name: str | None) -> str:
-    """A namespace component for a model name or path: unsafe characters become ``-``;
-    a name longer than MODEL_NAME_KEPT keeps that readable prefix and 16 hex digits of
-    the whole name's SHA-256 (a Hugging Face snapshot path is longer than 100)."""
+    """A namespace component for a model name or path: unsafe characters become ``-``; a
+    longer name than MODEL_NAME_KEPT is shortened as that constant says."""
     model = _UNSAFE.sub("-", (name or "model").replace("/", "-")).lstrip(".-") or "model"
     if len(model) <= MODEL_NAME_KEPT:
         return model

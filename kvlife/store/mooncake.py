@@ -187,10 +187,8 @@ class MooncakeStore(QueuedStore):
 
     @classmethod
     def from_env(cls, namespace: str = "default", **kwargs: Any) -> MooncakeStore:
-        """A store on the cluster named by ``MOONCAKE_MASTER`` and ``MOONCAKE_TE_META_DATA_SERVER``.
-
-        ``MOONCAKE_PROTOCOL`` (default tcp) and ``MOONCAKE_LOCAL_HOSTNAME`` are read too.
-        """
+        """A store on the cluster named by ``MOONCAKE_MASTER`` and ``MOONCAKE_TE_META_DATA_SERVER``
+        (``MOONCAKE_PROTOCOL``, default tcp, and ``MOONCAKE_LOCAL_HOSTNAME`` are read too)."""
         master = os.environ.get(ENV_MASTER)
         metadata = os.environ.get(ENV_METADATA)
         if not master or not metadata:
@@ -219,10 +217,8 @@ class MooncakeStore(QueuedStore):
     # -- reads (any thread; they block for the call)
 
     def get(self, key: str) -> bytes | None:
-        """The stored payload of ``key``, or None on a miss (absent, evicted, failing checks).
-
-        Raises StoreError (StoreUnavailable) when the cluster fails to answer.
-        """
+        """The stored payload of ``key``, or None on a miss (absent, evicted, failing checks);
+        StoreError (StoreUnavailable) when the cluster fails to answer."""
         return self.get_batch([key])[0]
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
