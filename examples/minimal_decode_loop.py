@@ -48,6 +48,8 @@ def release(life: OffloadRequest, device_pages: Sequence[int]) -> None:
     for page in device_pages:  # poisoned, as if another request reused them at once
         layout.write_page(page, torch.full((layout.page_numel,), -1.0))
     free_pages.extend(device_pages)
+
+
 # --8<-- [end:release]
 
 

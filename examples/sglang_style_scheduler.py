@@ -203,8 +203,10 @@ def main() -> None:
         ended = [life.snapshot().finish_reason for life in sched.lives]
         reasons = collections.Counter(reason.name for reason in ended if reason is not None)
         print(f"{len(sched.lives)} lives of {len(reqs) + 1} requests ended: {dict(reasons)}")
-        print(f"metrics: {manager.metrics().lifecycles_by_state}, "
-              f"{len(sched.expected)} pages offloaded")
+        print(
+            f"metrics: {manager.metrics().lifecycles_by_state}, "
+            f"{len(sched.expected)} pages offloaded"
+        )
         for key, page in sched.expected.items():
             stored = torch.frombuffer(bytearray(store.get(key) or b""), dtype=layout.dtype)
             if not torch.equal(stored, page):

@@ -35,7 +35,11 @@ class Rig:
         self.engine = CpuCopyEngine(self.layout, self.host, copy_delay=delay)
         self.store = store
         self.manager = OffloadManager(
-            self.engine, self.host, store, page_size=PAGE, keep_on_host=keep_on_host  # type: ignore[arg-type]
+            self.engine,
+            self.host,
+            store,
+            page_size=PAGE,
+            keep_on_host=keep_on_host,  # type: ignore[arg-type]
         )
         self.released: list[OffloadRequest] = []
 

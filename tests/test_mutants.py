@@ -41,6 +41,7 @@ def _replays_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each failure's replay file goes to the test's own directory."""
     monkeypatch.setenv("KVLIFE_REPLAY_DIR", str(tmp_path / "replays"))
 
+
 #: The CI settings: 100 derandomized runs of up to 40 rules, shrunk, one failure reported.
 CI = settings(
     max_examples=100,
