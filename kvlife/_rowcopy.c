@@ -10,9 +10,11 @@
  * for a load, a loaded block for the next step). docs/engines.md has the figures.
  *
  * copy_rows(dst, src, row_bytes, threads, stream=1): dst and src are buffers of uint64
- * addresses, entry i copies row_bytes[i % len(row_bytes)] bytes from src[i] to dst[i];
- * stream=0 copies by memcpy (for copies that fit the last-level cache). The caller
- * (kvlife.layout) computes the addresses from tensors it has checked and keeps alive.
+ * addresses, entry i copies row_bytes[i % len(row_bytes)] bytes from src[i] to dst[i], on
+ * up to `threads` threads, the calling one among them (see Job: it never waits for a
+ * thread that has not started); stream=0 copies by memcpy (for copies that fit the
+ * last-level cache). The caller (kvlife.layout) computes the addresses from tensors it
+ * has checked and keeps alive.
  *
  * pages(seq, limit): the engines' check of a chunk's page list in one pass: every item
  * an exact int in [0, limit), none twice. Returns the pages as a bytearray of int64, or
@@ -21,20 +23,27 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
 #define MAX_THREADS 16
 /* The rows a thread takes at a time: about this many bytes. */
-#define BATCH_BYTES (256 << 10)
+#define BATCH_BYTES (64 << 10)
 
-/* One call's rows, taken by its threads a batch at a time from `next`: a thread that gets
- * no core for a while (a busy machine, another pool's threads spinning) holds up one
- * batch, not a fixed share of the rows; the calling thread copies whatever is left. */
+/* One call's rows, taken by its threads a batch at a time from `next`. The call waits only
+ * for the batches a thread has taken (`busy` counts the threads between taking and
+ * finishing), never for a thread that has not started: on a machine whose cores are taken
+ * (another pool's threads spinning, a busy host) the calling thread copies the rows no
+ * helper reached and returns, and a helper that starts later finds nothing left and
+ * exits. So the job is on the heap, freed by whichever of its threads leaves last
+ * (`refs`); a thread that took no rows touches nothing else. */
 typedef struct {
     int stream;
     const uint64_t *dst;
@@ -42,7 +51,15 @@ typedef struct {
     const uint64_t *sizes;
     Py_ssize_t rows, width, batch;
     atomic_size_t next;
+    atomic_int busy;
+    atomic_int refs;
 } Job;
+
+static void leave(Job *job)
+{
+    if (atomic_fetch_sub(&job->refs, 1) == 1)
+        free(job);
+}
 
 static void copy_row(char *dst, const char *src, size_t n, int stream)
 {
@@ -100,9 +117,8 @@ static void prefetch_row(const char *src, char *dst, size_t n, int stream)
     }
 }
 
-static void *copy_part(void *arg)
+static void copy_part(Job *job)
 {
-    Job *job = arg;
     const uint64_t *dst = job->dst, *src = job->src, *sizes = job->sizes;
     Py_ssize_t rows = job->rows, width = job->width;
     for (;;) {
@@ -121,8 +137,17 @@ static void *copy_part(void *arg)
         }
     }
 #if defined(__SSE2__)
-    _mm_sfence(); /* the streamed lines are visible before the thread is joined */
+    _mm_sfence(); /* the streamed lines are visible before the call returns */
 #endif
+}
+
+static void *helper(void *arg)
+{
+    Job *job = arg;
+    atomic_fetch_add(&job->busy, 1); /* before it takes a batch: see Job */
+    copy_part(job);
+    atomic_fetch_sub(&job->busy, 1);
+    leave(job);
     return NULL;
 }
 
@@ -149,19 +174,43 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     for (Py_ssize_t c = 0; c < width; c++)
         row_bytes += ((const uint64_t *)sizes.buf)[c];
     row_bytes = row_bytes / (uint64_t)width + 1;
-    Job job = {stream, dst.buf, src.buf, sizes.buf, n, width,
-               (Py_ssize_t)(BATCH_BYTES / row_bytes) + 1, 0};
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    if (threads > (n + job.batch - 1) / job.batch)
-        threads = (int)((n + job.batch - 1) / job.batch);
+    Job *job = malloc(sizeof(Job));
+    if (job == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    *job = (Job){.stream = stream, .dst = dst.buf, .src = src.buf, .sizes = sizes.buf,
+                 .rows = n, .width = width, .batch = (Py_ssize_t)(BATCH_BYTES / row_bytes) + 1};
+    atomic_init(&job->next, 0);
+    atomic_init(&job->busy, 0);
+    atomic_init(&job->refs, 1);
+    if (threads > (n + job->batch - 1) / job->batch)
+        threads = (int)((n + job->batch - 1) / job->batch);
     Py_BEGIN_ALLOW_THREADS
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, copy_part, &job) == 0;
-    copy_part(&job); /* this thread copies too: all of it where no thread could start */
-    for (int t = 1; t < threads; t++)
-        if (started[t])
-            pthread_join(ids[t], NULL);
+    pthread_attr_t attr;
+    int detached = pthread_attr_init(&attr) == 0;
+    if (detached && pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) != 0) {
+        pthread_attr_destroy(&attr);
+        detached = 0;
+    }
+    for (int t = 1; t < threads && detached; t++) {
+        pthread_t id;
+        atomic_fetch_add(&job->refs, 1);
+        if (pthread_create(&id, &attr, helper, job) != 0)
+            atomic_fetch_sub(&job->refs, 1);
+    }
+    if (detached)
+        pthread_attr_destroy(&attr);
+    copy_part(job); /* this thread copies too: all of it where no helper starts */
+    /* Every batch is taken; wait for those a helper is still copying (short: at most a
+     * batch each, unless its core was taken from it mid-batch). */
+    for (int spins = 0; atomic_load(&job->busy); spins++) {
+        if (spins < 64)
+            sched_yield();
+        else
+            nanosleep(&(struct timespec){0, 20000}, NULL);
+    }
+    leave(job);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:

@@ -34,6 +34,9 @@ __all__ = [
 
 #: CPU copies of this many bytes or more (they no longer fit the cache) are streamed.
 STREAM_BYTES = 32 << 20
+#: CPU copies of this many bytes or more are split over torch's thread count (smaller ones
+#: would spend more starting a thread than it saves).
+THREADS_BYTES = 4 << 20
 
 
 def staging_windows(
@@ -277,10 +280,10 @@ class KVLayout:
         runs: Sequence[tuple[int, int, int]],
     ) -> bool:
         """A CPU copy: every (page, buffer) row in one call of ``kvlife._rowcopy``, by
-        address, without the GIL; a ``memcpy`` a row on this thread, the next rows
-        prefetched, or from ``STREAM_BYTES`` up streamed over torch's thread count
-        (docs/engines.md). False, nothing copied, where the extension is not built or the
-        rows are not plain; the caller then copies through torch."""
+        address, without the GIL, the next rows prefetched; from ``THREADS_BYTES`` up over
+        torch's thread count, from ``STREAM_BYTES`` up streamed (docs/engines.md). False,
+        nothing copied, where the extension is not built or the rows are not plain; the
+        caller then copies through torch."""
         n = int(pages.numel())
         if (
             _rowcopy is None
@@ -310,8 +313,9 @@ class KVLayout:
         on_device = pages.numpy()[:, None] * strides + np.array(bases, dtype=np.int64)
         on_host = rows[:, None] * (host.stride(0) * size) + (cols + host_base)
         dst, src = (on_device, on_host) if load else (on_host, on_device)
-        stream = n * self.page_nbytes >= STREAM_BYTES
-        _rowcopy.copy_rows(dst, src, widths, torch.get_num_threads() if stream else 1, stream)
+        nbytes = n * self.page_nbytes
+        threads = torch.get_num_threads() if nbytes >= THREADS_BYTES else 1
+        _rowcopy.copy_rows(dst, src, widths, threads, nbytes >= STREAM_BYTES)
         return True
 
     def _torch_copy(self, load: bool, pages: torch.Tensor, rows: torch.Tensor) -> None:

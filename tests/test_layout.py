@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from typing import Any
 
@@ -467,6 +468,30 @@ def test_row_copies_move_every_byte_at_any_alignment(threads: int, stream: bool)
         stream,
     )
     assert torch.equal(dst, expected)
+
+
+def test_row_copies_never_wait_for_a_late_thread_and_leave_it_nothing_to_touch() -> None:
+    """The C copy waits only for the rows its helper threads took, so a helper may start
+    after the call returned: it must find no rows left and touch neither the address
+    buffers (freed by then) nor the rows. On one core, with 16 threads a call, many
+    helpers start late: every call's bytes must be exact, later calls' too, and the
+    process must not crash."""
+    rowcopy = _rowcopy_or_skip()
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        g = torch.Generator().manual_seed(2)
+        src = torch.randint(-128, 127, (64, 4096), dtype=torch.int8, generator=g)
+        for i in range(120):
+            dst = torch.zeros_like(src)
+            order = torch.randperm(64, generator=g)
+            targets = np.array([dst[j].data_ptr() for j in order.tolist()], dtype=np.uint64)
+            sources = np.array([src[j].data_ptr() for j in order.tolist()], dtype=np.uint64)
+            rowcopy.copy_rows(targets, sources, np.array([4096], dtype=np.uint64), 16, i % 2)
+            del targets, sources  # a late helper must not read them
+            assert torch.equal(dst, src), i
+    finally:
+        os.sched_setaffinity(0, cores)
 
 
 def test_the_c_page_check_takes_distinct_ints_in_range_and_names_the_first_other() -> None:
