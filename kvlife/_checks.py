@@ -16,10 +16,12 @@ from kvlife.errors import ConfigError
 __all__ = ["buffer_spec", "device_of", "finite_seconds", "pin_memory_of", "positive_int"]
 
 
-def positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int above 0 (not a bool), else :class:`ConfigError` naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+def positive_int(name: str, value: object, least: int = 1) -> int:
+    """``value`` if it is an int (not a bool) of at least ``least``, else
+    :class:`ConfigError` naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        what = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
     return value
 
 

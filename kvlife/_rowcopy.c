@@ -9,12 +9,22 @@
  * stores write around the cache (the rows are not read again soon: a host page waits
  * for a load, a loaded block for the next step). docs/engines.md has the figures.
  *
- * copy_rows(dst, src, row_bytes, threads, stream=1): dst and src are buffers of uint64
- * addresses, entry i copies row_bytes[i % len(row_bytes)] bytes from src[i] to dst[i], on
- * up to `threads` threads, the calling one among them (see Job: it never waits for a
- * thread that has not started); stream=0 copies by memcpy (for copies that fit the
- * last-level cache). The caller (kvlife.layout) computes the addresses from tensors it
- * has checked and keeps alive.
+ * copy_rows(dst, src, row_bytes, threads, stream=1, team=0): dst and src are buffers of
+ * uint64 addresses, entry i copies row_bytes[i % len(row_bytes)] bytes from src[i] to
+ * dst[i], on up to `threads` threads, the calling one among them (see Job: it never waits
+ * for a thread that has not started); stream=0 copies by memcpy (for copies that fit the
+ * last-level cache); team=1 copies on torch's OpenMP team (use_openmp) where it was
+ * found, and it returns whether it did. The caller (kvlife.layout) computes the addresses
+ * from tensors it has checked and keeps alive.
+ *
+ * use_openmp(path): find the OpenMP runtime torch loaded (its library's path, already
+ * loaded: nothing is loaded here), for copy_rows(team=1) from the thread whose team runs
+ * torch's own work (the main thread). That team stays awake between torch's ops (its
+ * threads spin a while), so a helper thread of ours had to wait for a core that one of
+ * them held, and arrived late on a small machine; the team's threads are already
+ * running. True if its GOMP_parallel was found; in a forked child the module's own
+ * threads are used again (an OpenMP runtime may not run a team there). Other threads
+ * keep this module's threads: a team made for them would spin beside torch's.
  *
  * pages(seq, limit): the engines' check of a chunk's page list in one pass: every item
  * an exact int in [0, limit), none twice. Returns the pages as a bytearray of int64, or
@@ -22,6 +32,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -29,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -151,12 +163,68 @@ static void *helper(void *arg)
     return NULL;
 }
 
+/* The OpenMP runtime's entry that runs fn(data) on a team of num_threads (the caller one
+ * of them) and returns when all are done: libgomp's ABI, also exported by LLVM's libomp
+ * and Intel's libiomp5. NULL: this module's own threads. */
+typedef void (*GompParallel)(void (*fn)(void *), void *data, unsigned num_threads,
+                             unsigned flags);
+static GompParallel gomp_parallel = NULL;
+static pid_t gomp_pid = 0; /* the process that found it (not a forked child) */
+
+static void team_part(void *job) { copy_part(job); }
+
+static PyObject *use_openmp(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (path == NULL)
+        return NULL;
+    void *library = dlopen(path, RTLD_NOW | RTLD_NOLOAD); /* only if already loaded */
+    void *entry = library ? dlsym(library, "GOMP_parallel") : NULL;
+    if (entry == NULL) {
+        if (library)
+            dlclose(library);
+        Py_RETURN_FALSE;
+    }
+    gomp_parallel = (GompParallel)entry; /* the handle stays open: the library stays */
+    gomp_pid = getpid();
+    Py_RETURN_TRUE;
+}
+
+/* The job on `threads` threads of this module's own, the calling one among them. */
+static void copy_on_own_threads(Job *job, int threads)
+{
+    pthread_attr_t attr;
+    int detached = pthread_attr_init(&attr) == 0;
+    if (detached && pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) != 0) {
+        pthread_attr_destroy(&attr);
+        detached = 0;
+    }
+    for (int t = 1; t < threads && detached; t++) {
+        pthread_t id;
+        atomic_fetch_add(&job->refs, 1);
+        if (pthread_create(&id, &attr, helper, job) != 0)
+            atomic_fetch_sub(&job->refs, 1);
+    }
+    if (detached)
+        pthread_attr_destroy(&attr);
+    copy_part(job); /* this thread copies too: all of it where no helper starts */
+    /* Every batch is taken; wait for those a helper is still copying (short: at most a
+     * batch each, unless its core was taken from it mid-batch). */
+    for (int spins = 0; atomic_load(&job->busy); spins++) {
+        if (spins < 64)
+            sched_yield();
+        else
+            nanosleep(&(struct timespec){0, 20000}, NULL);
+    }
+}
+
 static PyObject *copy_rows(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src, sizes;
-    int threads, stream = 1;
+    int threads, stream = 1, team = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*i|p", &dst, &src, &sizes, &threads, &stream))
+    if (!PyArg_ParseTuple(args, "y*y*y*i|pp", &dst, &src, &sizes, &threads, &stream, &team))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = dst.len / 8, width = sizes.len / 8;
@@ -186,33 +254,15 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     atomic_init(&job->refs, 1);
     if (threads > (n + job->batch - 1) / job->batch)
         threads = (int)((n + job->batch - 1) / job->batch);
+    team = team && threads > 1 && gomp_parallel != NULL && getpid() == gomp_pid;
     Py_BEGIN_ALLOW_THREADS
-    pthread_attr_t attr;
-    int detached = pthread_attr_init(&attr) == 0;
-    if (detached && pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) != 0) {
-        pthread_attr_destroy(&attr);
-        detached = 0;
-    }
-    for (int t = 1; t < threads && detached; t++) {
-        pthread_t id;
-        atomic_fetch_add(&job->refs, 1);
-        if (pthread_create(&id, &attr, helper, job) != 0)
-            atomic_fetch_sub(&job->refs, 1);
-    }
-    if (detached)
-        pthread_attr_destroy(&attr);
-    copy_part(job); /* this thread copies too: all of it where no helper starts */
-    /* Every batch is taken; wait for those a helper is still copying (short: at most a
-     * batch each, unless its core was taken from it mid-batch). */
-    for (int spins = 0; atomic_load(&job->busy); spins++) {
-        if (spins < 64)
-            sched_yield();
-        else
-            nanosleep(&(struct timespec){0, 20000}, NULL);
-    }
+    if (team)
+        gomp_parallel(team_part, job, (unsigned)threads, 0);
+    else
+        copy_on_own_threads(job, threads);
     leave(job);
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
+    result = PyBool_FromLong(team);
 done:
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
@@ -274,9 +324,13 @@ static PyObject *pages(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(dst, src, row_bytes, threads, stream=1): copy row i of "
+     "copy_rows(dst, src, row_bytes, threads, stream=1, team=0): copy row i of "
      "row_bytes[i % len(row_bytes)] bytes from address src[i] to dst[i] (uint64 buffers), "
-     "without the GIL; stream=0: by memcpy, no streaming stores."},
+     "without the GIL; stream=0: by memcpy, no streaming stores; team=1: on torch's OpenMP "
+     "team where use_openmp found it. Returns whether it did."},
+    {"use_openmp", use_openmp, METH_O,
+     "use_openmp(path): copy on the team of the OpenMP runtime loaded from path (already "
+     "loaded by torch); True if its GOMP_parallel was found."},
     {"pages", pages, METH_VARARGS,
      "pages(seq, limit): seq's exact ints, each in [0, limit) and none twice, as a "
      "bytearray of int64; else the position of the first that is not."},

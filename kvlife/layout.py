@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -23,6 +24,24 @@ try:
     from kvlife import _rowcopy
 except ImportError:  # installed where it could not be built: torch's copies alone
     _rowcopy = None  # type: ignore[assignment]
+
+
+def _torch_openmp() -> str | None:
+    """The path of the OpenMP runtime torch loaded (libgomp, libomp or libiomp5), if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "omp" in line}
+    except OSError:  # not Linux
+        return None
+    names = ("libgomp", "libomp", "libiomp5")
+    found = sorted(p for p in paths if p.rsplit("/", 1)[-1].startswith(names))
+    return next((p for p in found if "torch" in p), found[0] if found else None)
+
+
+#: Whether a CPU copy on the main thread runs on torch's own OpenMP team (docs/engines.md).
+OPENMP = (
+    _rowcopy is not None and (path := _torch_openmp()) is not None and _rowcopy.use_openmp(path)
+)
 
 __all__ = [
     "KVLayout",
@@ -315,7 +334,8 @@ class KVLayout:
         dst, src = (on_device, on_host) if load else (on_host, on_device)
         nbytes = n * self.page_nbytes
         threads = torch.get_num_threads() if nbytes >= THREADS_BYTES else 1
-        _rowcopy.copy_rows(dst, src, widths, threads, nbytes >= STREAM_BYTES)
+        team = OPENMP and threading.current_thread() is threading.main_thread()
+        _rowcopy.copy_rows(dst, src, widths, threads, nbytes >= STREAM_BYTES, team)
         return True
 
     def _torch_copy(self, load: bool, pages: torch.Tensor, rows: torch.Tensor) -> None:

@@ -438,8 +438,10 @@ def test_layout_and_pool_must_agree() -> None:
         {"delay_jitter": -0.1},
         {"delay_jitter": float("nan")},
         {"fail_rate": 1.5},
-        {"workers": 0},
+        {"workers": -1},
         {"workers": True},
+        {"workers": 0, "copy_delay": 0.1},
+        {"workers": 0, "delay_jitter": 0.1},
         {"copy_delay": True},
         {"copy_delay": "0.1"},
         {"delay_jitter": 10**400},
@@ -868,3 +870,61 @@ def test_a_ticket_of_any_owner_is_copied_and_acked_to_that_owner(
     assert loaded.owner is job and loaded.ok and loaded.is_load
     assert torch.equal(layout.read_page(6), expected[0])
     assert torch.equal(layout.read_page(7), expected[1])
+
+
+def test_workers_0_copies_in_submit_and_acks_at_the_next_poll(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """``workers=0`` (the vLLM worker's default on a CPU): submit copies before it returns,
+    on the caller's thread; the chunk stays in flight, pages claimed, until a poll or drain
+    returns its ack, as with a worker thread. A store, then a load of it elsewhere, then an
+    injected fault (acked failed, nothing copied)."""
+    layout, host, engine = setup(engines, workers=0)
+    assert not any(t.is_alive() for t in engine._threads)
+    lc = Lifecycle("r", page_size=PAGE)
+    store = chunk(lc, 2)
+    pages = host.alloc(2, store)
+    assert pages is not None
+    event = engine.submit(store, [5, 2], pages)
+    assert event.query() and event.started and engine.inflight == 1
+    assert all(
+        torch.equal(bits(host.page(h)), bits(layout.read_page(d)))
+        for d, h in zip([5, 2], pages, strict=True)
+    )
+    with pytest.raises(PageBusy):  # claimed until acked, as with a worker thread
+        engine.submit(chunk(lc, 1), [5], [0])
+    (ack,) = engine.poll()
+    assert ack.ok and ack.ticket is store and engine.inflight == 0
+    lc.ack(store)
+    wanted = [bits(layout.read_page(d)).clone() for d in (5, 2)]
+    load = Lifecycle("l", page_size=PAGE).load(["a", "b"])
+    engine.submit(load, [0, 7], pages)
+    (ack,) = engine.drain()
+    assert ack.ok and all(
+        torch.equal(bits(layout.read_page(d)), w) for d, w in zip([0, 7], wanted, strict=True)
+    )
+    before = bits(layout.read_page(3)).clone()
+    engine.fail_next()
+    failed = Lifecycle("f", page_size=PAGE).load(["c"])
+    engine.submit(failed, [3], [pages[0]])
+    (ack,) = engine.poll()
+    assert isinstance(ack.error, CopyFault) and torch.equal(bits(layout.read_page(3)), before)
+
+
+def test_workers_0_refuses_holds_and_delays_and_changes_nothing(
+    engines: Callable[..., CpuCopyEngine],
+) -> None:
+    """A copy made in submit cannot be held or delayed (submit would never return): both
+    are refused with ConfigError, nothing queued, and the next chunk still copies at once."""
+    layout, host, engine = setup(engines, workers=0)
+    for refused in (engine.hold_next, lambda: engine.slow_next(0.5)):
+        with pytest.raises(ConfigError, match="needs a worker thread"):
+            refused()
+    assert not engine._hold_next and not engine._slow_next and not engine._held
+    lc = Lifecycle("r", page_size=PAGE)
+    store = chunk(lc, 1)
+    pages = host.alloc(1, store)
+    assert pages is not None
+    assert engine.submit(store, [4], pages).query()
+    (ack,) = engine.poll()
+    assert ack.ok and torch.equal(bits(host.page(pages[0])), bits(layout.read_page(4)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvlife.layout as layout_module
 from kvlife.errors import ConfigError
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 
@@ -262,8 +264,6 @@ PATHS = ["torch", "memcpy", "stream"]
 
 
 def restore_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
-    import kvlife.layout as layout_module
-
     monkeypatch.setattr(layout_module, "STREAM_BYTES", 0 if path == "stream" else 1 << 62)
     if path == "torch":
         monkeypatch.setattr(layout_module, "_rowcopy", None)
@@ -425,16 +425,12 @@ def test_the_staged_path_copies_what_the_direct_path_copies(kind: str) -> None:
 def test_the_row_copy_extension_is_built_where_a_compiler_is() -> None:
     """Without it CPU copies still work, through torch, slower: an install that silently
     lost it is a failure here wherever it could have been built."""
-    import kvlife.layout as layout_module
-
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: kvlife installs without kvlife._rowcopy")
     assert layout_module._rowcopy is not None
 
 
 def _rowcopy_or_skip() -> Any:
-    import kvlife.layout as layout_module
-
     if layout_module._rowcopy is None:
         pytest.skip("kvlife._rowcopy is not built")
     return layout_module._rowcopy
@@ -692,3 +688,64 @@ def test_issue36_8_a_streamed_copy_of_released_storage_is_refused_not_a_crash(
     status, said = _in_a_child(copies)
     assert os.WIFEXITED(status), f"the copy killed its process (status {status:#x}): {said}"
     assert said == "refused unchanged refused unchanged", said
+
+
+def _scattered_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """64 rows of 4 KiB in a random order: the source, a zeroed target, their addresses."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(-128, 127, (64, 4096), dtype=torch.int8, generator=g)
+    dst = torch.zeros_like(src)
+    order = torch.randperm(64, generator=g).tolist()
+    targets = np.array([dst[j].data_ptr() for j in order], dtype=np.uint64)
+    sources = np.array([src[j].data_ptr() for j in order], dtype=np.uint64)
+    return src, dst, targets, sources
+
+
+def test_main_thread_copies_run_on_torchs_openmp_team_other_threads_on_their_own() -> None:
+    """Where torch loaded an OpenMP runtime, a copy asked to (the main thread's, from
+    kvlife.layout) runs on torch's own team, whose threads are awake, rather than on new
+    threads that wait for a core one of them holds (docs/engines.md); a copy not asked to,
+    or of one thread, or in a forked child (whose runtime may not run a team), runs on the
+    module's own threads. Every byte arrives either way."""
+    rowcopy = _rowcopy_or_skip()
+    if layout_module._torch_openmp() is None:
+        pytest.skip("torch loaded no OpenMP runtime here")
+    assert layout_module.OPENMP
+    width = np.array([4096], dtype=np.uint64)
+    for team, threads, on_team in ((True, 4, True), (False, 4, False), (True, 1, False)):
+        src, dst, targets, sources = _scattered_rows(3)
+        assert rowcopy.copy_rows(targets, sources, width, threads, False, team) is on_team
+        assert torch.equal(dst, src), (team, threads)
+
+    def in_the_child() -> str:
+        src, dst, targets, sources = _scattered_rows(4)
+        on_team = rowcopy.copy_rows(targets, sources, width, 4, False, True)
+        return f"{on_team} {torch.equal(dst, src)}"
+
+    status, said = _in_a_child(in_the_child)
+    assert status == 0 and said == "False True", (status, said)
+
+
+def test_a_layouts_copy_takes_the_team_on_the_main_thread_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kvlife.layout asks for torch's team on the main thread alone: another thread's team
+    would be a second one, spinning beside the model's."""
+    _rowcopy_or_skip()
+    asked: list[bool] = []
+    real = layout_module._rowcopy.copy_rows
+
+    def copy_rows(*args: Any) -> bool:
+        asked.append(args[5])
+        return real(*args)
+
+    monkeypatch.setattr(layout_module._rowcopy, "copy_rows", copy_rows)
+    layout = LayerFirstLayout.zeros(2, 8, 4, 2, 8, dtype=torch.float32)
+    host = torch.zeros(3, layout.page_numel)
+    layout.gather_runs(torch.tensor([5, 1, 6]), host, [(0, 0, 3)])
+    elsewhere = threading.Thread(
+        target=layout.scatter_runs, args=(torch.tensor([2, 3, 4]), host, [(0, 0, 3)])
+    )
+    elsewhere.start()
+    elsewhere.join()
+    assert asked == [layout_module.OPENMP, False]

@@ -120,7 +120,8 @@ class CpuCopyEngine(PageCopyEngine):
         self.delay_jitter = finite_seconds("delay_jitter", delay_jitter)
         if not 0.0 <= fail_rate <= 1.0:
             raise ConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
-        positive_int("workers", workers)
+        if not positive_int("workers", workers, least=0) and (copy_delay or delay_jitter):
+            raise ConfigError("copy_delay and delay_jitter need a worker thread (workers >= 1)")
         self.fail_rate = float(fail_rate)
         self._rng = random.Random(seed)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -162,15 +163,21 @@ class CpuCopyEngine(PageCopyEngine):
     def slow_next(self, seconds: float) -> None:
         """Delay the next submitted chunk's copy by ``seconds`` more (finite, >= 0)."""
         more = finite_seconds("seconds", seconds)
+        self._need_worker("slow_next")
         if len(self._slow_next) >= MAX_PENDING_FAULTS:
             raise ConfigError(f"at most {MAX_PENDING_FAULTS} delays may wait at once")
         self._slow_next.append(more)
 
     def hold_next(self) -> Gate:
         """Hold the next submitted chunk's copy until the returned gate is opened."""
+        self._need_worker("hold_next")
         gate = Gate()
         self._hold_next.append(gate)
         return gate
+
+    def _need_worker(self, what: str) -> None:
+        if not self._threads:  # a copy made in submit cannot wait: submit would never return
+            raise ConfigError(f"{what} needs a worker thread: this engine copies in submit")
 
     @property
     def inflight(self) -> int:
@@ -209,7 +216,10 @@ class CpuCopyEngine(PageCopyEngine):
         job = _Job(ticket, load, dev, hst, index, h, runs, delay, gate, fault, time.perf_counter())
         self._claim(load, d, h)
         self._inflight += 1
-        self._jobs.put(job)
+        if self._threads:
+            self._jobs.put(job)
+        else:  # workers=0: copied here, acked by the next poll or drain
+            self._copy(job)
         return job.event
 
     def poll(self) -> list[Ack]:
@@ -279,28 +289,31 @@ class CpuCopyEngine(PageCopyEngine):
         )
 
     def _work(self) -> None:
-        layout, host_tensor = self.layout, self.host.tensor
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                if job.gate is not None:
-                    job.gate.wait()
-                # The delay is latency from submit (as a stream's copies queue behind
-                # earlier work), not time added per copy: copies do not serialise on it.
-                wait = job.submitted_at + job.delay - time.perf_counter()
-                if wait > 0:
-                    self._closing.wait(wait)
-                job.event._started = True
-                if job.fault is not None:
-                    job.error = job.fault
-                elif job.load:
-                    layout.scatter_runs(job.index, host_tensor, job.runs)
-                else:
-                    layout.gather_runs(job.index, host_tensor, job.runs)
-            except Exception as exc:  # a copy error is reported in the ack, never lost
-                job.error = exc
-            job.completed_at = time.perf_counter()
-            self._done.put(job)  # before the event: a poll after synchronize() must see it
-            job.event._set()
+            self._copy(job)
+
+    def _copy(self, job: _Job) -> None:
+        """One chunk's copy (a worker's, or submit's with ``workers=0``), then its event."""
+        try:
+            if job.gate is not None:
+                job.gate.wait()
+            # The delay is latency from submit (as a stream's copies queue behind
+            # earlier work), not time added per copy: copies do not serialise on it.
+            wait = job.submitted_at + job.delay - time.perf_counter()
+            if wait > 0:
+                self._closing.wait(wait)
+            job.event._started = True
+            if job.fault is not None:
+                job.error = job.fault
+            elif job.load:
+                self.layout.scatter_runs(job.index, self.host.tensor, job.runs)
+            else:
+                self.layout.gather_runs(job.index, self.host.tensor, job.runs)
+        except Exception as exc:  # a copy error is reported in the ack, never lost
+            job.error = exc
+        job.completed_at = time.perf_counter()
+        self._done.put(job)  # before the event: a poll after synchronize() must see it
+        job.event._set()

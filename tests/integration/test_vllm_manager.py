@@ -268,7 +268,7 @@ def test_get_stats_reports_each_counter_under_its_name_as_deltas() -> None:
     assert m.get_stats() is None  # nothing changed since
 
 
-def _worker(views: list[torch.Tensor]) -> Any:
+def _worker(views: list[torch.Tensor], copy_threads: int = 0) -> Any:
     """A KVLifeWorker over ``views`` (int8 ``[blocks, 16]``, one per layer) as vLLM's own
     cache description, with a host pool of 4 pages of 32 bytes."""
     from vllm.v1.kv_offload.base import (
@@ -283,7 +283,7 @@ def _worker(views: list[torch.Tensor]) -> Any:
         tensors=[CanonicalKVCacheTensor(v, 16) for v in views],
         group_data_refs=[[CanonicalKVCacheRef(i, 16) for i in range(len(views))]],
     )
-    return KVLifeWorker(caches, HostPagePool(4, 32, torch.int8))
+    return KVLifeWorker(caches, HostPagePool(4, 32, torch.int8), copy_threads=copy_threads)
 
 
 @pytest.mark.parametrize("by_address", [True, False])
@@ -343,7 +343,7 @@ def test_a_job_id_reused_while_in_flight_is_counted_and_both_jobs_finish() -> No
     from kvlife.integrations.vllm import HostBlocksSpec
 
     views = [torch.zeros(8, 16, dtype=torch.int8) for _ in range(2)]
-    worker = _worker(views)
+    worker = _worker(views, copy_threads=1)  # a copy thread, so copies can be held
     assert isinstance(worker.engine, CpuCopyEngine)
     gates = [worker.engine.hold_next(), worker.engine.hold_next()]  # both stay in flight
     for host_page, block in ((0, 1), (1, 2)):

@@ -224,8 +224,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         pool_key: str | None = None,
         tokens_per_block: int | Sequence[int] = 1,
         blocks_per_chunk: int = 1,
+        copy_threads: int = 0,
     ) -> None:
         self.blocks_per_chunk = positive_int("blocks_per_chunk", blocks_per_chunk)
+        positive_int("copy_threads", copy_threads, least=0)
         # A shared pool is this worker's to close (its page lock and name) at shutdown.
         shared = pool if isinstance(pool, SharedHostPool) else SharedHostPool(pool)
         pool = shared.pool
@@ -249,8 +251,13 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             )
         self.layout = layout
         self.row_bytes = layout.page_numel
-        engine = CudaCopyEngine if layout.device.type == "cuda" else CpuCopyEngine
-        self.engine: CpuCopyEngine | CudaCopyEngine = engine(layout, pool)
+        # On a CPU a job is copied in submit by default (copy_threads=0), on torch's own
+        # OpenMP team: a copy thread would take cores from the model's (docs/vllm.md).
+        self.engine: CpuCopyEngine | CudaCopyEngine = (
+            CudaCopyEngine(layout, pool)
+            if layout.device.type == "cuda"
+            else CpuCopyEngine(layout, pool, workers=copy_threads)
+        )
         self._pool = pool
         self._store = store
         self._names = page_namer(store.namespace if store is not None else "")
