@@ -430,6 +430,17 @@ def test_the_row_copy_extension_is_built_where_a_compiler_is() -> None:
     assert layout_module._rowcopy is not None
 
 
+def _scattered_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """64 rows of 4 KiB in a random order: the source, a zeroed target, their addresses."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(-128, 127, (64, 4096), dtype=torch.int8, generator=g)
+    dst = torch.zeros_like(src)
+    order = torch.randperm(64, generator=g).tolist()
+    targets = np.array([dst[j].data_ptr() for j in order], dtype=np.uint64)
+    sources = np.array([src[j].data_ptr() for j in order], dtype=np.uint64)
+    return src, dst, targets, sources
+
+
 def _rowcopy_or_skip() -> Any:
     if layout_module._rowcopy is None:
         pytest.skip("kvlife._rowcopy is not built")
@@ -476,13 +487,8 @@ def test_row_copies_never_wait_for_a_late_thread_and_leave_it_nothing_to_touch()
     cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(cores)})
     try:
-        g = torch.Generator().manual_seed(2)
-        src = torch.randint(-128, 127, (64, 4096), dtype=torch.int8, generator=g)
         for i in range(120):
-            dst = torch.zeros_like(src)
-            order = torch.randperm(64, generator=g)
-            targets = np.array([dst[j].data_ptr() for j in order.tolist()], dtype=np.uint64)
-            sources = np.array([src[j].data_ptr() for j in order.tolist()], dtype=np.uint64)
+            src, dst, targets, sources = _scattered_rows(seed=i)
             rowcopy.copy_rows(targets, sources, np.array([4096], dtype=np.uint64), 16, i % 2)
             del targets, sources  # a late helper must not read them
             assert torch.equal(dst, src), i
@@ -688,17 +694,6 @@ def test_issue36_8_a_streamed_copy_of_released_storage_is_refused_not_a_crash(
     status, said = _in_a_child(copies)
     assert os.WIFEXITED(status), f"the copy killed its process (status {status:#x}): {said}"
     assert said == "refused unchanged refused unchanged", said
-
-
-def _scattered_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
-    """64 rows of 4 KiB in a random order: the source, a zeroed target, their addresses."""
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(-128, 127, (64, 4096), dtype=torch.int8, generator=g)
-    dst = torch.zeros_like(src)
-    order = torch.randperm(64, generator=g).tolist()
-    targets = np.array([dst[j].data_ptr() for j in order], dtype=np.uint64)
-    sources = np.array([src[j].data_ptr() for j in order], dtype=np.uint64)
-    return src, dst, targets, sources
 
 
 def test_main_thread_copies_run_on_torchs_openmp_team_other_threads_on_their_own() -> None:

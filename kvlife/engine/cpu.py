@@ -120,7 +120,7 @@ class CpuCopyEngine(PageCopyEngine):
         self.delay_jitter = finite_seconds("delay_jitter", delay_jitter)
         if not 0.0 <= fail_rate <= 1.0:
             raise ConfigError(f"fail_rate must be in [0, 1], got {fail_rate!r}")
-        if not positive_int("workers", workers, least=0) and (copy_delay or delay_jitter):
+        if not positive_int("workers", workers, least=0) and (self.copy_delay or self.delay_jitter):
             raise ConfigError("copy_delay and delay_jitter need a worker thread (workers >= 1)")
         self.fail_rate = float(fail_rate)
         self._rng = random.Random(seed)
