@@ -26,6 +26,21 @@
  * threads are used again (an OpenMP runtime may not run a team there). Other threads
  * keep this module's threads: a team made for them would spin beside torch's.
  *
+ * copy_pages(load, pages, num_pages, runs, (host_rows, host_base, host_stride), geometry,
+ * threads, stream, team, error): a layout's copy of `pages` (1-D int64, each in
+ * [0, num_pages)) to or from host rows given as int64 runs (offset, first row, length),
+ * every page once and every row in [0, host_rows), with the addresses made here: each
+ * buffer b is geometry[b] = (address, row stride, its offset in a host row, row bytes), a
+ * host row `row` is at host_base + row * host_stride. A page or run that breaks a rule
+ * raises `error` and copies nothing; else as copy_rows.
+ *
+ * claim(writes, written, reads, read, n): a copy's marks on the page-use counts of
+ * kvlife.engine.base (int32 buffers; -1: a copy writes the page, k > 0: k copies read it):
+ * the pages it writes (int64 indices `written` into `writes`) and those it reads. n = 1
+ * marks them (written -1, read one reader more) only if every page it writes is untouched
+ * and none it reads is being written; n = 0 only checks that; n = -1 unmarks. Returns
+ * whether the pages were free (always true for n = -1).
+ *
  * pages(seq, limit): the engines' check of a chunk's page list in one pass: every item
  * an exact int in [0, limit), none twice. Returns the pages as a bytearray of int64, or
  * the position of the first item that fails (the caller names the error).
@@ -219,6 +234,42 @@ static void copy_on_own_threads(Job *job, int threads)
     }
 }
 
+/* The rows dst[i] <- src[i] of sizes[i % width] bytes on up to `threads` threads (see the
+ * header); whether they ran on torch's team, or -1 (no memory, an exception set). */
+static int run_rows(const uint64_t *dst, const uint64_t *src, const uint64_t *sizes,
+                    Py_ssize_t n, Py_ssize_t width, int threads, int stream, int team)
+{
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    uint64_t row_bytes = 0;
+    for (Py_ssize_t c = 0; c < width; c++)
+        row_bytes += sizes[c];
+    row_bytes = row_bytes / (uint64_t)width + 1;
+    Job *job = malloc(sizeof(Job));
+    if (job == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *job = (Job){.stream = stream, .dst = dst, .src = src, .sizes = sizes, .rows = n,
+                 .width = width, .batch = (Py_ssize_t)(BATCH_BYTES / row_bytes) + 1};
+    atomic_init(&job->next, 0);
+    atomic_init(&job->busy, 0);
+    atomic_init(&job->refs, 1);
+    if (threads > (n + job->batch - 1) / job->batch)
+        threads = (int)((n + job->batch - 1) / job->batch);
+    team = team && threads > 1 && gomp_parallel != NULL && getpid() == gomp_pid;
+    Py_BEGIN_ALLOW_THREADS
+    if (team)
+        gomp_parallel(team_part, job, (unsigned)threads, 0);
+    else
+        copy_on_own_threads(job, threads);
+    leave(job);
+    Py_END_ALLOW_THREADS
+    return team;
+}
+
 static PyObject *copy_rows(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src, sizes;
@@ -234,39 +285,110 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
                         "rows of len(row_bytes) entries");
         goto done;
     }
-    if (threads < 1)
-        threads = 1;
-    if (threads > MAX_THREADS)
-        threads = MAX_THREADS;
-    uint64_t row_bytes = 0;
-    for (Py_ssize_t c = 0; c < width; c++)
-        row_bytes += ((const uint64_t *)sizes.buf)[c];
-    row_bytes = row_bytes / (uint64_t)width + 1;
-    Job *job = malloc(sizeof(Job));
-    if (job == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    *job = (Job){.stream = stream, .dst = dst.buf, .src = src.buf, .sizes = sizes.buf,
-                 .rows = n, .width = width, .batch = (Py_ssize_t)(BATCH_BYTES / row_bytes) + 1};
-    atomic_init(&job->next, 0);
-    atomic_init(&job->busy, 0);
-    atomic_init(&job->refs, 1);
-    if (threads > (n + job->batch - 1) / job->batch)
-        threads = (int)((n + job->batch - 1) / job->batch);
-    team = team && threads > 1 && gomp_parallel != NULL && getpid() == gomp_pid;
-    Py_BEGIN_ALLOW_THREADS
-    if (team)
-        gomp_parallel(team_part, job, (unsigned)threads, 0);
-    else
-        copy_on_own_threads(job, threads);
-    leave(job);
-    Py_END_ALLOW_THREADS
-    result = PyBool_FromLong(team);
+    team = run_rows(dst.buf, src.buf, sizes.buf, n, width, threads, stream, team);
+    if (team >= 0)
+        result = PyBool_FromLong(team);
 done:
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     PyBuffer_Release(&sizes);
+    return result;
+}
+
+/* A strided buffer with its format, for "O&" (released by Python on a later failure). */
+static int strided_buffer(PyObject *obj, void *out)
+{
+    if (obj == NULL) {
+        PyBuffer_Release(out);
+        return 1;
+    }
+    return PyObject_GetBuffer(obj, out, PyBUF_RECORDS_RO) == 0 ? Py_CLEANUP_SUPPORTED : 0;
+}
+
+/* copy_pages: see the header. Each page is read once, checked, and only its checked value
+ * makes an address, so no other thread can change a page between its check and its copy. */
+static PyObject *copy_pages(PyObject *self, PyObject *args)
+{
+    PyObject *error, *result = NULL;
+    Py_buffer pages, runs, geometry;
+    int load, stream, team, threads;
+    long long num_pages, host_rows, host_base, host_stride;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "pO&LO&(LLL)y*ippO", &load, strided_buffer, &pages, &num_pages,
+                          strided_buffer, &runs, &host_rows, &host_base, &host_stride, &geometry,
+                          &threads, &stream, &team, &error))
+        return NULL;
+    int64_t *rows = NULL;
+    uint64_t *addresses = NULL, *sizes = NULL;
+    const int64_t *run = runs.buf, *geo = geometry.buf;
+    Py_ssize_t n = pages.shape == NULL ? pages.len / 8 : (pages.ndim == 1 ? pages.shape[0] : -1);
+    Py_ssize_t step = pages.strides == NULL ? 8 : pages.strides[0];
+    Py_ssize_t width = geometry.len / 32, count = runs.len / 24;
+    const char *format = pages.format == NULL ? "B" : pages.format;
+    if (format[0] == '<' || format[0] == '=' || format[0] == '@')
+        format++;
+    if (n < 0 || pages.itemsize != 8 || (strcmp(format, "q") && strcmp(format, "l"))) {
+        PyErr_Format(error, "pages must be 1-D int64, got format %s of %d dimensions",
+                     format, pages.ndim);
+        goto done;
+    }
+    if (runs.itemsize != 8 || (runs.len && (runs.ndim != 2 || runs.shape[1] != 3)) ||
+        (runs.ndim == 2 && runs.strides[0] != 24) || geometry.len % 32 || width == 0) {
+        PyErr_Format(error, "host runs must be int64 (offset, row, length) triples");
+        goto done;
+    }
+    rows = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    addresses = malloc((size_t)(2 * n * width + width) * sizeof(uint64_t));
+    if (rows == NULL || addresses == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        rows[i] = -1;
+    for (Py_ssize_t r = 0; r < count; r++) {
+        int64_t offset = run[3 * r], row = run[3 * r + 1], length = run[3 * r + 2];
+        if (offset < 0 || length < 0 || offset > n - length || row < 0 || row > host_rows - length) {
+            PyErr_Format(error, "host run (%lld, %lld, %lld) outside %zd pages or %lld rows",
+                         (long long)offset, (long long)row, (long long)length, n, host_rows);
+            goto done;
+        }
+        for (int64_t i = 0; i < length; i++) {
+            if (rows[offset + i] >= 0) {
+                PyErr_Format(error, "host runs name page %lld twice", (long long)(offset + i));
+                goto done;
+            }
+            rows[offset + i] = row + i;
+        }
+    }
+    uint64_t *on_device = addresses, *on_host = addresses + n * width;
+    sizes = on_host + n * width;
+    for (Py_ssize_t b = 0; b < width; b++)
+        sizes[b] = (uint64_t)geo[4 * b + 3];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t page = *(const int64_t *)((const char *)pages.buf + i * step);
+        if (page < 0 || page >= num_pages || rows[i] < 0) {
+            if (rows[i] < 0)
+                PyErr_Format(error, "host runs leave page %zd of %zd without a row", i, n);
+            else
+                PyErr_Format(error, "page %lld out of range [0, %lld)", (long long)page,
+                             num_pages);
+            goto done;
+        }
+        for (Py_ssize_t b = 0; b < width; b++) {
+            on_device[i * width + b] = (uint64_t)(geo[4 * b] + page * geo[4 * b + 1]);
+            on_host[i * width + b] = (uint64_t)(host_base + rows[i] * host_stride + geo[4 * b + 2]);
+        }
+    }
+    team = run_rows(load ? on_device : on_host, load ? on_host : on_device, sizes, n * width,
+                    width, threads, stream, team);
+    if (team >= 0)
+        result = PyBool_FromLong(team);
+done:
+    free(rows);
+    free(addresses);
+    PyBuffer_Release(&pages);
+    PyBuffer_Release(&runs);
+    PyBuffer_Release(&geometry);
     return result;
 }
 
@@ -322,12 +444,62 @@ static PyObject *pages(PyObject *self, PyObject *args)
     return out;
 }
 
+/* claim(writes, written, reads, read, n): see the header. */
+static PyObject *claim(PyObject *self, PyObject *args)
+{
+    Py_buffer wu, w, ru, r;
+    int n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*w*y*i", &wu, &w, &ru, &r, &n))
+        return NULL;
+    int32_t *writes = wu.buf, *reads = ru.buf;
+    const int64_t *wi = w.buf, *ri = r.buf;
+    Py_ssize_t nw = w.len / 8, nr = r.len / 8, lw = wu.len / 4, lr = ru.len / 4;
+    PyObject *result = NULL;
+    int free_to_claim = 1;
+    for (Py_ssize_t i = 0; i < nw; i++)
+        if (wi[i] < 0 || wi[i] >= lw)
+            goto out_of_range;
+    for (Py_ssize_t i = 0; i < nr; i++)
+        if (ri[i] < 0 || ri[i] >= lr)
+            goto out_of_range;
+    if (n >= 0) {
+        for (Py_ssize_t i = 0; i < nw && free_to_claim; i++)
+            free_to_claim = writes[wi[i]] == 0;
+        for (Py_ssize_t i = 0; i < nr && free_to_claim; i++)
+            free_to_claim = reads[ri[i]] >= 0;
+    }
+    if (free_to_claim && n) {
+        for (Py_ssize_t i = 0; i < nw; i++)
+            writes[wi[i]] = n > 0 ? -1 : 0;
+        for (Py_ssize_t i = 0; i < nr; i++)
+            reads[ri[i]] += n;
+    }
+    result = PyBool_FromLong(free_to_claim);
+    goto done;
+out_of_range:
+    PyErr_SetString(PyExc_ValueError, "a page index outside its use counts");
+done:
+    PyBuffer_Release(&wu);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&ru);
+    PyBuffer_Release(&r);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"claim", claim, METH_VARARGS,
+     "claim(writes, written, reads, read, n): a chunk's page-use counts (int32) at its int64 "
+     "indices; n=1 claims, n=0 checks, n=-1 releases. Whether the pages were free to claim."},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(dst, src, row_bytes, threads, stream=1, team=0): copy row i of "
      "row_bytes[i % len(row_bytes)] bytes from address src[i] to dst[i] (uint64 buffers), "
      "without the GIL; stream=0: by memcpy, no streaming stores; team=1: on torch's OpenMP "
      "team where use_openmp found it. Returns whether it did."},
+    {"copy_pages", copy_pages, METH_VARARGS,
+     "copy_pages(load, pages, num_pages, runs, (host_rows, host_base, host_stride), geometry, "
+     "threads, stream, team, error): a layout's pages to or from host rows, checked and "
+     "addressed here, copied as copy_rows; error: the exception type of a refusal."},
     {"use_openmp", use_openmp, METH_O,
      "use_openmp(path): copy on the team of the OpenMP runtime loaded from path (already "
      "loaded by torch); True if its GOMP_parallel was found."},

@@ -19,3 +19,26 @@ def use_openmp(path: str, /) -> bool: ...
 # pages's items as int64 (a bytearray) when each is an exact int in [0, limit) and none
 # repeats; else the position of the first that is not.
 def pages(pages: object, limit: int, /) -> bytearray | int: ...
+
+# A layout's copy of pages (1-D int64, each in [0, num_pages)) to or from host rows: runs
+# int64 (offset, first row, length) triples, host (rows, address, row stride), geometry an
+# int64 (address, row stride, offset in a host row, row bytes) per buffer. Every page and
+# run is checked, and a refusal raises `error` with nothing copied; else as copy_rows.
+def copy_pages(
+    load: bool,
+    pages: object,
+    num_pages: int,
+    runs: object,
+    host: tuple[int, int, int],
+    geometry: object,
+    threads: int,
+    stream: bool,
+    team: bool,
+    error: type[BaseException],
+    /,
+) -> bool: ...
+
+# A chunk's marks on page-use counts (int32 buffers writes/reads at int64 indices
+# written/read): n=1 marks (written -1, read +1) if free, n=0 checks, n=-1 unmarks.
+# Whether the pages were free.
+def claim(writes: object, written: object, reads: object, read: object, n: int, /) -> bool: ...

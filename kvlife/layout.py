@@ -311,31 +311,22 @@ class KVLayout:
             or not all(_plain_rows(row) for row in self._rows)
         ):
             return False  # torch's paths copy it, or refuse it (overlapping rows) as they do
-        # Raw addresses: every page and host row is checked here, whatever the caller did,
-        # on a private copy of the pages (no other thread can change them once checked),
-        # and every buffer and the host pool lie inside their storage as it is now.
+        # Raw addresses: every page and host row is checked in the call, whatever the caller
+        # did (each page read once: no other thread can change it once checked), and every
+        # buffer and the host pool lie inside their storage as it is now.
         size = self.dtype.itemsize
         bases = [_check_live(f"KV buffer {i}", row) for i, row in enumerate(self._rows)]
-        host_base = _check_live("the host pool", host)
-        pages = pages.clone()
-        self._check_index(pages)
-        rows = np.full(n, -1, dtype=np.int64)
-        for offset, row, length in runs:
-            if not 0 <= offset <= offset + length <= n:
-                raise ConfigError(f"host run {(offset, row, length)} outside {n} pages")
-            rows[offset : offset + length] = np.arange(row, row + length)
-        if n and not (sum(r[2] for r in runs) == n and 0 <= rows.min() <= rows.max() < len(host)):
-            raise ConfigError(f"host runs {list(runs)}: not {n} pages once each, {len(host)} rows")
-        strides = np.array([row.stride(0) * size for row in self._rows], dtype=np.int64)
-        cols = np.array([c.start * size for _, c in self._blocks], dtype=np.int64)
-        widths = np.array([int(r.shape[1]) * size for r in self._rows], dtype=np.int64)
-        on_device = pages.numpy()[:, None] * strides + np.array(bases, dtype=np.int64)
-        on_host = rows[:, None] * (host.stride(0) * size) + (cols + host_base)
-        dst, src = (on_device, on_host) if load else (on_host, on_device)
+        host_rows = (len(host), _check_live("the host pool", host), host.stride(0) * size)
+        geometry = [
+            (base, row.stride(0) * size, cols.start * size, int(row.shape[1]) * size)
+            for base, (row, cols) in zip(bases, self._blocks, strict=True)
+        ]
         nbytes = n * self.page_nbytes
         threads = torch.get_num_threads() if nbytes >= THREADS_BYTES else 1
         team = OPENMP and threading.current_thread() is threading.main_thread()
-        _rowcopy.copy_rows(dst, src, widths, threads, nbytes >= STREAM_BYTES, team)
+        where = (np.array(runs, dtype=np.int64), host_rows, np.array(geometry, dtype=np.int64))
+        how = (threads, nbytes >= STREAM_BYTES, team)
+        _rowcopy.copy_pages(load, pages.numpy(), self.num_pages, *where, *how, ConfigError)
         return True
 
     def _torch_copy(self, load: bool, pages: torch.Tensor, rows: torch.Tensor) -> None:

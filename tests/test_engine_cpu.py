@@ -832,15 +832,19 @@ def test_every_load_refusal_leaves_engine_pool_and_device_unchanged(
         test_every_load_refusal_leaves_engine_pool_and_device_unchanged,
     ],
 )
+@pytest.mark.parametrize("without", [("_c_pages",), ("_c_claim",), ("_c_pages", "_c_claim")])
 def test_every_refusal_is_the_same_without_the_c_page_check(
     monkeypatch: pytest.MonkeyPatch,
     engines: Callable[..., CpuCopyEngine],
     refusals: Callable[[Callable[..., CpuCopyEngine]], None],
+    without: tuple[str, ...],
 ) -> None:
-    """Where kvlife._rowcopy is not built the pages are checked in Python: the same refusals."""
+    """Where kvlife._rowcopy is not built the pages are checked and claimed in Python: the
+    same refusals, the same pages marked and released."""
     import kvlife.engine.base as base
 
-    monkeypatch.setattr(base, "_c_pages", None)
+    for name in without:
+        monkeypatch.setattr(base, name, None)
     refusals(engines)
 
 

@@ -540,6 +540,8 @@ def test_row_copies_refuse_mismatched_address_buffers() -> None:
         [(0, -1, 5)],  # a negative host row
         [(0, 0, 6)],  # more pages than the chunk's 5
         [(0, 0, 5), (0, 5, 1), (0, 0, -1)],  # a negative run: the lengths add up, rows clash
+        [(0, 0), (2, 2), (4, 4)],  # pairs, not triples (as many numbers as two triples)
+        [],  # no runs for five pages
     ],
 )
 @pytest.mark.parametrize("path", ["memcpy", "stream"])
@@ -562,7 +564,25 @@ def test_a_streamed_copy_with_bad_runs_is_refused_and_copies_nothing(
         assert unchanged(layout, before) and torch.equal(host, host_before)
     with pytest.raises(ConfigError):  # a page out of range
         layout.scatter_runs(torch.tensor([1, 3, 5, 7, 12]), host, [(0, 0, 5)])
+    with pytest.raises(ConfigError):  # pages not int64
+        layout.scatter_runs(torch.tensor([1, 3, 5, 7, 9], dtype=torch.int32), host, [(0, 0, 5)])
     assert unchanged(layout, before)
+
+
+def test_a_copy_by_address_reads_pages_through_their_strides() -> None:
+    """Pages as a strided view (every other element of a tensor) are read as torch reads
+    them, not as the memory they sit in."""
+    _rowcopy_or_skip()
+    layout = make("layer_first", torch.float32, num_pages=12)
+    fill_random_bits(layout, seed=7)
+    strided = torch.tensor([1, 0, 3, 0, 5, 0, 7])[::2]
+    host = torch.zeros(4, layout.page_numel)
+    layout.gather_runs(strided, host, [(0, 2, 2), (2, 0, 2)])
+    expected = torch.zeros_like(host)
+    layout.gather_runs(strided.contiguous(), expected, [(0, 2, 2), (2, 0, 2)])
+    bits = host.view(torch.int32)  # random bits: NaNs among them, equal to nothing
+    assert torch.equal(bits, expected.view(torch.int32))
+    assert torch.equal(bits[2], layout.read_page(1).cpu().view(torch.int32))
 
 
 def test_int8_rows_of_odd_widths_at_odd_offsets_stream_bit_exact(
@@ -728,13 +748,13 @@ def test_a_layouts_copy_takes_the_team_on_the_main_thread_only(
     would be a second one, spinning beside the model's."""
     _rowcopy_or_skip()
     asked: list[bool] = []
-    real = layout_module._rowcopy.copy_rows
+    real = layout_module._rowcopy.copy_pages
 
-    def copy_rows(*args: Any) -> bool:
-        asked.append(args[5])
+    def copy_pages(*args: Any) -> bool:
+        asked.append(args[8])
         return real(*args)
 
-    monkeypatch.setattr(layout_module._rowcopy, "copy_rows", copy_rows)
+    monkeypatch.setattr(layout_module._rowcopy, "copy_pages", copy_pages)
     layout = LayerFirstLayout.zeros(2, 8, 4, 2, 8, dtype=torch.float32)
     host = torch.zeros(3, layout.page_numel)
     layout.gather_runs(torch.tensor([5, 1, 6]), host, [(0, 0, 3)])

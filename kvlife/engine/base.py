@@ -21,10 +21,11 @@ import torch
 from kvlife._lifecycle import LoadTicket, Ticket, is_ticket
 from kvlife.errors import ConfigError, EngineClosed, EngineError, PageBusy, UnallocatedHostPage
 
-try:  # a chunk's page checks in one C pass; where it could not be built, in Python
+try:  # a chunk's page checks and claims in one C pass each; where not built, in Python
+    from kvlife._rowcopy import claim as _c_claim
     from kvlife._rowcopy import pages as _c_pages
 except ImportError:
-    _c_pages = None  # type: ignore[assignment]
+    _c_claim = _c_pages = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from kvlife.layout import KVLayout
@@ -210,15 +211,11 @@ class PageCopyEngine:
         d = _check_pages("device", dev, self.layout.num_pages)
         h = _check_pages("host", hst, self.host.capacity)
         owners = self.host.owners_of(hst)
-        host_use, device_use = self._host_use[h], self._device_use[d]
         # A store needs its host pages untouched and its device pages not being written; a
         # load its host pages not being written and its device pages untouched. A chunk that
         # breaks a rule walks its pages to name the first page of the first rule it breaks.
-        if (
-            None in owners
-            or (host_use.min() < 0 if load else host_use.any())
-            or (device_use.any() if load else device_use.min() < 0)
-        ):
+        if None in owners or not self._use(load, d, h, 0):
+            host_use, device_use = self._host_use[h], self._device_use[d]
             for p, owner, use in zip(hst, owners, host_use.tolist(), strict=True):
                 if owner is None:
                     raise UnallocatedHostPage(f"host page {p} is free; allocate it before copying")
@@ -234,18 +231,28 @@ class PageCopyEngine:
             raise PageBusy(f"device page {p} is still being read by a store in flight")
         return load, dev, hst, d, h
 
-    def _claim(self, load: bool, device_pages: Pages, host_pages: Pages, n: int = 1) -> None:
-        """Mark a checked chunk's pages as in use by a copy in flight (``n=-1``: no longer):
-        the pages it writes (a store's host pages, a load's device pages) -1, the pages it
-        reads one reader more."""
-        pairs = [(self._device_use, _index(device_pages)), (self._host_use, _index(host_pages))]
+    def _claim(self, load: bool, device_pages: Pages, host_pages: Pages) -> None:
+        """Mark a checked chunk's pages as in use by a copy in flight: the pages it writes (a
+        store's host pages, a load's device pages) -1, the pages it reads one reader more."""
+        self._use(load, _index(device_pages), _index(host_pages), 1)
+
+    def _use(self, load: bool, device: Index, host: Index, n: int) -> bool:
+        """The page-use marks of a chunk's copy: ``n=1`` marks them if its pages are free to
+        (what it writes untouched, nothing it reads being written), ``n=0`` only checks,
+        ``n=-1`` unmarks; whether they were free."""
+        pairs = [(self._device_use, device), (self._host_use, host)]
         (writes, written), (reads, read) = pairs if load else pairs[::-1]
-        writes[written] = -1 if n > 0 else 0
-        reads[read] += n
+        if _c_claim is not None:
+            return _c_claim(writes, written, reads, read, n)
+        free = n < 0 or not (writes[written].any() or reads[read].min() < 0)
+        if free and n:
+            writes[written] = -1 if n > 0 else 0
+            reads[read] += n
+        return free
 
     def _unclaim(self, load: bool, device_pages: Pages, host_pages: Pages) -> None:
         """Release what :meth:`_claim` marked, when the chunk is acked."""
-        self._claim(load, device_pages, host_pages, -1)
+        self._use(load, _index(device_pages), _index(host_pages), -1)
 
 
 def _c_index(pages: Sequence[int], limit: int = 1 << 62) -> Index | None:

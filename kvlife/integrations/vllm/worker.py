@@ -3,6 +3,7 @@ kvlife copy engine, and :class:`BlockViewsLayout`, vLLM's KV cache as a kvlife l
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -35,7 +36,7 @@ from kvlife.engine import (
     UnallocatedHostPage,
     host_runs,
 )
-from kvlife.engine.base import distinct
+from kvlife.engine.base import _c_index, distinct
 from kvlife.errors import ConfigError, DuplicateAck, StoreError
 from kvlife.integrations.vllm._common import (
     FROM_STORE,
@@ -416,17 +417,18 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         (counted) for a spec that does not fit this worker's groups or cache."""
         ptrs, groups = getattr(device, "ptrs", None), len(self._refs)
         if ptrs is None:
-            block_ids = np.asarray(device.block_ids)
-            sizes = list(device.group_sizes or [len(block_ids)])
+            ids: list[int] = np.asarray(device.block_ids).tolist()
+            sizes = list(device.group_sizes or [len(ids)])
             starts = list(device.block_indices or [0] * len(sizes))
-            if len(sizes) != groups or len(starts) != groups or sum(sizes) != len(block_ids):
+            if len(sizes) != groups or len(starts) != groups or sum(sizes) != len(ids):
                 self.refusals.note("device_spec_refused", f"{len(sizes)} groups of {groups}")
                 return None
-            if len(block_ids) and not 0 <= block_ids.min() <= block_ids.max() < self._num_blocks:
+            # One C pass where no id repeats (one group); else (groups may share ids) two.
+            fits = not ids or _c_index(ids, self._num_blocks) is not None
+            if not (fits or 0 <= min(ids) <= max(ids) < self._num_blocks):
                 self.refusals.note("device_spec_refused", "block ids outside the KV cache")
                 return None  # (not another part's block either)
-            ids: list[int] = block_ids.tolist()
-            ends = np.cumsum(sizes).tolist()
+            ends = list(itertools.accumulate(sizes))
             return [
                 (ids[end - n : end], int(first))
                 for n, end, first in zip(sizes, ends, starts, strict=True)
