@@ -312,15 +312,17 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
     layout.scatter_runs = timed_copy("load", layout.scatter_runs)  # type: ignore[method-assign]
 
     def job(job_id: int, load: bool) -> float:
+        # The specs as vLLM's scheduler hands them over (made there, before the worker's
+        # submit_*: not the worker's time).
+        on_host, on_device = (
+            HostBlocksSpec(host, keys),
+            GPULoadStoreSpec(dst if load else src, [blocks], [0]),
+        )
         start = perf()
         if load:
-            worker.submit_load(
-                job_id, HostBlocksSpec(host, keys), GPULoadStoreSpec(dst, [blocks], [0])
-            )
+            worker.submit_load(job_id, on_host, on_device)
         else:
-            worker.submit_store(
-                job_id, GPULoadStoreSpec(src, [blocks], [0]), HostBlocksSpec(host, keys)
-            )
+            worker.submit_store(job_id, on_device, on_host)
         worker.wait({job_id})
         (result,) = worker.get_finished()
         elapsed = perf() - start

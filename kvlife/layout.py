@@ -96,27 +96,30 @@ def _plain_rows(rows: torch.Tensor) -> bool:
     )
 
 
-def _check_live(what: str, tensor: torch.Tensor) -> int:
-    """``tensor``'s address; ConfigError unless every element of it lies inside its storage
-    as it is now: a buffer whose storage was released or shrunk after the layout was built
-    (``untyped_storage().resize_(0)``) keeps its shape and strides, and a copy by address
-    would read or write memory it no longer owns (torch's own copies check it and raise)."""
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """Where ``tensor``'s elements lie in its storage: the bytes ``[first, end)`` (none: 0, 0)."""
     if tensor.numel() == 0:
-        return 0
+        return 0, 0
+    first = tensor.data_ptr() - tensor.untyped_storage().data_ptr()
+    steps = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return first, first + (steps + 1) * tensor.element_size()
+
+
+def _check_live(what: str, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> int:
+    """``tensor``'s address (its storage's plus ``span``'s start, by default its own span's);
+    ConfigError unless ``span`` lies inside its storage as it is now: a storage released or
+    shrunk after the layout was built (``untyped_storage().resize_(0)``) would have a copy by
+    address touch memory it no longer owns (torch's own copies check it and raise)."""
     storage = tensor.untyped_storage()
     start, held = storage.data_ptr(), storage.nbytes()
-    size = tensor.element_size()
-    first = tensor.data_ptr()
-    extent = (
-        sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True)) + 1
-    ) * size
-    if held == 0 or first < start or first + extent > start + held:
+    first, end = _span(tensor) if span is None else span
+    if end and (held == 0 or end > held):
         raise ConfigError(
-            f"{what} {tuple(tensor.shape)} needs {extent} bytes at offset {first - start} of "
+            f"{what} {tuple(tensor.shape)} needs {end - first} bytes at offset {first} of "
             f"its storage, which holds {held}: its storage was released or shrunk "
             "(untyped_storage().resize_); nothing was copied"
         )
-    return first
+    return start + first
 
 
 class KVLayout:
@@ -154,6 +157,12 @@ class KVLayout:
             for row, end in zip(self._rows, ends, strict=True)
         )
         self._page_numel = ends[-1]
+        size = first.element_size()  # copies by address: each buffer's bytes in its storage,
+        spans = [  # its row stride and its columns (none where its rows are not plain)
+            (_span(row), row.stride(0) * size, cols.start * size, int(row.shape[1]) * size)
+            for row, cols in self._blocks
+        ]
+        self._spans = spans if all(_plain_rows(row) for row in self._rows) else []
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The device tensors that hold the KV cache, as the runtime sees them."""
@@ -304,23 +313,17 @@ class KVLayout:
         nothing copied, where the extension is not built or the rows are not plain; the
         caller then copies through torch."""
         n = int(pages.numel())
-        if (
-            _rowcopy is None
-            or self.device.type != "cpu"
-            or not _plain_rows(host)
-            or not all(_plain_rows(row) for row in self._rows)
-        ):
+        if not (_rowcopy and self._spans and self.device.type == "cpu" and _plain_rows(host)):
             return False  # torch's paths copy it, or refuse it (overlapping rows) as they do
-        # Raw addresses: every page and host row is checked in the call, whatever the caller
-        # did (each page read once: no other thread can change it once checked), and every
-        # buffer and the host pool lie inside their storage as it is now.
         size = self.dtype.itemsize
-        bases = [_check_live(f"KV buffer {i}", row) for i, row in enumerate(self._rows)]
-        host_rows = (len(host), _check_live("the host pool", host), host.stride(0) * size)
+        # Raw addresses: each page and host row is checked in the call (each page read once, so
+        # no thread can change it once checked); each buffer where it was at construction, and
+        # the host pool, inside their storage as it is now.
         geometry = [
-            (base, row.stride(0) * size, cols.start * size, int(row.shape[1]) * size)
-            for base, (row, cols) in zip(bases, self._blocks, strict=True)
+            (_check_live(f"KV buffer {i}", row, span), *rest)
+            for i, (row, (span, *rest)) in enumerate(zip(self._rows, self._spans, strict=True))
         ]
+        host_rows = (len(host), _check_live("the host pool", host), host.stride(0) * size)
         nbytes = n * self.page_nbytes
         threads = torch.get_num_threads() if nbytes >= THREADS_BYTES else 1
         team = OPENMP and threading.current_thread() is threading.main_thread()

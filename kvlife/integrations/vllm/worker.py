@@ -3,7 +3,6 @@ kvlife copy engine, and :class:`BlockViewsLayout`, vLLM's KV cache as a kvlife l
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -424,11 +423,11 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 self.refusals.note("device_spec_refused", f"{len(sizes)} groups of {groups}")
                 return None
             # One C pass where no id repeats (one group); else (groups may share ids) two.
-            fits = not ids or _c_index(ids, self._num_blocks) is not None
-            if not (fits or 0 <= min(ids) <= max(ids) < self._num_blocks):
+            limit = self._num_blocks
+            if ids and _c_index(ids, limit) is None and not 0 <= min(ids) <= max(ids) < limit:
                 self.refusals.note("device_spec_refused", "block ids outside the KV cache")
                 return None  # (not another part's block either)
-            ends = list(itertools.accumulate(sizes))
+            ends = np.cumsum(sizes).tolist()
             return [
                 (ids[end - n : end], int(first))
                 for n, end, first in zip(sizes, ends, starts, strict=True)
