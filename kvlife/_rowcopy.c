@@ -42,8 +42,11 @@
  * whether the pages were free (always true for n = -1).
  *
  * pages(seq, limit): the engines' check of a chunk's page list in one pass: every item
- * an exact int in [0, limit), none twice. Returns the pages as a bytearray of int64, or
+ * an exact int (or an int32 or int64 array's item) in [0, limit), none twice. Returns the pages as a bytearray of int64, or
  * the position of the first item that fails (the caller names the error).
+ *
+ * runs(pages): the maximal runs of consecutive pages (a 1-D int64 buffer) as a list of
+ * (offset, first page, length): a chunk's host rows, most often one run.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -392,36 +395,55 @@ done:
     return result;
 }
 
+/* The signed integer width (4 or 8) of a 1-D buffer of int32 or int64, or 0. */
+static int int_width(const Py_buffer *view)
+{
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
+        f++;
+    if (view->ndim != 1 || f[1] != '\0')
+        return 0;
+    if (view->itemsize == 4 && f[0] == 'i')
+        return 4;
+    return view->itemsize == 8 && (f[0] == 'q' || f[0] == 'l') ? 8 : 0;
+}
+
 /* pages(seq, limit): see the header. Duplicates are found in an open-addressing table of
- * at least twice the pages, so the cost does not depend on limit. */
+ * at least twice the pages, so the cost does not depend on limit. An int32 or int64 array
+ * is read as it is; any other sequence item by item. */
 static PyObject *pages(PyObject *self, PyObject *args)
 {
-    PyObject *seq;
+    PyObject *seq, *fast = NULL;
     long long limit;
+    Py_buffer view = {0};
     (void)self;
     if (!PyArg_ParseTuple(args, "OL", &seq, &limit))
         return NULL;
-    PyObject *fast = PySequence_Fast(seq, "pages must be a sequence");
-    if (fast == NULL)
+    int width = 0;
+    if (PyObject_CheckBuffer(seq) && PyObject_GetBuffer(seq, &view, PyBUF_RECORDS_RO) == 0) {
+        width = int_width(&view);
+        if (!width)
+            PyBuffer_Release(&view);
+    }
+    PyErr_Clear();
+    if (!width && (fast = PySequence_Fast(seq, "pages must be a sequence")) == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), size = 16, bad = -1;
+    Py_ssize_t n = width ? view.shape[0] : PySequence_Fast_GET_SIZE(fast), size = 16, bad = -1;
     while (size < 2 * n)
         size *= 2;
     PyObject *out = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
     uint64_t *table = PyMem_Calloc((size_t)size, sizeof(uint64_t)); /* page + 1; 0: empty */
-    if (out == NULL || table == NULL) {
-        Py_XDECREF(out);
-        PyMem_Free(table);
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
-    }
-    int64_t *values = (int64_t *)PyByteArray_AS_STRING(out);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
+    int64_t *values = out == NULL ? NULL : (int64_t *)PyByteArray_AS_STRING(out);
+    PyObject **items = width ? NULL : PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n && bad < 0 && values != NULL && table != NULL; i++) {
         int overflow = 0;
-        long long v = PyLong_CheckExact(items[i])
-                          ? PyLong_AsLongLongAndOverflow(items[i], &overflow)
-                          : -1;
+        long long v = -1;
+        if (width) {
+            const char *at = (const char *)view.buf + i * view.strides[0];
+            v = width == 4 ? *(const int32_t *)at : *(const int64_t *)at;
+        } else if (PyLong_CheckExact(items[i])) {
+            v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        }
         if (overflow || v < 0 || v >= limit) {
             bad = i;
             break;
@@ -436,7 +458,13 @@ static PyObject *pages(PyObject *self, PyObject *args)
         table[slot] = key;
     }
     PyMem_Free(table);
-    Py_DECREF(fast);
+    Py_XDECREF(fast);
+    if (width)
+        PyBuffer_Release(&view);
+    if (out == NULL || table == NULL) {
+        Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
     if (bad >= 0) {
         Py_DECREF(out);
         return PyLong_FromSsize_t(bad);
@@ -487,6 +515,37 @@ done:
     return result;
 }
 
+/* runs(pages): see the header. */
+static PyObject *runs(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+        return NULL;
+    const char *format = view.format[0] == '<' || view.format[0] == '=' ? view.format + 1
+                                                                         : view.format;
+    PyObject *out = NULL;
+    if (view.itemsize != 8 || view.ndim != 1 || (strcmp(format, "q") && strcmp(format, "l"))) {
+        PyErr_SetString(PyExc_TypeError, "pages must be a 1-D int64 buffer");
+        goto done;
+    }
+    const int64_t *page = view.buf;
+    Py_ssize_t n = view.len / 8, start = 0;
+    out = PyList_New(0);
+    for (Py_ssize_t i = 1; out != NULL && i <= n; i++) {
+        if (i < n && page[i - 1] < INT64_MAX && page[i] == page[i - 1] + 1)
+            continue;
+        PyObject *run = Py_BuildValue("(nLn)", start, (long long)page[start], i - start);
+        if (run == NULL || PyList_Append(out, run) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(run);
+        start = i;
+    }
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"claim", claim, METH_VARARGS,
      "claim(writes, written, reads, read, n): a chunk's page-use counts (int32) at its int64 "
@@ -504,8 +563,11 @@ static PyMethodDef methods[] = {
      "use_openmp(path): copy on the team of the OpenMP runtime loaded from path (already "
      "loaded by torch); True if its GOMP_parallel was found."},
     {"pages", pages, METH_VARARGS,
-     "pages(seq, limit): seq's exact ints, each in [0, limit) and none twice, as a "
-     "bytearray of int64; else the position of the first that is not."},
+     "pages(seq, limit): seq's exact ints (or an int32 or int64 array's), each in [0, limit) "
+     "and none twice, as a bytearray of int64; else the position of the first that is not."},
+    {"runs", runs, METH_O,
+     "runs(pages): the maximal runs of consecutive pages (1-D int64) as (offset, first, "
+     "length) tuples."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,8 +16,8 @@ def copy_rows(
 # GOMP_parallel was found.
 def use_openmp(path: str, /) -> bool: ...
 
-# pages's items as int64 (a bytearray) when each is an exact int in [0, limit) and none
-# repeats; else the position of the first that is not.
+# pages's items as int64 (a bytearray) when each is an exact int (or pages is a 1-D int32
+# or int64 array) in [0, limit) and none repeats; else the position of the first that is not.
 def pages(pages: object, limit: int, /) -> bytearray | int: ...
 
 # A layout's copy of pages (1-D int64, each in [0, num_pages)) to or from host rows: runs
@@ -42,3 +42,6 @@ def copy_pages(
 # written/read): n=1 marks (written -1, read +1) if free, n=0 checks, n=-1 unmarks.
 # Whether the pages were free.
 def claim(writes: object, written: object, reads: object, read: object, n: int, /) -> bool: ...
+
+# The maximal runs of consecutive pages (a 1-D int64 buffer): (offset, first page, length).
+def runs(pages: object, /) -> list[tuple[int, int, int]]: ...

@@ -85,39 +85,31 @@ def _per_layer(
     return [torch.zeros(shape, dtype=dtype, device=on) for _ in range(num_layers)]
 
 
-def _plain_rows(rows: torch.Tensor) -> bool:
-    """Rows a byte copy by address reads or writes as torch would: contiguous, apart, and
-    no lazy conjugation or negation."""
-    return (
-        rows.stride(1) == 1
-        and rows.stride(0) >= rows.shape[1]
-        and not rows.is_conj()
-        and not rows.is_neg()
-    )
+def _plain_rows(rows: torch.Tensor) -> tuple[int, int] | None:
+    """Where 2-D ``rows`` lie in their storage, the bytes ``[first, end)`` (none: 0, 0), if
+    a byte copy by address reads or writes them as torch would: contiguous, apart, and no
+    lazy conjugation or negation; else None. One read of their shape and strides."""
+    (n, width), (step, one), size = rows.shape, rows.stride(), rows.element_size()
+    if one != 1 or step < width or rows.is_conj() or rows.is_neg():
+        return None
+    first = int(rows.storage_offset()) * size
+    return (first, first + ((n - 1) * step + width) * size) if n and width else (0, 0)
 
 
-def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    """Where ``tensor``'s elements lie in its storage: the bytes ``[first, end)`` (none: 0, 0)."""
-    if tensor.numel() == 0:
-        return 0, 0
-    first = tensor.data_ptr() - tensor.untyped_storage().data_ptr()
-    steps = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
-    return first, first + (steps + 1) * tensor.element_size()
-
-
-def _check_live(what: str, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> int:
-    """``tensor``'s address (its storage's plus ``span``'s start, by default its own span's);
-    ConfigError unless ``span`` lies inside its storage as it is now: a storage released or
-    shrunk after the layout was built (``untyped_storage().resize_(0)``) would have a copy by
-    address touch memory it no longer owns (torch's own copies check it and raise)."""
+def _check_live(what: str | int, tensor: torch.Tensor, span: tuple[int, int]) -> int:
+    """``tensor``'s address (its storage's plus ``span``'s start); ConfigError unless
+    ``span`` lies inside its storage as it is now: a storage released or shrunk after the
+    layout was built (``untyped_storage().resize_(0)``) would have a copy by address touch
+    memory it no longer owns (torch's own copies check it and raise). ``what``: its name, or
+    its index among the KV buffers."""
     storage = tensor.untyped_storage()
     start, held = storage.data_ptr(), storage.nbytes()
-    first, end = _span(tensor) if span is None else span
+    first, end = span
     if end and (held == 0 or end > held):
         raise ConfigError(
-            f"{what} {tuple(tensor.shape)} needs {end - first} bytes at offset {first} of "
-            f"its storage, which holds {held}: its storage was released or shrunk "
-            "(untyped_storage().resize_); nothing was copied"
+            f"{f'KV buffer {what}' if type(what) is int else what} {tuple(tensor.shape)} needs "
+            f"{end - first} bytes at offset {first} of its storage, which holds {held}: its "
+            "storage was released or shrunk (untyped_storage().resize_); nothing was copied"
         )
     return start + first
 
@@ -158,11 +150,12 @@ class KVLayout:
         )
         self._page_numel = ends[-1]
         size = first.element_size()  # copies by address: each buffer's bytes in its storage,
-        spans = [  # its row stride and its columns (none where its rows are not plain)
-            (_span(row), row.stride(0) * size, cols.start * size, int(row.shape[1]) * size)
-            for row, cols in self._blocks
+        spans = [_plain_rows(row) for row in self._rows]  # its row stride and its columns
+        self._spans = [  # (none unless every buffer's rows are plain)
+            (span, row.stride(0) * size, cols.start * size, int(row.shape[1]) * size)
+            for span, (row, cols) in zip(spans, self._blocks, strict=True)
+            if span is not None and None not in spans
         ]
-        self._spans = spans if all(_plain_rows(row) for row in self._rows) else []
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The device tensors that hold the KV cache, as the runtime sees them."""
@@ -313,17 +306,20 @@ class KVLayout:
         nothing copied, where the extension is not built or the rows are not plain; the
         caller then copies through torch."""
         n = int(pages.numel())
-        if not (_rowcopy and self._spans and self.device.type == "cpu" and _plain_rows(host)):
+        on_host = (
+            _plain_rows(host) if _rowcopy and self._spans and self.device.type == "cpu" else None
+        )
+        if on_host is None:
             return False  # torch's paths copy it, or refuse it (overlapping rows) as they do
         size = self.dtype.itemsize
         # Raw addresses: each page and host row is checked in the call (each page read once, so
         # no thread can change it once checked); each buffer where it was at construction, and
         # the host pool, inside their storage as it is now.
         geometry = [
-            (_check_live(f"KV buffer {i}", row, span), *rest)
+            (_check_live(i, row, span), *rest)
             for i, (row, (span, *rest)) in enumerate(zip(self._rows, self._spans, strict=True))
         ]
-        host_rows = (len(host), _check_live("the host pool", host), host.stride(0) * size)
+        host_rows = (len(host), _check_live("the host pool", host, on_host), host.stride(0) * size)
         nbytes = n * self.page_nbytes
         threads = torch.get_num_threads() if nbytes >= THREADS_BYTES else 1
         team = OPENMP and threading.current_thread() is threading.main_thread()

@@ -119,6 +119,29 @@ def test_round_trip_through_the_engine_is_bit_exact(
         assert torch.equal(bits(dst.read_page(d)), bits(src.read_page(d)))
 
 
+@pytest.mark.parametrize("in_c", [True, False])
+def test_host_runs_are_the_maximal_runs_in_c_and_in_python(
+    monkeypatch: pytest.MonkeyPatch, in_c: bool
+) -> None:
+    """host_runs finds the same maximal runs of consecutive pages in one C pass and, where
+    kvlife._rowcopy is not built, in Python; from a list, a tuple or an int64 array."""
+    import kvlife.engine.base as base
+
+    if not in_c:
+        monkeypatch.setattr(base, "_c_runs", None)
+    cases: dict[tuple[int, ...], list[tuple[int, int, int]]] = {
+        (): [],
+        (4,): [(0, 4, 1)],
+        (0, 1, 2, 3): [(0, 0, 4)],
+        (5, 2, 3, 7): [(0, 5, 1), (1, 2, 2), (3, 7, 1)],
+        (3, 2, 1): [(0, 3, 1), (1, 2, 1), (2, 1, 1)],
+        (1, 2, 2, 3): [(0, 1, 2), (2, 2, 2)],  # a page twice: no run crosses it
+    }
+    for pages, runs in cases.items():
+        for given in (list(pages), pages, np.array(pages, dtype=np.int64)):
+            assert host_runs(given) == runs, (given, in_c)
+
+
 def test_scattered_host_pages_are_written_run_by_run(
     engines: Callable[..., CpuCopyEngine],
 ) -> None:

@@ -517,6 +517,23 @@ def test_the_c_page_check_takes_distinct_ints_in_range_and_names_the_first_other
     assert rowcopy.pages([*many, 77], 100_000) == 100_000
 
 
+def test_the_c_page_check_reads_an_int32_or_int64_array_as_it_is() -> None:
+    """vLLM hands block ids over as an int32 array: ``pages`` reads an int32 or int64
+    array (strided too) in the same pass with the same rules; another array type is read
+    item by item, and its numpy items are not pages."""
+    rowcopy = _rowcopy_or_skip()
+    for dtype in (np.int32, np.int64):
+        ids = np.array([5, 0, 2, 7], dtype=dtype)
+        for given, want in ((ids, [5, 0, 2, 7]), (ids[::-2], [7, 0])):
+            assert np.frombuffer(rowcopy.pages(given, 8), dtype=np.int64).tolist() == want
+        assert rowcopy.pages(ids, 7) == 3  # out of range
+        assert rowcopy.pages(np.array([1, 2, 1], dtype=dtype), 8) == 2  # a repeat
+        assert rowcopy.pages(np.array([1, -2], dtype=dtype), 8) == 1
+        assert rowcopy.pages(np.array([], dtype=dtype), 8) == bytearray()
+    for other in (np.array([1, 2], dtype=np.uint32), np.array([1.0]), np.zeros((2, 2), int)):
+        assert rowcopy.pages(other, 8) == 0, other.dtype
+
+
 def test_row_copies_refuse_mismatched_address_buffers() -> None:
     rowcopy = _rowcopy_or_skip()
     two, three = np.zeros(2, dtype=np.uint64), np.zeros(3, dtype=np.uint64)

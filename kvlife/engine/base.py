@@ -24,8 +24,9 @@ from kvlife.errors import ConfigError, EngineClosed, EngineError, PageBusy, Unal
 try:  # a chunk's page checks and claims in one C pass each; where not built, in Python
     from kvlife._rowcopy import claim as _c_claim
     from kvlife._rowcopy import pages as _c_pages
+    from kvlife._rowcopy import runs as _c_runs
 except ImportError:
-    _c_claim = _c_pages = None  # type: ignore[assignment]
+    _c_claim = _c_pages = _c_runs = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from kvlife.layout import KVLayout
@@ -300,11 +301,11 @@ def page_index(pages: Sequence[int]) -> torch.Tensor:
     return torch.from_numpy(_index(pages))
 
 
-def host_runs(host_pages: Sequence[int]) -> list[tuple[int, int, int]]:
+def host_runs(host_pages: Pages) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive host pages: ``(chunk offset, first host page, length)``."""
+    if _c_runs is not None:  # one C pass (a checked chunk's pages are an int64 array)
+        return _c_runs(_index(host_pages))
     n = len(host_pages)
-    if n and tuple(host_pages) == tuple(range(host_pages[0], host_pages[0] + n)):
-        return [(0, host_pages[0], n)]  # one run, found in C (a job's pages often are)
     runs: list[tuple[int, int, int]] = []
     start = 0
     for i in range(1, n + 1):

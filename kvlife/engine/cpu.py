@@ -212,7 +212,7 @@ class CpuCopyEngine(PageCopyEngine):
         gate = self._hold_next.popleft() if self._hold_next else None
         if gate is not None:
             self._held.append(gate)
-        index, runs = torch.from_numpy(d), host_runs(hst)
+        index, runs = torch.from_numpy(d), host_runs(h)
         job = _Job(ticket, load, dev, hst, index, h, runs, delay, gate, fault, time.perf_counter())
         self._claim(load, d, h)
         self._inflight += 1

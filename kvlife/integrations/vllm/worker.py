@@ -3,6 +3,7 @@ kvlife copy engine, and :class:`BlockViewsLayout`, vLLM's KV cache as a kvlife l
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -424,10 +425,11 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 return None
             # One C pass where no id repeats (one group); else (groups may share ids) two.
             limit = self._num_blocks
-            if ids and _c_index(ids, limit) is None and not 0 <= min(ids) <= max(ids) < limit:
+            checked = _c_index(device.block_ids, limit)  # vLLM's own array, read as it is
+            if ids and checked is None and not 0 <= min(ids) <= max(ids) < limit:
                 self.refusals.note("device_spec_refused", "block ids outside the KV cache")
                 return None  # (not another part's block either)
-            ends = np.cumsum(sizes).tolist()
+            ends = list(itertools.accumulate(sizes))
             return [
                 (ids[end - n : end], int(first))
                 for n, end, first in zip(sizes, ends, starts, strict=True)
