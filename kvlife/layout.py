@@ -51,8 +51,8 @@ __all__ = [
 ]
 
 
-#: CPU copies of this many bytes or more (they no longer fit the cache) are streamed.
-STREAM_BYTES = 32 << 20
+#: CPU copies of this many bytes or more (source and target fill a 32 MiB cache) are streamed.
+STREAM_BYTES = 16 << 20
 #: CPU copies of this many bytes or more are split over torch's thread count (smaller ones
 #: would spend more starting a thread than it saves).
 THREADS_BYTES = 4 << 20
