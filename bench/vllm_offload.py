@@ -14,8 +14,8 @@ Then the worker's bandwidth: a fresh ``KVLifeWorker`` over vLLM's real KV
 cache views stores one job of ``--bw-blocks`` scattered blocks to its host
 pool and loads it back into other blocks, through its copy engine, against a
 contiguous copy of the same bytes (each round the faster of torch's ``copy_`` and a
-one-thread memcpy; ``*_vs_copy_*``: against ``copy_`` alone); interleaved rounds, each
-in another order, medians.
+one-thread memcpy, each between buffers of its own; ``*_vs_copy_*``: against ``copy_``
+alone); interleaved rounds, each in another order, medians.
 
     python bench/vllm_offload.py [--reps 30] [--prompts 32] [--bw-blocks 512] [--bw-rounds 9]
     python bench/vllm_offload.py --real-only --bw-rounds 11   # the realistic shape alone
@@ -277,8 +277,8 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
     views: one job of ``blocks`` scattered device blocks into consecutive host
     pages (a store), then back into other scattered blocks (a load), each timed
     from ``submit_*`` through ``wait`` to its ``get_finished`` result; and a
-    ``copy_`` and a memcpy between two contiguous tensors of the same size. Rounds
-    are interleaved, each in another order; medians.
+    ``copy_`` and a memcpy of the same size, each between two contiguous buffers of
+    its own. Rounds are interleaved, each in another order; medians.
     """
     caches = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(v, int(v.shape[1])) for v in views],
@@ -334,7 +334,10 @@ def worker_bandwidth(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) 
         flat_dst.copy_(flat_src)
         return perf() - start
 
-    np_src, np_dst = flat_src.numpy(), flat_dst.numpy()
+    # memcpy on buffers of its own: on copy_'s, whichever of the two ran second found its
+    # source in the cache, and the faster of them, the baseline, was a warm copy.
+    np_src = torch.randint(-128, 127, (blocks * row,), dtype=torch.int8).numpy()
+    np_dst = np.empty_like(np_src)
 
     def memcpy() -> float:  # one thread, no OpenMP: torch's copy_ is not always the faster
         start = perf()
@@ -424,7 +427,8 @@ def copy_paths(views: tuple[torch.Tensor, ...], blocks: int, rounds: int) -> dic
     host = torch.empty(blocks, layout.page_numel, dtype=torch.int8)
     flat_src = torch.randint(-128, 127, (host.numel(),), dtype=torch.int8)
     flat_dst = torch.empty_like(flat_src)
-    np_src, np_dst = flat_src.numpy(), flat_dst.numpy()
+    np_src = torch.randint(-128, 127, (host.numel(),), dtype=torch.int8).numpy()
+    np_dst = np.empty_like(np_src)  # memcpy's own buffers, as in worker_bandwidth
     src_rows = flat_src.view(-1, int(views[0].shape[1])).view(torch.complex128)
     dst_rows = flat_dst.view(-1, int(views[0].shape[1])).view(torch.complex128)
     in_order = torch.arange(src_rows.shape[0])
