@@ -85,15 +85,17 @@ def _per_layer(
     return [torch.zeros(shape, dtype=dtype, device=on) for _ in range(num_layers)]
 
 
-def _plain_rows(rows: torch.Tensor) -> tuple[int, int] | None:
-    """Where 2-D ``rows`` lie in their storage, the bytes ``[first, end)`` (none: 0, 0), if
-    a byte copy by address reads or writes them as torch would: contiguous, apart, and no
-    lazy conjugation or negation; else None. One read of their shape and strides."""
+def _plain_rows(rows: torch.Tensor) -> tuple[tuple[int, int], int, int] | None:
+    """Where 2-D ``rows`` lie in their storage (the bytes ``[first, end)``; none: 0, 0), how
+    many and their stride in bytes, if a byte copy by address reads or writes them as torch
+    would: contiguous, apart, and no lazy conjugation or negation; else None. One read of
+    their shape and strides."""
     (n, width), (step, one), size = rows.shape, rows.stride(), rows.element_size()
     if one != 1 or step < width or rows.is_conj() or rows.is_neg():
         return None
     first = int(rows.storage_offset()) * size
-    return (first, first + ((n - 1) * step + width) * size) if n and width else (0, 0)
+    span = (first, first + ((n - 1) * step + width) * size) if n and width else (0, 0)
+    return span, n, step * size
 
 
 def _check_live(what: str | int, tensor: torch.Tensor, span: tuple[int, int]) -> int:
@@ -150,11 +152,11 @@ class KVLayout:
         )
         self._page_numel = ends[-1]
         size = first.element_size()  # copies by address: each buffer's bytes in its storage,
-        spans = [_plain_rows(row) for row in self._rows]  # its row stride and its columns
+        plain = [_plain_rows(row) for row in self._rows]  # its row stride and its columns
         self._spans = [  # (none unless every buffer's rows are plain)
-            (span, row.stride(0) * size, cols.start * size, int(row.shape[1]) * size)
-            for span, (row, cols) in zip(spans, self._blocks, strict=True)
-            if span is not None and None not in spans
+            (rows[0], rows[2], cols.start * size, int(row.shape[1]) * size)
+            for rows, (row, cols) in zip(plain, self._blocks, strict=True)
+            if rows is not None and None not in plain
         ]
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -306,12 +308,11 @@ class KVLayout:
         nothing copied, where the extension is not built or the rows are not plain; the
         caller then copies through torch."""
         n = int(pages.numel())
-        on_host = (
+        plain = (
             _plain_rows(host) if _rowcopy and self._spans and self.device.type == "cpu" else None
         )
-        if on_host is None:
+        if plain is None:
             return False  # torch's paths copy it, or refuse it (overlapping rows) as they do
-        size = self.dtype.itemsize
         # Raw addresses: each page and host row is checked in the call (each page read once, so
         # no thread can change it once checked); each buffer where it was at construction, and
         # the host pool, inside their storage as it is now.
@@ -319,7 +320,8 @@ class KVLayout:
             (_check_live(i, row, span), *rest)
             for i, (row, (span, *rest)) in enumerate(zip(self._rows, self._spans, strict=True))
         ]
-        host_rows = (len(host), _check_live("the host pool", host, on_host), host.stride(0) * size)
+        span, rows, stride = plain
+        host_rows = (rows, _check_live("the host pool", host, span), stride)
         nbytes = n * self.page_nbytes
         threads = torch.get_num_threads() if nbytes >= THREADS_BYTES else 1
         team = OPENMP and threading.current_thread() is threading.main_thread()

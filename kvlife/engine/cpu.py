@@ -87,7 +87,7 @@ class _Job:
     load: bool
     device_pages: tuple[int, ...]
     host_pages: tuple[int, ...]
-    index: torch.Tensor
+    index: Index
     host_index: Index
     runs: list[tuple[int, int, int]]
     delay: float
@@ -212,8 +212,9 @@ class CpuCopyEngine(PageCopyEngine):
         gate = self._hold_next.popleft() if self._hold_next else None
         if gate is not None:
             self._held.append(gate)
-        index, runs = torch.from_numpy(d), host_runs(h)
-        job = _Job(ticket, load, dev, hst, index, h, runs, delay, gate, fault, time.perf_counter())
+        job = _Job(
+            ticket, load, dev, hst, d, h, host_runs(h), delay, gate, fault, time.perf_counter()
+        )
         self._claim(load, d, h)
         self._inflight += 1
         if self._threads:
@@ -273,7 +274,7 @@ class CpuCopyEngine(PageCopyEngine):
         self.close()
 
     def _settle(self, job: _Job) -> Ack:
-        self._unclaim(job.load, job.index.numpy(), job.host_index)
+        self._unclaim(job.load, job.index, job.host_index)
         if job.error is not None and job.fault is None:
             self.copy_errors += 1
             self.last_copy_error = job.error
@@ -308,10 +309,9 @@ class CpuCopyEngine(PageCopyEngine):
             job.event._started = True
             if job.fault is not None:
                 job.error = job.fault
-            elif job.load:
-                self.layout.scatter_runs(job.index, self.host.tensor, job.runs)
             else:
-                self.layout.gather_runs(job.index, self.host.tensor, job.runs)
+                copy = self.layout.scatter_runs if job.load else self.layout.gather_runs
+                copy(torch.from_numpy(job.index), self.host.tensor, job.runs)
         except Exception as exc:  # a copy error is reported in the ack, never lost
             job.error = exc
         job.completed_at = time.perf_counter()
