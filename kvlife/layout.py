@@ -13,12 +13,16 @@ import itertools
 import math
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvlife._checks import buffer_spec, device_of, positive_int
 from kvlife.errors import ConfigError
+
+#: A copy's pages: an int64 tensor on the layout's device, or (a CPU layout) an int64 array.
+PageIndex = torch.Tensor | np.ndarray[Any, np.dtype[np.int64]]
 
 try:
     from kvlife import _rowcopy
@@ -240,7 +244,7 @@ class KVLayout:
 
     def gather_runs(
         self,
-        pages: torch.Tensor,
+        pages: PageIndex,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
         *,
@@ -248,13 +252,14 @@ class KVLayout:
     ) -> None:
         """Copy ``pages`` into rows of ``host`` given as runs ``(offset, first row, length)``:
         a copy engine's step, the chunk's page ``offset + i`` to host row ``row + i`` (pages
-        and runs checked by the engine). A host tensor on another device goes through device
-        staging of at most ``max_staging_bytes`` at a time, ``non_blocking`` when pinned."""
+        and runs checked by the engine; pages as :data:`PageIndex`). A host tensor on another
+        device goes through device staging of at most ``max_staging_bytes`` at a time,
+        ``non_blocking`` when pinned."""
         self._copy_runs(False, pages, host, runs, max_staging_bytes)
 
     def scatter_runs(
         self,
-        pages: torch.Tensor,
+        pages: PageIndex,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
         *,
@@ -267,38 +272,38 @@ class KVLayout:
     def _copy_runs(
         self,
         load: bool,
-        pages: torch.Tensor,
+        pages: PageIndex,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
         max_staging_bytes: int,
     ) -> None:
         """Both directions of :meth:`gather_runs` and :meth:`scatter_runs`: they cannot differ."""
         self._check_rows("host", host)
+        if host.device == self.device and self._by_address(load, pages, host, runs):
+            return
+        index = torch.as_tensor(pages)  # an engine's checked int64 array, for torch's copies
         if host.device == self.device:
-            if not self._by_address(load, pages, host, runs):
-                for offset, row, length in runs:
-                    self._torch_copy(
-                        load, pages[offset : offset + length], host[row : row + length]
-                    )
+            for offset, row, length in runs:
+                self._torch_copy(load, index[offset : offset + length], host[row : row + length])
             return
         non_blocking = host.is_pinned()
         window = max(1, max_staging_bytes // max(1, self.page_nbytes))
-        for lo, hi, pieces in staging_windows(pages.numel(), runs, window):
+        for lo, hi, pieces in staging_windows(index.numel(), runs, window):
             staging = torch.empty((hi - lo, self._page_numel), dtype=self.dtype, device=self.device)
             if not load:
-                self._torch_copy(False, pages[lo:hi], staging)
+                self._torch_copy(False, index[lo:hi], staging)
             for first, last, row in pieces:
                 src, dst = staging[first:last], host[row : row + last - first]
                 if load:
                     src, dst = dst, src
                 dst.copy_(src, non_blocking=non_blocking)
             if load:
-                self._torch_copy(True, pages[lo:hi], staging)
+                self._torch_copy(True, index[lo:hi], staging)
 
     def _by_address(
         self,
         load: bool,
-        pages: torch.Tensor,
+        pages: PageIndex,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
     ) -> bool:
@@ -307,12 +312,13 @@ class KVLayout:
         torch's thread count, from ``STREAM_BYTES`` up streamed (docs/engines.md). False,
         nothing copied, where the extension is not built or the rows are not plain; the
         caller then copies through torch."""
-        n = int(pages.numel())
         plain = (
             _plain_rows(host) if _rowcopy and self._spans and self.device.type == "cpu" else None
         )
         if plain is None:
             return False  # torch's paths copy it, or refuse it (overlapping rows) as they do
+        at = pages if isinstance(pages, np.ndarray) else pages.numpy()
+        n = at.size
         # Raw addresses: each page and host row is checked in the call (each page read once, so
         # no thread can change it once checked); each buffer where it was at construction, and
         # the host pool, inside their storage as it is now.
@@ -327,7 +333,7 @@ class KVLayout:
         team = OPENMP and threading.current_thread() is threading.main_thread()
         where = (np.array(runs, dtype=np.int64), host_rows, np.array(geometry, dtype=np.int64))
         how = (threads, nbytes >= STREAM_BYTES, team)
-        _rowcopy.copy_pages(load, pages.numpy(), self.num_pages, *where, *how, ConfigError)
+        _rowcopy.copy_pages(load, at, self.num_pages, *where, *how, ConfigError)
         return True
 
     def _torch_copy(self, load: bool, pages: torch.Tensor, rows: torch.Tensor) -> None:

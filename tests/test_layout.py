@@ -271,16 +271,18 @@ def restore_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
         pytest.skip("kvlife._rowcopy is not built (no C compiler at install)")
 
 
+@pytest.mark.parametrize("pages_as", ["tensor", "array"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_scatter_runs_round_trip_is_bit_exact(
-    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype, path: str
+    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype, path: str, pages_as: str
 ) -> None:
     """Store pages to scattered host rows, restore them into other device pages: same bits.
 
     Device pages mix consecutive stretches (2 3 4 5, 9 10) and lone pages;
-    host rows come in runs (offset, first row, length) as the engine makes them.
+    host rows come in runs (offset, first row, length) as the engine makes them. The
+    pages are a tensor, or the int64 array a CPU engine checked them into.
     """
     restore_path(monkeypatch, path)
     src = make(kind, dtype, num_pages=12)
@@ -288,11 +290,12 @@ def test_scatter_runs_round_trip_is_bit_exact(
     stored = torch.tensor([11, 0, 7, 3, 5, 1, 8, 6])
     runs = [(0, 9, 3), (3, 2, 1), (4, 4, 4)]  # host rows 9 10 11 | 2 | 4 5 6 7
     host = torch.zeros((13, src.page_numel), dtype=dtype)
-    src.gather_runs(stored, host, runs)
+    pages = (lambda t: t.numpy()) if pages_as == "array" else (lambda t: t)
+    src.gather_runs(pages(stored), host, runs)
     host_before = host.clone()
     dst = make(kind, dtype, num_pages=12)
     restored = torch.tensor([2, 3, 4, 5, 9, 10, 0, 7])
-    dst.scatter_runs(restored, host, runs)
+    dst.scatter_runs(pages(restored), host, runs)
     for s, d in zip(stored.tolist(), restored.tolist(), strict=True):
         assert torch.equal(bits(dst.read_page(d)), bits(src.read_page(s)))
     for p in set(range(12)) - set(restored.tolist()):
@@ -524,8 +527,8 @@ def test_the_c_page_check_reads_an_int32_or_int64_array_as_it_is() -> None:
     rowcopy = _rowcopy_or_skip()
     for dtype in (np.int32, np.int64):
         ids = np.array([5, 0, 2, 7], dtype=dtype)
-        for given, want in ((ids, [5, 0, 2, 7]), (ids[::-2], [7, 0])):
-            assert np.frombuffer(rowcopy.pages(given, 8), dtype=np.int64).tolist() == want
+        for array, want in ((ids, [5, 0, 2, 7]), (ids[::-2], [7, 0])):
+            assert np.frombuffer(rowcopy.pages(array, 8), dtype=np.int64).tolist() == want
         assert rowcopy.pages(ids, 7) == 3  # out of range
         assert rowcopy.pages(np.array([1, 2, 1], dtype=dtype), 8) == 2  # a repeat
         assert rowcopy.pages(np.array([1, -2], dtype=dtype), 8) == 1

@@ -173,17 +173,6 @@ class PageCopyEngine:
         device_pages: Sequence[int],
         host_pages: Sequence[int],
         load: bool = False,
-    ) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
-        """:meth:`_checked_index` without the index arrays."""
-        load, dev, hst, _, _ = self._checked_index(ticket, device_pages, host_pages, load)
-        return load, dev, hst
-
-    def _checked_index(
-        self,
-        ticket: Ticket | LoadTicket | None,
-        device_pages: Sequence[int],
-        host_pages: Sequence[int],
-        load: bool = False,
     ) -> tuple[bool, tuple[int, ...], tuple[int, ...], Index, Index]:
         """Every check a chunk must pass before any copy: the one validation of every engine.
         With a ``ticket`` (``submit``), its type gives the direction (a

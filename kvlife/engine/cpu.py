@@ -17,8 +17,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from kvlife._checks import finite_seconds, positive_int
 from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import Ack, Index, PageCopyEngine, host_runs
@@ -193,7 +191,7 @@ class CpuCopyEngine(PageCopyEngine):
         """Validate the chunk, then queue its copy; returns the chunk's completion event. A
         :data:`~kvlife.Ticket` copies device -> host, a :class:`~kvlife.LoadTicket` host ->
         device. Refusals raise and change nothing."""
-        load, dev, hst, d, h = self._checked_index(ticket, device_pages, host_pages)
+        load, dev, hst, d, h = self._checked(ticket, device_pages, host_pages)
         fault: BaseException | None = None
         origin = ""  # why a fault is made here: fail_next without an error of its own, or chance
         if self._fail_next:
@@ -311,7 +309,7 @@ class CpuCopyEngine(PageCopyEngine):
                 job.error = job.fault
             else:
                 copy = self.layout.scatter_runs if job.load else self.layout.gather_runs
-                copy(torch.from_numpy(job.index), self.host.tensor, job.runs)
+                copy(job.index, self.host.tensor, job.runs)
         except Exception as exc:  # a copy error is reported in the ack, never lost
             job.error = exc
         job.completed_at = time.perf_counter()

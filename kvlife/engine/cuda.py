@@ -97,7 +97,7 @@ class CudaCopyEngine(PageCopyEngine):
         :class:`~kvlife.LoadTicket` host -> device; the runtime must not read a
         load's device pages before its ack.
         """
-        load, dev, hst = self._checked(ticket, device_pages, host_pages)
+        load, dev, hst, _, _ = self._checked(ticket, device_pages, host_pages)
         submitted_at = time.perf_counter()
         side = self.stream
         index = torch.empty(0, dtype=torch.int64)

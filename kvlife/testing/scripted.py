@@ -96,7 +96,7 @@ class ScriptedEngine(PageCopyEngine):
     ) -> ScriptedCopy:
         """Validate the chunk and hold it until :meth:`complete` (returns the copy to
         complete); refusals change nothing."""
-        load, dev, hst = self._checked(ticket, device_pages, host_pages)
+        load, dev, hst, _, _ = self._checked(ticket, device_pages, host_pages)
         copy = ScriptedCopy(ticket, dev, hst, self._submitted, time.perf_counter())
         self._submitted += 1
         self._claim(load, dev, hst)
