@@ -45,8 +45,9 @@
  * an exact int (or an int32 or int64 array's item) in [0, limit), none twice. Returns the pages as a bytearray of int64, or
  * the position of the first item that fails (the caller names the error).
  *
- * runs(pages): the maximal runs of consecutive pages (a 1-D int64 buffer) as a list of
- * (offset, first page, length): a chunk's host rows, most often one run.
+ * runs(pages): the maximal runs of consecutive pages (read as pages() reads them) as a
+ * list of (offset, first page, length): a chunk's host rows, most often one run; None
+ * where an item is not an exact int (the caller walks them in Python).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -408,43 +409,76 @@ static int int_width(const Py_buffer *view)
     return view->itemsize == 8 && (f[0] == 'q' || f[0] == 'l') ? 8 : 0;
 }
 
-/* pages(seq, limit): see the header. Duplicates are found in an open-addressing table of
- * at least twice the pages, so the cost does not depend on limit. An int32 or int64 array
- * is read as it is; any other sequence item by item. */
-static PyObject *pages(PyObject *self, PyObject *args)
+/* A page list as pages() and runs() read it: an int32 or int64 array as it is (any
+ * stride), any other sequence item by item. */
+typedef struct {
+    Py_buffer view;
+    PyObject *fast;
+    int width;
+    Py_ssize_t n;
+} PageList;
+
+static int open_pages(PyObject *seq, PageList *list)
 {
-    PyObject *seq, *fast = NULL;
-    long long limit;
-    Py_buffer view = {0};
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OL", &seq, &limit))
-        return NULL;
-    int width = 0;
-    if (PyObject_CheckBuffer(seq) && PyObject_GetBuffer(seq, &view, PyBUF_RECORDS_RO) == 0) {
-        width = int_width(&view);
-        if (!width)
-            PyBuffer_Release(&view);
+    *list = (PageList){.fast = NULL};
+    if (PyObject_CheckBuffer(seq) && PyObject_GetBuffer(seq, &list->view, PyBUF_RECORDS_RO) == 0) {
+        list->width = int_width(&list->view);
+        if (!list->width)
+            PyBuffer_Release(&list->view);
     }
     PyErr_Clear();
-    if (!width && (fast = PySequence_Fast(seq, "pages must be a sequence")) == NULL)
+    if (list->width) {
+        list->n = list->view.shape[0];
+        return 0;
+    }
+    if ((list->fast = PySequence_Fast(seq, "pages must be a sequence")) == NULL)
+        return -1;
+    list->n = PySequence_Fast_GET_SIZE(list->fast);
+    return 0;
+}
+
+/* Page i of the list into *v; 0 where it is not an exact int within int64. */
+static int page_at(const PageList *list, Py_ssize_t i, long long *v)
+{
+    if (list->width) {
+        const char *at = (const char *)list->view.buf + i * list->view.strides[0];
+        *v = list->width == 4 ? *(const int32_t *)at : *(const int64_t *)at;
+        return 1;
+    }
+    PyObject *item = PySequence_Fast_ITEMS(list->fast)[i];
+    int overflow = 0;
+    if (!PyLong_CheckExact(item))
+        return 0;
+    *v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    return !overflow;
+}
+
+static void close_pages(PageList *list)
+{
+    if (list->width)
+        PyBuffer_Release(&list->view);
+    Py_XDECREF(list->fast);
+}
+
+/* pages(seq, limit): see the header. Duplicates are found in an open-addressing table of
+ * at least twice the pages, so the cost does not depend on limit. */
+static PyObject *pages(PyObject *self, PyObject *args)
+{
+    PyObject *seq;
+    long long limit;
+    PageList list;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OL", &seq, &limit) || open_pages(seq, &list) < 0)
         return NULL;
-    Py_ssize_t n = width ? view.shape[0] : PySequence_Fast_GET_SIZE(fast), size = 16, bad = -1;
+    Py_ssize_t n = list.n, size = 16, bad = -1;
     while (size < 2 * n)
         size *= 2;
     PyObject *out = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
     uint64_t *table = PyMem_Calloc((size_t)size, sizeof(uint64_t)); /* page + 1; 0: empty */
     int64_t *values = out == NULL ? NULL : (int64_t *)PyByteArray_AS_STRING(out);
-    PyObject **items = width ? NULL : PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n && bad < 0 && values != NULL && table != NULL; i++) {
-        int overflow = 0;
         long long v = -1;
-        if (width) {
-            const char *at = (const char *)view.buf + i * view.strides[0];
-            v = width == 4 ? *(const int32_t *)at : *(const int64_t *)at;
-        } else if (PyLong_CheckExact(items[i])) {
-            v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
-        }
-        if (overflow || v < 0 || v >= limit) {
+        if (!page_at(&list, i, &v) || v < 0 || v >= limit) {
             bad = i;
             break;
         }
@@ -458,9 +492,7 @@ static PyObject *pages(PyObject *self, PyObject *args)
         table[slot] = key;
     }
     PyMem_Free(table);
-    Py_XDECREF(fast);
-    if (width)
-        PyBuffer_Release(&view);
+    close_pages(&list);
     if (out == NULL || table == NULL) {
         Py_XDECREF(out);
         return PyErr_NoMemory();
@@ -518,31 +550,33 @@ done:
 /* runs(pages): see the header. */
 static PyObject *runs(PyObject *self, PyObject *arg)
 {
-    Py_buffer view;
+    PageList list;
     (void)self;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+    if (open_pages(arg, &list) < 0)
         return NULL;
-    const char *format = view.format[0] == '<' || view.format[0] == '=' ? view.format + 1
-                                                                         : view.format;
-    PyObject *out = NULL;
-    if (view.itemsize != 8 || view.ndim != 1 || (strcmp(format, "q") && strcmp(format, "l"))) {
-        PyErr_SetString(PyExc_TypeError, "pages must be a 1-D int64 buffer");
-        goto done;
-    }
-    const int64_t *page = view.buf;
-    Py_ssize_t n = view.len / 8, start = 0;
-    out = PyList_New(0);
-    for (Py_ssize_t i = 1; out != NULL && i <= n; i++) {
-        if (i < n && page[i - 1] < INT64_MAX && page[i] == page[i - 1] + 1)
+    PyObject *out = PyList_New(0);
+    long long first = 0, last = 0, v = 0;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t i = 0; out != NULL && i <= list.n; i++) {
+        if (i < list.n && !page_at(&list, i, &v)) { /* not an int: the caller walks them */
+            Py_DECREF(out);
+            out = Py_NewRef(Py_None);
+            break;
+        }
+        if (i > 0 && i < list.n && last < LLONG_MAX && v == last + 1) {
+            last = v;
             continue;
-        PyObject *run = Py_BuildValue("(nLn)", start, (long long)page[start], i - start);
-        if (run == NULL || PyList_Append(out, run) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(run);
+        }
+        if (i > 0) {
+            PyObject *run = Py_BuildValue("(nLn)", start, first, i - start);
+            if (run == NULL || PyList_Append(out, run) < 0)
+                Py_CLEAR(out);
+            Py_XDECREF(run);
+        }
         start = i;
+        first = last = v;
     }
-done:
-    PyBuffer_Release(&view);
+    close_pages(&list);
     return out;
 }
 
@@ -566,8 +600,8 @@ static PyMethodDef methods[] = {
      "pages(seq, limit): seq's exact ints (or an int32 or int64 array's), each in [0, limit) "
      "and none twice, as a bytearray of int64; else the position of the first that is not."},
     {"runs", runs, METH_O,
-     "runs(pages): the maximal runs of consecutive pages (1-D int64) as (offset, first, "
-     "length) tuples."},
+     "runs(pages): the maximal runs of consecutive pages as (offset, first, length) "
+     "tuples; None where an item is not an exact int."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -124,7 +124,8 @@ def test_host_runs_are_the_maximal_runs_in_c_and_in_python(
     monkeypatch: pytest.MonkeyPatch, in_c: bool
 ) -> None:
     """host_runs finds the same maximal runs of consecutive pages in one C pass and, where
-    kvlife._rowcopy is not built, in Python; from a list, a tuple or an int64 array."""
+    kvlife._rowcopy is not built, in Python; from a list, a tuple, an int32 or int64 array
+    (strided too), and from items that are not ints (C hands those to Python)."""
     import kvlife.engine.base as base
 
     if not in_c:
@@ -138,7 +139,16 @@ def test_host_runs_are_the_maximal_runs_in_c_and_in_python(
         (1, 2, 2, 3): [(0, 1, 2), (2, 2, 2)],  # a page twice: no run crosses it
     }
     for pages, runs in cases.items():
-        for given in (list(pages), pages, np.array(pages, dtype=np.int64)):
+        spread = np.zeros(2 * len(pages), dtype=np.int64)
+        spread[::2] = pages
+        for given in (
+            list(pages),
+            pages,
+            np.array(pages, dtype=np.int64),
+            np.array(pages, dtype=np.int32),
+            spread[::2],
+            [np.int64(p) for p in pages],
+        ):
             assert host_runs(given) == runs, (given, in_c)
 
 

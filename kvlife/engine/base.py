@@ -292,8 +292,9 @@ def page_index(pages: Sequence[int]) -> torch.Tensor:
 
 def host_runs(host_pages: Pages) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive host pages: ``(chunk offset, first host page, length)``."""
-    if _c_runs is not None:  # one C pass (a checked chunk's pages are an int64 array)
-        return _c_runs(_index(host_pages))
+    found = None if _c_runs is None else _c_runs(host_pages)  # one C pass, where all are ints
+    if found is not None:
+        return found
     n = len(host_pages)
     runs: list[tuple[int, int, int]] = []
     start = 0
