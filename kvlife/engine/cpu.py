@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kvlife._checks import finite_seconds, positive_int
 from kvlife._lifecycle import LoadTicket, Ticket
 from kvlife.engine.base import Ack, Index, PageCopyEngine, host_runs
@@ -309,7 +311,7 @@ class CpuCopyEngine(PageCopyEngine):
                 job.error = job.fault
             else:
                 copy = self.layout.scatter_runs if job.load else self.layout.gather_runs
-                copy(job.index, self.host.tensor, job.runs)
+                copy(torch.from_numpy(job.index), self.host.tensor, job.runs)  # a view
         except Exception as exc:  # a copy error is reported in the ack, never lost
             job.error = exc
         job.completed_at = time.perf_counter()
