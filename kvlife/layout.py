@@ -13,16 +13,12 @@ import itertools
 import math
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvlife._checks import buffer_spec, device_of, positive_int
 from kvlife.errors import ConfigError
-
-#: A copy's pages: an int64 tensor on the layout's device, or (a CPU layout) an int64 array.
-PageIndex = torch.Tensor | np.ndarray[Any, np.dtype[np.int64]]
 
 try:
     from kvlife import _rowcopy
@@ -244,7 +240,7 @@ class KVLayout:
 
     def gather_runs(
         self,
-        pages: PageIndex,
+        pages: torch.Tensor,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
         *,
@@ -252,14 +248,13 @@ class KVLayout:
     ) -> None:
         """Copy ``pages`` into rows of ``host`` given as runs ``(offset, first row, length)``:
         a copy engine's step, the chunk's page ``offset + i`` to host row ``row + i`` (pages
-        and runs checked by the engine; pages as :data:`PageIndex`). A host tensor on another
-        device goes through device staging of at most ``max_staging_bytes`` at a time,
-        ``non_blocking`` when pinned."""
+        and runs checked by the engine). A host tensor on another device goes through device
+        staging of at most ``max_staging_bytes`` at a time, ``non_blocking`` when pinned."""
         self._copy_runs(False, pages, host, runs, max_staging_bytes)
 
     def scatter_runs(
         self,
-        pages: PageIndex,
+        pages: torch.Tensor,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
         *,
@@ -272,38 +267,38 @@ class KVLayout:
     def _copy_runs(
         self,
         load: bool,
-        pages: PageIndex,
+        pages: torch.Tensor,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
         max_staging_bytes: int,
     ) -> None:
         """Both directions of :meth:`gather_runs` and :meth:`scatter_runs`: they cannot differ."""
         self._check_rows("host", host)
-        if host.device == self.device and self._by_address(load, pages, host, runs):
-            return
-        index = torch.as_tensor(pages)  # an engine's checked int64 array, for torch's copies
         if host.device == self.device:
-            for offset, row, length in runs:
-                self._torch_copy(load, index[offset : offset + length], host[row : row + length])
+            if not self._by_address(load, pages, host, runs):
+                for offset, row, length in runs:
+                    self._torch_copy(
+                        load, pages[offset : offset + length], host[row : row + length]
+                    )
             return
         non_blocking = host.is_pinned()
         window = max(1, max_staging_bytes // max(1, self.page_nbytes))
-        for lo, hi, pieces in staging_windows(index.numel(), runs, window):
+        for lo, hi, pieces in staging_windows(pages.numel(), runs, window):
             staging = torch.empty((hi - lo, self._page_numel), dtype=self.dtype, device=self.device)
             if not load:
-                self._torch_copy(False, index[lo:hi], staging)
+                self._torch_copy(False, pages[lo:hi], staging)
             for first, last, row in pieces:
                 src, dst = staging[first:last], host[row : row + last - first]
                 if load:
                     src, dst = dst, src
                 dst.copy_(src, non_blocking=non_blocking)
             if load:
-                self._torch_copy(True, index[lo:hi], staging)
+                self._torch_copy(True, pages[lo:hi], staging)
 
     def _by_address(
         self,
         load: bool,
-        pages: PageIndex,
+        pages: torch.Tensor,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
     ) -> bool:
@@ -317,7 +312,7 @@ class KVLayout:
         )
         if plain is None:
             return False  # torch's paths copy it, or refuse it (overlapping rows) as they do
-        at = pages if isinstance(pages, np.ndarray) else pages.numpy()
+        at = pages.numpy()
         n = at.size
         # Raw addresses: each page and host row is checked in the call (each page read once, so
         # no thread can change it once checked); each buffer where it was at construction, and

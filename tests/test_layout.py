@@ -271,18 +271,16 @@ def restore_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
         pytest.skip("kvlife._rowcopy is not built (no C compiler at install)")
 
 
-@pytest.mark.parametrize("pages_as", ["tensor", "array"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_scatter_runs_round_trip_is_bit_exact(
-    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype, path: str, pages_as: str
+    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype, path: str
 ) -> None:
     """Store pages to scattered host rows, restore them into other device pages: same bits.
 
     Device pages mix consecutive stretches (2 3 4 5, 9 10) and lone pages;
-    host rows come in runs (offset, first row, length) as the engine makes them. The
-    pages are a tensor, or the int64 array a CPU engine checked them into.
+    host rows come in runs (offset, first row, length) as the engine makes them.
     """
     restore_path(monkeypatch, path)
     src = make(kind, dtype, num_pages=12)
@@ -290,12 +288,11 @@ def test_scatter_runs_round_trip_is_bit_exact(
     stored = torch.tensor([11, 0, 7, 3, 5, 1, 8, 6])
     runs = [(0, 9, 3), (3, 2, 1), (4, 4, 4)]  # host rows 9 10 11 | 2 | 4 5 6 7
     host = torch.zeros((13, src.page_numel), dtype=dtype)
-    pages = (lambda t: t.numpy()) if pages_as == "array" else (lambda t: t)
-    src.gather_runs(pages(stored), host, runs)
+    src.gather_runs(stored, host, runs)
     host_before = host.clone()
     dst = make(kind, dtype, num_pages=12)
     restored = torch.tensor([2, 3, 4, 5, 9, 10, 0, 7])
-    dst.scatter_runs(pages(restored), host, runs)
+    dst.scatter_runs(restored, host, runs)
     for s, d in zip(stored.tolist(), restored.tolist(), strict=True):
         assert torch.equal(bits(dst.read_page(d)), bits(src.read_page(s)))
     for p in set(range(12)) - set(restored.tolist()):

@@ -48,7 +48,7 @@ from kvlife.integrations.vllm._common import (
     shut_down,
 )
 from kvlife.integrations.vllm.shared_pool import SharedHostPool
-from kvlife.layout import KVLayout, PageIndex
+from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool
 from kvlife.refusals import Refusals
 from kvlife.store.base import StoreResult
@@ -144,7 +144,7 @@ class GroupedBlocksLayout(KVLayout):
     def _copy_runs(
         self,
         load: bool,
-        pages: PageIndex,
+        pages: torch.Tensor,
         host: torch.Tensor,
         runs: Sequence[tuple[int, int, int]],
         max_staging_bytes: int,
