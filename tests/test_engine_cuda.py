@@ -10,8 +10,12 @@ import torch
 from kvlife import Lifecycle, LoadTicket, Ticket
 from kvlife.engine import CopyEngine, CudaCopyEngine
 from kvlife.errors import ConfigError, EngineClosed, EngineError, PageBusy, UnallocatedHostPage
+from kvlife.host_tier import HostTier
 from kvlife.layout import KVLayout, LayerFirstLayout, MLALayout, PageFirstLayout
 from kvlife.pool import HostPagePool
+from kvlife.refusals import Refusals
+from kvlife.store import MemoryStore
+from kvlife.transfers import Transfers
 
 pytestmark = [
     pytest.mark.cuda,
@@ -339,3 +343,55 @@ def test_a_load_failing_part_way_is_acked_only_after_its_queued_writes(
     (ack,) = engine.drain()
     assert isinstance(ack.error, torch.cuda.OutOfMemoryError) and ack.is_load
     assert engine.inflight == 0
+
+
+class Record:
+    """A host's record of one operation (as the vLLM worker's job is): not a Lifecycle."""
+
+    def __init__(self, keys: tuple[str, ...], load: bool = False) -> None:
+        self.ticket: Any = LoadTicket(self, 0, keys) if load else (self, 0, keys, 0)
+        self.inflight = 1
+
+    def ack(self, ticket: object) -> None:
+        assert ticket is self.ticket and self.inflight == 1
+        self.inflight = 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_core_pipeline_stores_promotes_and_loads_a_host_records_pages(kind: str) -> None:
+    """Scenario: kvlife/transfers.py over the CUDA engine, owners that are host records.
+    A store goes ack, then store, then free; the stored bytes are the device pages' bits;
+    promotion reads them back into a pinned host page and a load writes them into other
+    device pages, bit-exact, and its ack drops the pin."""
+    layout, host, engine = setup(kind, torch.bfloat16)
+    refusals = Refusals()
+    tier: HostTier[str] = HostTier(host, refusals=refusals, keep=False)
+    store = MemoryStore()
+    pipe = Transfers(engine, host, store, refusals=refusals, tier=tier)
+    keys = ("a0", "b1", "c2")
+    op = Record(keys)
+    pages = host.alloc(3, owner=op)
+    assert pages is not None
+    originals = {p: bits(layout.read_page(p)).clone() for p in range(8)}
+    pipe.submit(op.ticket, [6, 1, 4], pages)
+    pipe.drain()
+    assert op.inflight == 0 and host.num_used == 0 and pipe.idle
+    for key, device in zip(keys, [6, 1, 4], strict=True):
+        payload = store.get(key)
+        assert payload == originals[device].view(torch.uint8).numpy().tobytes()
+    loads = []
+    for key, device in zip(keys, [0, 7, 2], strict=True):
+        assert pipe.promote(key)
+        entry = tier.entry(key)
+        assert entry is not None
+        load_op = Record((key,), load=True)
+        pipe.submit(load_op.ticket, [device], [entry.page])
+        loads.append(load_op)
+    assert tier.counts.pinned == 3
+    pipe.drain()
+    assert all(op.inflight == 0 for op in loads) and tier.counts.pinned == 0
+    for src, dst in zip([6, 1, 4], [0, 7, 2], strict=True):
+        assert torch.equal(bits(layout.read_page(dst)), originals[src])
+    assert (pipe.counts.pages_stored, pipe.counts.pages_loaded) == (3, 3)
+    engine.close()
+    store.close()
