@@ -52,7 +52,7 @@ _spec.loader.exec_module(pd)
 
 PROMPT = 100  # tokens: 3 full blocks and 4 tokens
 MAX_TOKENS = 40
-PROMPTS = pd.prompts(0, 12, PROMPT)
+PROMPTS = pd.prompts(0, 16, PROMPT)
 NEW_TURN = pd.prompts(1, 4, 20)
 
 
@@ -211,16 +211,31 @@ def test_a_kv_request_id_reused_while_the_cancelled_transfer_or_store_is_in_flig
     pair.books()
 
 
+def read_failed(pair: Pair, rid: str) -> bool:
+    """The decode side logged a failed NIXL read for ``rid`` (it recomputed the prompt)."""
+    return f"'request_id': '{rid}-" in Path(pair.decode.log_path).read_text()
+
+
 def test_control_a_prefill_on_other_weights_gives_no_identical_output(pair: Pair) -> None:
+    """The decode side decodes on the KV it received: from a prefill on other weights, no
+    output is the reference. The control's prompts (12-15) were never served here, so
+    neither kvlife's tier nor vLLM's prefix cache (dropped too) holds their right KV. A
+    request whose read failed was recomputed here, on the right weights, so it proves
+    nothing, and is tried again under a new id: the control is judged on four reads that
+    succeeded."""
     pair.other_prefill()
-    # vLLM's own prefix cache on this side may still hold these prompts' right KV from the
-    # first test (whether later traffic evicted it depends on timing): a local hit would
-    # be used before the transfer. Dropped, so the control is judged on the transfer alone.
-    assert pair.decode.call("reset_prefix_cache")["ok"]
-    reqs = [req(i, f"control{i}") for i in range(4)]
-    got = transferred(pair, reqs)
-    same = sum(got[r["id"]]["tokens"] == pair.reference[i] for i, r in enumerate(reqs))
-    assert same == 0  # the decode side decodes on the KV it received: the transfer is real
+    judged = 0
+    for attempt in range(3):
+        assert pair.decode.call("reset_prefix_cache")["ok"]
+        reqs = {i: req(i, f"control{attempt}-{i}") for i in range(12, 16)}
+        got = transferred(pair, list(reqs.values()))
+        for i, r in reqs.items():
+            if not read_failed(pair, r["id"]):
+                assert got[r["id"]]["tokens"] != pair.reference[i], r["id"]
+                judged += 1
+        if judged >= 4:
+            break
+    assert judged >= 4, pair.decode.log_tail()
     pair.books()
 
 
@@ -237,17 +252,14 @@ def test_the_prefill_instance_killed_before_the_decode_side_reads(pair: Pair) ->
     got = pd.decode(pair.decode, reqs, kv)
     assert [got[r["id"]]["finish"] for r in reqs] == ["length", "length"]
     assert [got[r["id"]]["tokens"] for r in reqs] == pair.reference[10:12]
-    log = Path(pair.decode.log_path).read_text()
     for r in reqs:  # the decode side says the read failed, for each request
-        assert f"'request_id': '{r['id']}-" in log, pair.decode.log_tail()
+        assert read_failed(pair, r["id"]), pair.decode.log_tail()
     pair.books()
-    # The control's prompts 0-3 now have the other weights' KV in vLLM's own prefix cache
-    # on this side. kvlife's tier held those prompts' blocks before the control and keeps
-    # them (a key already held is not stored again): with vLLM's cache dropped, prompt 3
-    # is served from kvlife and is right.
+    # What the decode side recomputed after the failed read is what kvlife stored: with
+    # vLLM's own cache dropped, prompt 10 is served from kvlife's tier and is right.
     assert pair.decode.call("reset_prefix_cache")["ok"]
-    fine = pd.decode(pair.decode, [req(3, "afterwards")], None)["afterwards"]
-    assert fine["tokens"] == pair.reference[3]
+    fine = pd.decode(pair.decode, [req(10, "afterwards")], None)["afterwards"]
+    assert fine["tokens"] == pair.reference[10]
     assert fine["cached"] == PROMPT // pd.BLOCK * pd.BLOCK
 
 
