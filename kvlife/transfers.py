@@ -122,16 +122,20 @@ class Transfers:
     ) -> object:
         """Hand a chunk to the engine; return its completion handle. ``checked``: it passed
         the engine's checks and its owner holds the ticket, so an engine failing to take it is
-        a failed copy, settled here and raised; else the checks run here, and a refusal
-        (:class:`~kvlife.errors.EngineError`) changes nothing (the owner counts the ticket
-        only after this returns)."""
+        a failed copy, settled here and raised; else the checks run here and the owner counts
+        the ticket only after this returns, so nothing is settled: a refusal
+        (:class:`~kvlife.errors.EngineError`) is raised as it is, and any other error the
+        engine raised taking the chunk as a :class:`~kvlife.errors.CopyFault` (an
+        ``EngineError``) made of it, for the host's refusal path."""
         try:
             handle = self.engine.submit(ticket, device_pages, host_pages)
         except BaseException as exc:
-            if not checked and isinstance(exc, EngineError):
-                raise  # refused: nothing changed, nothing to settle
             what = "load" if type(ticket) is LoadTicket else "chunk"
             fault = CopyFault(f"the engine failed to take {what} {ticket[1]}: {exc!r}")
+            if not checked:
+                if isinstance(exc, EngineError) or not isinstance(exc, Exception):
+                    raise  # refused (or interrupted): nothing changed, nothing to settle
+                raise fault from exc
             self.apply(Ack(ticket, tuple(device_pages), tuple(host_pages), fault))
             raise
         if self.agreement is not None:

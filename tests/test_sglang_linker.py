@@ -250,3 +250,33 @@ def test_a_refused_offload_or_load_leaks_nothing_and_raises_nothing(
     assert linker.refusals.count("load") == 1
     assert not linker.tier.counts.pinned and linker.host.num_used == len(linker.tier)
     linker.close()
+
+
+def test_an_engine_that_breaks_taking_a_copy_leaks_nothing_and_raises_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scenario: the engine raises an error of its own (not a refusal of its checks: a
+    device error, say) taking an offload and then a load. Each is refused and counted,
+    nothing reaches SGLang, and no host page stays allocated or pinned (before, the
+    offload's host pages leaked and the engine's error was raised into SGLang)."""
+    linker = make(tmp_path)
+    fill(linker, 0, 2.0)
+    assert linker.offload(kv([0], ["a" * 64]))
+    linker.transfers.drain()
+    assert linker.pop_completed_offload() is True
+    used = linker.host.num_used
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(linker.transfers.engine, "submit", broken)
+    assert linker.offload(kv([1], ["b" * 64])) is False
+    assert linker.refusals.count("offload") == 1 and linker.host.num_used == used
+    assert linker.load("r", kv([2], ["a" * 64]))
+    index = linker.start_layer_wise_loading()
+    assert linker.finish_layer_wise_loading(index) is False
+    assert linker.refusals.count("load") == 1 and linker.refusals.count("DuplicateAck") == 0
+    assert not linker.tier.counts.pinned and linker.host.num_used == len(linker.tier)
+    assert page_of(linker, 2) == [0.0] * 4  # nothing written to the device
+    monkeypatch.undo()
+    linker.close()

@@ -169,6 +169,32 @@ def test_an_engine_that_fails_to_take_a_checked_chunk_settles_it_as_a_failed_cop
     assert rig.pipe.counts.copy_failures == 1
 
 
+def test_an_engine_failing_to_take_a_chunk_its_owner_has_not_counted_settles_nothing(
+    rig: Rig,
+) -> None:
+    """Scenario: a host that counts a ticket only once submit returns (the vLLM worker, the
+    SGLang linker) hands a chunk to an engine that breaks taking it after its checks. The
+    owner gets no ack for a ticket it never counted (before, it got a failed one: a bogus
+    DuplicateAck refusal, then the engine's own error, which neither host catches, and the
+    linker's host pages leaked); the host gets a CopyFault, an EngineError, made of the
+    engine's error, for its refusal path, and nothing changed."""
+    op = Op(("cc",))
+    op.inflight = 0  # counted only after submit returns
+    pages = rig.host.alloc(1, owner=op)
+    assert pages is not None
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("engine broke")
+
+    before = snapshot(rig)
+    rig.pipe.engine = type("Broken", (), {"submit": broken})()  # type: ignore[assignment]
+    with pytest.raises(CopyFault, match="engine broke") as raised:
+        rig.pipe.submit(op.ticket, [1], pages, checked=False)
+    assert isinstance(raised.value, EngineError) and type(raised.value.__cause__) is RuntimeError
+    assert snapshot(rig) == before and rig.settled == [] and op.inflight == 0
+    assert rig.pipe.refusals.count("DuplicateAck") == 0 and rig.host.owned_by(op) == pages
+
+
 def test_a_store_that_refuses_the_put_frees_the_pages_and_counts(rig: Rig) -> None:
     op = Op(("cc",))
     pages = rig.host.alloc(1, owner=op)
