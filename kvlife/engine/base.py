@@ -160,6 +160,11 @@ class PageCopyEngine:
         use = self._host_use
         return set(np.flatnonzero(use != 0 if reads else use < 0).tolist())
 
+    def device_pages_busy(self, pages: Sequence[int]) -> bool:
+        """Whether a copy in flight reads or writes any of these (checked) device pages: a
+        host that writes device pages outside the engine waits for it first."""
+        return bool(self._device_use[_index(pages)].any())
+
     def check(
         self, device_pages: Sequence[int], host_pages: Sequence[int], *, load: bool = False
     ) -> None:

@@ -235,6 +235,44 @@ def test_a_store_read_that_raises_fails_the_load_and_keeps_no_chunk(tmp_path: Pa
     worker.shutdown()
 
 
+def test_a_store_tier_read_waits_for_a_copy_still_reading_its_block(tmp_path: Path) -> None:
+    """Found by review: a load from the persistent tier writes its device blocks here, outside
+    the engine, and after an abort or a reset vLLM can hand it a block an earlier store job
+    still reads. That job then stored the disk page's bytes under its own key. Now the read
+    waits for the copies in flight on its blocks, as an engine submit does (counted). A
+    threaded engine holds the store's copy (its gate forces the interleaving)."""
+    import threading
+
+    from kvlife.engine import CpuCopyEngine
+    from kvlife.integrations.vllm import FROM_STORE
+    from kvlife.store.directory import LocalDirectoryStore
+
+    kv = caches()
+    pool = HostPagePool(8, host_row_bytes(kv, 1), torch.int8)
+    store = LocalDirectoryStore(tmp_path, "ns")
+    worker = KVLifeWorker(kv, pool, store=store, tokens_per_block=(32, 16, 32))
+    first, second = keys(0, 0)
+    only = [([7], 0), ([], 0), ([], 0)]
+    assert worker.submit_store(1, device(kv, only), HostBlocksSpec([0], [first]))
+    assert done(worker) == [(1, True)]  # the persistent tier holds block 7 under `first`
+    engine = CpuCopyEngine(worker.layout, pool, workers=1)
+    worker.engine.close()
+    worker.engine = worker.transfers.engine = engine
+    t0, t1, _ = (v.clone() for v in views(kv))
+    gate = engine.hold_next()
+    block5 = [([5], 0), ([], 0), ([], 0)]
+    assert worker.submit_store(2, device(kv, block5), HostBlocksSpec([1], [second]))
+    opener = threading.Timer(0.3, gate.open)
+    opener.start()
+    assert worker.submit_load(3, HostBlocksSpec([FROM_STORE], [first]), device(kv, block5))
+    assert sorted(done(worker)) == [(2, True), (3, True)]
+    opener.join()
+    assert torch.equal(pool.tensor[1], torch.cat([t0[5], t1[5]]))  # what block 5 held
+    assert torch.equal(views(kv)[0][5], t0[7])  # then the tier's page landed
+    assert worker.stats["engine_busy_waits"] == 1
+    worker.shutdown()
+
+
 def test_bad_group_layouts_are_refused_at_start() -> None:
     """A group with no layer, groups whose caches hold different block counts and a
     blocks_per_chunk that is not a positive int are refused with a ConfigError, before any

@@ -548,7 +548,11 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _load_from_store(self, job: _WorkerJob, names: list[str], blocks: list[int]) -> None:
         """Read persistent-tier pages (verified) straight into device blocks, here: the
-        engine copies only to and from host pool pages."""
+        engine copies only to and from host pool pages. Blocks an earlier copy still reads or
+        writes (after a reset or an abort) are waited for, as a chunk the engine finds busy."""
+        if self.engine.device_pages_busy(blocks):
+            self.stats["engine_busy_waits"] += 1
+            self.transfers.apply_acks(self.engine.drain())
         for name, block in zip(names, blocks, strict=True):
             try:
                 payload = self._store.get(name) if self._store is not None else None
