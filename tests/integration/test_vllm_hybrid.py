@@ -239,8 +239,9 @@ def test_a_store_tier_read_waits_for_a_copy_still_reading_its_block(tmp_path: Pa
     """Found by review: a load from the persistent tier writes its device blocks here, outside
     the engine, and after an abort or a reset vLLM can hand it a block an earlier store job
     still reads. That job then stored the disk page's bytes under its own key. Now the read
-    waits for the copies in flight on its blocks, as an engine submit does (counted). A
-    threaded engine holds the store's copy (its gate forces the interleaving)."""
+    waits for the copies in flight on its blocks, as an engine submit does (counted). The
+    worker's engine copies on a thread of its own, and holds the store's copy (its gate
+    forces the interleaving)."""
     import threading
 
     from kvlife.engine import CpuCopyEngine
@@ -250,16 +251,14 @@ def test_a_store_tier_read_waits_for_a_copy_still_reading_its_block(tmp_path: Pa
     kv = caches()
     pool = HostPagePool(8, host_row_bytes(kv, 1), torch.int8)
     store = LocalDirectoryStore(tmp_path, "ns")
-    worker = KVLifeWorker(kv, pool, store=store, tokens_per_block=(32, 16, 32))
+    worker = KVLifeWorker(kv, pool, store=store, tokens_per_block=(32, 16, 32), copy_threads=1)
     first, second = keys(0, 0)
     only = [([7], 0), ([], 0), ([], 0)]
     assert worker.submit_store(1, device(kv, only), HostBlocksSpec([0], [first]))
     assert done(worker) == [(1, True)]  # the persistent tier holds block 7 under `first`
-    engine = CpuCopyEngine(worker.layout, pool, workers=1)
-    worker.engine.close()
-    worker.engine = worker.transfers.engine = engine
     t0, t1, _ = (v.clone() for v in views(kv))
-    gate = engine.hold_next()
+    assert isinstance(worker.engine, CpuCopyEngine)
+    gate = worker.engine.hold_next()
     block5 = [([5], 0), ([], 0), ([], 0)]
     assert worker.submit_store(2, device(kv, block5), HostBlocksSpec([1], [second]))
     opener = threading.Timer(0.3, gate.open)
@@ -271,6 +270,41 @@ def test_a_store_tier_read_waits_for_a_copy_still_reading_its_block(tmp_path: Pa
     assert torch.equal(views(kv)[0][5], t0[7])  # then the tier's page landed
     assert worker.stats["engine_busy_waits"] == 1
     worker.shutdown()
+
+
+def test_shutdown_keeps_the_pool_locked_while_a_copy_may_still_use_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: shutdown undid the pool's page lock (on CUDA, vLLM's host_register)
+    even when its drain ran out of time, under a copy still in flight. Now only the pool's
+    name goes and the step counts as a shutdown error; nothing is raised into vLLM. A copy
+    that does not end (a layout held on an event: a stand-in for a DMA that hangs) forces it."""
+    import functools
+    import threading
+
+    kv = caches()
+    pool = HostPagePool(8, host_row_bytes(kv, 1), torch.int8)
+    worker = KVLifeWorker(kv, pool, tokens_per_block=(32, 16, 32), copy_threads=1)
+    stuck = threading.Event()
+    gather = worker.layout.gather_runs
+
+    def hangs(*args: Any, **kwargs: Any) -> None:
+        stuck.wait(10)
+        gather(*args, **kwargs)
+
+    monkeypatch.setattr(worker.layout, "gather_runs", hangs)
+    calls: list[str] = []
+    monkeypatch.setattr(worker._shared, "close", lambda: calls.append("close"))
+    monkeypatch.setattr(worker._shared, "unlink", lambda: calls.append("unlink"))
+    monkeypatch.setattr(worker, "drain_timeout_s", 0.2)
+    monkeypatch.setattr(worker.engine, "close", functools.partial(worker.engine.close, 0.2))
+    try:
+        spec = device(kv, [([3], 0), ([], 0), ([], 0)])
+        assert worker.submit_store(1, spec, HostBlocksSpec([0], keys(0)))
+        worker.shutdown()  # the drain and the pool's release fail, counted
+        assert calls == ["unlink"] and worker.stats["shutdown_errors"] == 2
+    finally:
+        stuck.set()
 
 
 def test_bad_group_layouts_are_refused_at_start() -> None:

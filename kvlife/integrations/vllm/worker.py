@@ -37,7 +37,7 @@ from kvlife.engine import (
     host_runs,
 )
 from kvlife.engine.base import _c_index, distinct
-from kvlife.errors import ConfigError, DuplicateAck, StoreError
+from kvlife.errors import ConfigError, DrainTimeout, DuplicateAck, StoreError
 from kvlife.integrations.vllm._common import (
     FROM_STORE,
     HostBlocksSpec,
@@ -213,6 +213,9 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     """Copies blocks between vLLM's KV cache and host page rows through kvlife's copy
     pipeline (:class:`~kvlife.transfers.Transfers`), each job a record that owns its
     chunks' tickets (docs/design.md, "One copy pipeline")."""
+
+    #: How long shutdown waits for the copies in flight.
+    drain_timeout_s = 60.0
 
     def __init__(
         self,
@@ -590,10 +593,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             return
         self._shut = True
         steps: list[tuple[str, Callable[[], object]]] = [
-            ("drain", lambda: self.transfers.apply_acks(self.engine.drain(timeout=60.0))),
+            ("drain", lambda: self.transfers.apply_acks(self.engine.drain(self.drain_timeout_s))),
             ("engine_close", self.engine.close),
             ("unshare", self._unshare),
-            ("unpin_unlink", self._shared.close),
+            ("unpin_unlink", self._release_pool),
             ("store_close", self._close_store),
         ]
         if self._report_dir is not None:
@@ -602,6 +605,19 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         self.stats["shutdown_errors"] += len(errors)
         if errors and self._strict:
             raise errors[0]
+
+    def _release_pool(self) -> None:
+        """Unlock and unlink the shared pool; where a copy may still read or write it (the
+        drain ran out of time) only its name goes: unlocking memory under a copy in flight is
+        undefined, and the process's end unlocks it."""
+        if self.engine.inflight:
+            self.transfers.apply_acks(self.engine.poll())
+        if self.engine.inflight:
+            self._shared.unlink()
+            raise DrainTimeout(
+                f"{self.engine.inflight} copies still in flight: the host pool stays page-locked"
+            )
+        self._shared.close()
 
     def _close_store(self) -> None:
         store, self._store = self._store, None
