@@ -67,16 +67,15 @@ class PersistentTier(Store, Protocol):
     def namespace(self) -> str: ...
 
 
-def page_namer(namespace: str) -> Callable[[OffloadKey | str], str]:
-    """The persistent tier's name of a vLLM key (bytes, or its hex) in ``namespace``: a hash
+def page_namer(namespace: str) -> Callable[[OffloadKey], str]:
+    """The persistent tier's name of a vLLM key (its bytes) in ``namespace``: a hash
     of both. A page's header binds its name, so the header binds the namespace: a page
     file copied or linked in from another namespace is never looked up under its old name
     and fails its header check under a new one (a miss)."""
     salt = namespace.encode() + b"\0"
 
-    def name(key: OffloadKey | str) -> str:
-        raw = bytes.fromhex(key) if isinstance(key, str) else bytes(key)
-        return hashlib.blake2b(salt + raw, digest_size=32).hexdigest()
+    def name(key: OffloadKey) -> str:
+        return hashlib.blake2b(salt + bytes(key), digest_size=32).hexdigest()
 
     return name
 

@@ -438,7 +438,7 @@ class KVLifeOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 pages.append(FROM_STORE)
                 self.counts.loaded_from_store += 1
         self.counts.loads_started += 1
-        ticket = self._event("load", lifecycle.load, [key.hex() for key in ordered])
+        ticket = self._event("load", lifecycle.load, _hex_keys(ordered, 1, None))
         job = _Job(lifecycle, ticket, len(ordered))
         for key in ordered:
             self._loads.setdefault(key, []).append(job)
