@@ -1047,3 +1047,32 @@ def test_scenario_reset_cache_frees_no_page_a_copy_may_still_use(flushed_by: str
     assert m.accounting()["orphans"] == 0
     m.complete_store({key(3)}, other)
     assert m.accounting()["host_pages_used"] == 1
+
+
+def test_scenario_reset_cache_lets_no_promotion_write_a_page_a_load_reads(tmp_path: Any) -> None:
+    """Scenario: the promotion half of the reset defect. A load job reads host page P when
+    vLLM resets the offloaded cache; then pages found on disk are promoted into the host
+    tier, more than it has free pages, a step apart. Each promotion writes a free page or
+    evicts a ready one, never P (before, the reset freed P at once and a promotion could
+    write its bytes over the page the load was still reading); P's bytes stay as they were."""
+    m = _disk_manager(tmp_path, "ns/rank0", pages=2)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    stored(m, ctx, key(1))
+    m.pool.tensor[m.tier.entry(key(1)).page].fill_(3)  # what the worker stored
+    load_page = m.prepare_load([key(1)], ctx).block_ids[0]
+    m.reset_cache()
+    other = ReqContext("s")
+    m.on_new_request(other)
+    for step, (k, fill) in enumerate(((key(5), 7), (key(6), 9))):
+        if step:  # the next step: the first hit is no longer held for its load
+            m.on_schedule_end(SimpleNamespace(preempted_req_ids=()))
+        _put_page(tmp_path, "ns/rank0", k, fill)
+        assert _settled_lookup(m, k, other) is LookupResult.HIT
+        assert m.tier.entry(k).page != load_page
+    assert m.pool.owner_of(load_page) is not None  # a step short of vLLM 0.32's flush
+    assert torch.equal(m.pool.tensor[load_page], torch.full((32,), 3, dtype=torch.int8))
+    assert m.accounting()["promoted"] == 2
+    m.on_reset_flushed()  # the load is over: P is free again
+    assert m.pool.owner_of(load_page) is None
+    m.shutdown()
