@@ -101,6 +101,25 @@ def test_a_failed_copy_is_reported_failed_not_made_again(direction: str) -> None
     worker.shutdown()
 
 
+def test_a_stale_load_of_a_freed_host_page_fails_and_a_stale_store_is_skipped() -> None:
+    """Found by review: a job naming a host page the manager already freed (vLLM reset the
+    offloaded cache before it submitted the job) was skipped and reported a success, a
+    load too: vLLM then ran on blocks nothing wrote. Now such a load fails (vLLM 0.34
+    recomputes it); a store is skipped as before. Nothing is copied either way."""
+    worker, caches = rig()
+    views = [t.tensor for t in caches.tensors]
+    assert worker.submit_store(1, pointers(caches, [3]), HostBlocksSpec([0], keys(1)))
+    assert finished(worker) == [(1, True)]
+    worker.pool.free([0, 1], owner=worker)  # the manager freed them: vLLM's reset
+    before = [v.clone() for v in views]
+    assert worker.submit_load(2, HostBlocksSpec([0], keys(1)), pointers(caches, [7]))
+    assert worker.submit_store(3, pointers(caches, [4]), HostBlocksSpec([1], keys(1)))
+    assert finished(worker) == [(2, False), (3, True)]
+    assert worker.stats["stale_jobs_skipped"] == 2
+    assert all(torch.equal(v, old) for v, old in zip(views, before, strict=True))
+    worker.shutdown()
+
+
 def test_pointers_the_cache_does_not_hold_fail_the_job_and_copy_nothing() -> None:
     """Scenario: a job's pointers name rows outside this worker's KV cache views (another
     engine's cache, a stale resolution) or views that disagree on the block. The job fails,

@@ -340,8 +340,10 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 job.event = cast(Any, transfers.submit(ticket, device, host, checked=False))
         except UnallocatedHostPage as exc:
             # vLLM reset the offloaded cache (the manager freed the pages) before it
-            # submitted this stale job; its result is ignored, nothing reads the pages.
+            # submitted this stale job; a store's result is ignored, nothing reads the pages.
+            # A load never wrote its blocks: it fails where vLLM takes that (recomputed).
             self.stats["stale_jobs_skipped"] += 1
+            job.failed = job.load and TAKES_FAILURES
             logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
             return
         except EngineError as exc:
