@@ -43,12 +43,7 @@ OPENMP = (
     _rowcopy is not None and (path := _torch_openmp()) is not None and _rowcopy.use_openmp(path)
 )
 
-__all__ = [
-    "KVLayout",
-    "LayerFirstLayout",
-    "MLALayout",
-    "PageFirstLayout",
-]
+__all__ = ["KVLayout", "LayerFirstLayout", "MLALayout", "PageFirstLayout"]
 
 
 #: CPU copies of this many bytes or more (source and target fill a 32 MiB cache) are streamed.

@@ -122,11 +122,9 @@ class Transfers:
     ) -> object:
         """Hand a chunk to the engine; return its completion handle. ``checked``: it passed
         the engine's checks and its owner holds the ticket, so an engine failing to take it is
-        a failed copy, settled here and raised; else the checks run here and the owner counts
-        the ticket only after this returns, so nothing is settled: a refusal
-        (:class:`~kvlife.errors.EngineError`) is raised as it is, and any other error the
-        engine raised taking the chunk as a :class:`~kvlife.errors.CopyFault` (an
-        ``EngineError``) made of it, for the host's refusal path."""
+        a failed copy, settled here and raised; else (its owner counts it once this returns)
+        nothing is settled: a refusal is raised as it is, any other error as a
+        :class:`~kvlife.errors.CopyFault` made of it (both ``EngineError``)."""
         try:
             handle = self.engine.submit(ticket, device_pages, host_pages)
         except BaseException as exc:

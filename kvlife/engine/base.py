@@ -36,12 +36,7 @@ if TYPE_CHECKING:
 Index = np.ndarray[Any, np.dtype[np.int64]]
 Pages = Sequence[int] | Index
 
-__all__ = [
-    "Ack",
-    "CopyEngine",
-    "PageCopyEngine",
-    "host_runs",
-]
+__all__ = ["Ack", "CopyEngine", "PageCopyEngine", "host_runs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +156,7 @@ class PageCopyEngine:
         return set(np.flatnonzero(use != 0 if reads else use < 0).tolist())
 
     def device_pages_busy(self, pages: Sequence[int]) -> bool:
-        """Whether a copy in flight reads or writes any of these (checked) device pages: a
-        host that writes device pages outside the engine waits for it first."""
+        """Whether a copy in flight reads or writes any of these (checked) device pages."""
         return bool(self._device_use[_index(pages)].any())
 
     def check(

@@ -17,11 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlife._lifecycle import LoadTicket, Ticket
-from kvlife.engine.base import (
-    Ack,
-    PageCopyEngine,
-    host_runs,
-)
+from kvlife.engine.base import Ack, PageCopyEngine, host_runs
 from kvlife.errors import ConfigError, DrainTimeout
 from kvlife.layout import KVLayout
 from kvlife.pool import HostPagePool

@@ -214,8 +214,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
     pipeline (:class:`~kvlife.transfers.Transfers`), each job a record that owns its
     chunks' tickets (docs/design.md, "One copy pipeline")."""
 
-    #: How long shutdown waits for the copies in flight.
-    drain_timeout_s = 60.0
+    drain_timeout_s = 60.0  # how long shutdown waits for the copies in flight
 
     def __init__(
         self,
@@ -340,8 +339,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
                 job.event = cast(Any, transfers.submit(ticket, device, host, checked=False))
         except UnallocatedHostPage as exc:
             # vLLM reset the offloaded cache (the manager freed the pages) before it
-            # submitted this stale job; a store's result is ignored, nothing reads the pages.
-            # A load never wrote its blocks: it fails where vLLM takes that (recomputed).
+            # submitted this stale job: a store's result is ignored; a load fails (0.34).
             self.stats["stale_jobs_skipped"] += 1
             job.failed = job.load and TAKES_FAILURES
             logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
@@ -609,16 +607,12 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             raise errors[0]
 
     def _release_pool(self) -> None:
-        """Unlock and unlink the shared pool; where a copy may still read or write it (the
-        drain ran out of time) only its name goes: unlocking memory under a copy in flight is
-        undefined, and the process's end unlocks it."""
-        if self.engine.inflight:
-            self.transfers.apply_acks(self.engine.poll())
+        """Unlock and unlink the shared pool; only unlink it where a copy may still use it
+        (the drain ran out of time): the process's end unlocks it then."""
+        self.transfers.apply_acks(self.engine.poll())
         if self.engine.inflight:
             self._shared.unlink()
-            raise DrainTimeout(
-                f"{self.engine.inflight} copies still in flight: the host pool stays page-locked"
-            )
+            raise DrainTimeout(f"{self.engine.inflight} copies in flight: the pool stays locked")
         self._shared.close()
 
     def _close_store(self) -> None:
