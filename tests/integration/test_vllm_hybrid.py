@@ -235,6 +235,36 @@ def test_a_store_read_that_raises_fails_the_load_and_keeps_no_chunk(tmp_path: Pa
     worker.shutdown()
 
 
+def test_a_failed_disk_part_stays_failed_when_the_host_part_is_stale(tmp_path: Path) -> None:
+    """Found reviewing this change: a load with a page the persistent tier no longer
+    answers for (the job fails) and a host page the manager already freed (a stale part,
+    skipped) reported a success on vLLM 0.32: the skip overwrote the earlier failure."""
+    from kvlife.errors import StoreUnavailable
+    from kvlife.integrations.vllm import FROM_STORE
+    from kvlife.store.directory import LocalDirectoryStore
+
+    kv = caches()
+    pool = HostPagePool(8, host_row_bytes(kv, 1), torch.int8)
+    store = LocalDirectoryStore(tmp_path, "ns")
+    worker = KVLifeWorker(kv, pool, store=store, tokens_per_block=(32, 16, 32))
+    first, second = keys(0, 0)
+    assert worker.submit_store(
+        1, device(kv, [([3], 0), ([], 0), ([], 0)]), HostBlocksSpec([0], [first])
+    )
+    assert done(worker) == [(1, True)]
+
+    def unanswered(name: str) -> bytes | None:
+        raise StoreUnavailable("the master did not answer")
+
+    store.get = unanswered  # type: ignore[method-assign]
+    worker.pool.free([0], owner=worker)  # the manager freed it: vLLM's reset
+    blocks = device(kv, [([5, 6], 0), ([], 0), ([], 0)])
+    assert worker.submit_load(2, HostBlocksSpec([FROM_STORE, 0], [second, first]), blocks)
+    assert done(worker) == [(2, False)]
+    assert worker.refusals.count("disk_load_errors") == worker.stats["stale_jobs_skipped"] == 1
+    worker.shutdown()
+
+
 def test_a_store_tier_read_waits_for_a_copy_still_reading_its_block(tmp_path: Path) -> None:
     """Found by review: a load from the persistent tier writes its device blocks here, outside
     the engine, and after an abort or a reset vLLM can hand it a block an earlier store job

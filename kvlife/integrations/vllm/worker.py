@@ -341,7 +341,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             # vLLM reset the offloaded cache (the manager freed the pages) before it
             # submitted this stale job: a store's result is ignored; a load fails (0.34).
             self.stats["stale_jobs_skipped"] += 1
-            job.failed = job.load and TAKES_FAILURES
+            job.failed |= job.load and TAKES_FAILURES  # (a part read from disk may have failed)
             logger.debug("kvlife worker: job %d skipped (%s)", job.job_id, exc)
             return
         except EngineError as exc:
