@@ -334,8 +334,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             try:
                 job.event = cast(Any, transfers.submit(ticket, device, host, checked=False))
             except PageBusy:  # in use by an earlier copy (after a reset or an abort): wait
-                self.stats["engine_busy_waits"] += 1
-                transfers.apply_acks(self.engine.drain())
+                self._wait_for_copies()
                 job.event = cast(Any, transfers.submit(ticket, device, host, checked=False))
         except UnallocatedHostPage as exc:
             # vLLM reset the offloaded cache (the manager freed the pages) before it
@@ -349,6 +348,11 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
             self._recover(job, device, host)
             return
         job.inflight += 1
+
+    def _wait_for_copies(self) -> None:
+        """Pages an earlier copy still uses: wait for every copy in flight (counted)."""
+        self.stats["engine_busy_waits"] += 1
+        self.transfers.apply_acks(self.engine.drain())
 
     def _recover(self, job: _WorkerJob, device: Sequence[int], host: Sequence[int]) -> None:
         """A chunk the engine refused or failed: vLLM 0.34+ takes the job as failed,
@@ -496,8 +500,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         layout = self.layout
         if isinstance(layout, GroupedBlocksLayout) and bpc > 1:
             if not layout.chunks.keys().isdisjoint(pages):  # an earlier job's chunk: wait
-                self.stats["engine_busy_waits"] += 1
-                self.transfers.apply_acks(self.engine.drain())
+                self._wait_for_copies()
             if not layout.chunks.keys().isdisjoint(pages):
                 self.refusals.note("device_spec_refused", "a chunk's page is still in use")
                 return None
@@ -554,8 +557,7 @@ class KVLifeWorker(OffloadingWorker):  # type: ignore[misc]
         engine copies only to and from host pool pages. Blocks an earlier copy still reads or
         writes (after a reset or an abort) are waited for, as a chunk the engine finds busy."""
         if self.engine.device_pages_busy(blocks):
-            self.stats["engine_busy_waits"] += 1
-            self.transfers.apply_acks(self.engine.drain())
+            self._wait_for_copies()
         for name, block in zip(names, blocks, strict=True):
             try:
                 payload = self._store.get(name) if self._store is not None else None
