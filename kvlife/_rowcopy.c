@@ -309,6 +309,19 @@ static int strided_buffer(PyObject *obj, void *out)
     return PyObject_GetBuffer(obj, out, PyBUF_RECORDS_RO) == 0 ? Py_CLEANUP_SUPPORTED : 0;
 }
 
+/* The signed integer width (4 or 8) of a 1-D buffer of int32 or int64, or 0. */
+static int int_width(const Py_buffer *view)
+{
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
+        f++;
+    if (view->ndim != 1 || f[1] != '\0')
+        return 0;
+    if (view->itemsize == 4 && f[0] == 'i')
+        return 4;
+    return view->itemsize == 8 && (f[0] == 'q' || f[0] == 'l') ? 8 : 0;
+}
+
 /* copy_pages: see the header. Each page is read once, checked, and only its checked value
  * makes an address, so no other thread can change a page between its check and its copy. */
 static PyObject *copy_pages(PyObject *self, PyObject *args)
@@ -325,17 +338,14 @@ static PyObject *copy_pages(PyObject *self, PyObject *args)
     int64_t *rows = NULL;
     uint64_t *addresses = NULL, *sizes = NULL;
     const int64_t *run = runs.buf, *geo = geometry.buf;
-    Py_ssize_t n = pages.shape == NULL ? pages.len / 8 : (pages.ndim == 1 ? pages.shape[0] : -1);
-    Py_ssize_t step = pages.strides == NULL ? 8 : pages.strides[0];
-    Py_ssize_t width = geometry.len / 32, count = runs.len / 24;
-    const char *format = pages.format == NULL ? "B" : pages.format;
-    if (format[0] == '<' || format[0] == '=' || format[0] == '@')
-        format++;
-    if (n < 0 || pages.itemsize != 8 || (strcmp(format, "q") && strcmp(format, "l"))) {
+    Py_ssize_t width = geometry.len / 32, count = runs.len / 24, n = 0, step = 8;
+    if (int_width(&pages) != 8) {
         PyErr_Format(error, "pages must be 1-D int64, got format %s of %d dimensions",
-                     format, pages.ndim);
+                     pages.format == NULL ? "B" : pages.format, pages.ndim);
         goto done;
     }
+    n = pages.shape[0];
+    step = pages.strides[0];
     if (runs.itemsize != 8 || (runs.len && (runs.ndim != 2 || runs.shape[1] != 3)) ||
         (runs.ndim == 2 && runs.strides[0] != 24) || geometry.len % 32 || width == 0) {
         PyErr_Format(error, "host runs must be int64 (offset, row, length) triples");
@@ -394,19 +404,6 @@ done:
     PyBuffer_Release(&runs);
     PyBuffer_Release(&geometry);
     return result;
-}
-
-/* The signed integer width (4 or 8) of a 1-D buffer of int32 or int64, or 0. */
-static int int_width(const Py_buffer *view)
-{
-    const char *f = view->format == NULL ? "B" : view->format;
-    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
-        f++;
-    if (view->ndim != 1 || f[1] != '\0')
-        return 0;
-    if (view->itemsize == 4 && f[0] == 'i')
-        return 4;
-    return view->itemsize == 8 && (f[0] == 'q' || f[0] == 'l') ? 8 : 0;
 }
 
 /* A page list as pages() and runs() read it: an int32 or int64 array as it is (any
